@@ -1,0 +1,30 @@
+"""symbiosis: one frozen base model served to many tenants, each fine-tuning or generating with its own
+PEFT adapters, through split execution (the base layers run in a shared executor)."""
+
+from symbiosis.client.build import from_pretrained
+from symbiosis.errors import (
+    BadCall,
+    CheckpointError,
+    ExecutorUnavailable,
+    FingerprintMismatch,
+    SymbiosisError,
+    UnknownClient,
+    UnknownLayer,
+    UnsupportedAdapter,
+    VirtualWeightAccess,
+)
+from symbiosis.executor.executor import Executor
+
+__all__ = [
+    "BadCall",
+    "CheckpointError",
+    "Executor",
+    "ExecutorUnavailable",
+    "FingerprintMismatch",
+    "SymbiosisError",
+    "UnknownClient",
+    "UnknownLayer",
+    "UnsupportedAdapter",
+    "VirtualWeightAccess",
+    "from_pretrained",
+]

@@ -1,0 +1,89 @@
+"""Build a tenant's model: the full transformers model, with every base layer virtual.
+
+    model = symbiosis.from_pretrained(path, executor, auto_class=AutoModelForCausalLM, dtype=torch.float64)
+
+The model is built on the meta device (no memory), base layers are swapped for virtual ones, and only
+then is real storage made for what is left: the client's own tensors, read from the checkpoint (and only
+those), plus whatever the checkpoint lacks (a new classification head, rotary buffers), initialised the
+way transformers initialises missing weights. The result is an ordinary `PreTrainedModel`: PEFT, `Trainer`
+and `generate()` use it unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+
+from symbiosis.client.virtual import make_virtual
+from symbiosis.errors import CheckpointError, VirtualWeightAccess
+from symbiosis.model.checkpoint import Checkpoint
+from symbiosis.model.partition import build_skeleton, checkpoint_name, load_config, plan_base_layers
+from symbiosis.torch_dtypes import resolve_dtype
+
+
+def _load_client_tensors(model: PreTrainedModel, checkpoint: Checkpoint, device: torch.device) -> None:
+    """Fill every non-virtual parameter and persistent buffer that the checkpoint holds; flag it initialised."""
+    persistent = set(model.state_dict(keep_vars=True).keys())
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update((n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in persistent)
+    for name, tensor in named.items():
+        if getattr(tensor, "_is_hf_initialized", False):
+            continue
+        key = checkpoint_name(model, name, checkpoint)
+        if key is None:
+            continue  # missing: initialised below, as transformers does
+        value = checkpoint.read(key, dtype=tensor.dtype if tensor.is_floating_point() else None, device=device)
+        if value.shape != tensor.shape:
+            raise CheckpointError(f"{checkpoint.path}: tensor {key!r} has shape {list(value.shape)}, "
+                                  f"the model expects {list(tensor.shape)} for {name!r}")
+        with torch.no_grad():
+            tensor.copy_(value)
+        tensor._is_hf_initialized = True
+
+
+def _refuse_full_save(*args, **kwargs):
+    raise VirtualWeightAccess(
+        "this split model holds no base weights (the executor does), so it cannot be saved as a full checkpoint; "
+        "save the adapter with PeftModel.save_pretrained, or copy the original model directory"
+    )
+
+
+def from_pretrained(path: str | os.PathLike, executor, auto_class=AutoModelForCausalLM, *,
+                    dtype: torch.dtype | str | None = None, torch_dtype=None, device: str | torch.device = "cpu",
+                    name: str = "client") -> PreTrainedModel:
+    """A transformers model of `path` whose base layers run in `executor`; it holds only the client's tensors.
+
+    `executor`: an `Executor` (in-process) or anything with the same `attach(fingerprint, name)`.
+    `dtype` defaults to the executor's dtype (`torch_dtype` is its deprecated alias); a different dtype is
+    cast at the executor boundary. `device` is where the client's own tensors and compute live.
+    """
+    checkpoint = Checkpoint(path)
+    config = load_config(checkpoint)
+    session = executor.attach(checkpoint.fingerprint(), name)
+    dtype = resolve_dtype(dtype, torch_dtype, config) if (dtype or torch_dtype) else session.dtype
+    device = torch.device(device)
+    model = build_skeleton(config, auto_class, dtype)
+
+    for module_name, spec in plan_base_layers(model, checkpoint).items():
+        served = session.layer_specs.get(spec.layer_id)
+        if served != spec:
+            raise CheckpointError(f"the executor does not serve base layer {spec.layer_id!r} as this model needs it "
+                                  f"(executor: {served}, client: {spec})")
+        virtual = make_virtual(spec, session, device, dtype)
+        virtual._is_hf_initialized = True
+        for tensor in virtual.parameters():
+            tensor._is_hf_initialized = True
+        model.set_submodule(module_name, virtual)
+
+    model.to_empty(device=device)
+    _load_client_tensors(model, checkpoint, device)
+    model.initialize_weights()
+    model.tie_weights()
+    if (checkpoint.path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(checkpoint.path)
+    model.save_pretrained = _refuse_full_save
+    model.symbiosis_session = session
+    model.symbiosis_checkpoint = checkpoint  # its bytes_read shows what this client read
+    return model.eval()

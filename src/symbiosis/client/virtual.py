@@ -1,0 +1,148 @@
+"""Virtual base layers: real `nn.Linear` / `Conv1D` instances whose weights live in the executor.
+
+PEFT and other tooling wrap these unchanged, since they are instances of the classes they expect and their
+`weight` reports the right shape, dtype and device. The weight holds no storage: any attempt to read its
+values raises `VirtualWeightAccess` naming the layer (this is how DoRA, merging and weight-based adapter
+inits are refused instead of silently computing with garbage).
+
+Forward sends the activations to the executor; backward sends the output gradient and receives
+grad_input = grad_output . W (linear) or grad_output . W^T (conv1d). The executor keeps no activations,
+and no gradient is ever computed for a base weight.
+"""
+
+from __future__ import annotations
+
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from symbiosis.errors import VirtualWeightAccess
+from symbiosis.model.partition import BaseLayerSpec
+
+# Ops that only change a tensor's metadata: answered without data.
+_METADATA_OPS = {
+    torch.ops.aten.detach.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten.empty_like.default,
+}
+
+
+class VirtualWeight(torch.Tensor):
+    """A base weight's shape, dtype and device, without its values (which only the executor holds)."""
+
+    layer_id: str
+
+    @staticmethod
+    def __new__(cls, shape, dtype, device, layer_id: str, requires_grad: bool = False):
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
+        t.layer_id = layer_id
+        return t
+
+    def __repr__(self) -> str:
+        return f"VirtualWeight(layer={self.layer_id!r}, shape={list(self.shape)}, dtype={self.dtype}, device={self.device})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        source = next(a for a in (*args, *kwargs.values()) if isinstance(a, VirtualWeight))
+        if func in _METADATA_OPS:
+            dtype = kwargs.get("dtype") or source.dtype
+            device = kwargs.get("device") or source.device
+            return VirtualWeight(source.shape, dtype, device, source.layer_id)
+        raise VirtualWeightAccess(
+            f"the base weight of layer {source.layer_id!r} is held by the symbiosis executor, not by this client; "
+            f"`{func}` needs its values. Methods that read base weights (DoRA's weight norm, merge_and_unload, "
+            "PiSSA/OLoRA/LoftQ/EVA initialisation) cannot run on a split model; use them on a plain model."
+        )
+
+    # Autograd and module bookkeeping (Parameter(), deepcopy) go through these before dispatch.
+    def __deepcopy__(self, memo):
+        return VirtualWeight(self.shape, self.dtype, self.device, self.layer_id, self.requires_grad)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+class _BaseLayerCall(torch.autograd.Function):
+    """y = executor.forward(layer, x); backward: grad_x = executor.backward(layer, grad_y). Nothing saved."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, session, layer_id: str, inference: bool) -> torch.Tensor:
+        ctx.session, ctx.layer_id = session, layer_id
+        return session.forward(layer_id, x, inference=inference)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        return ctx.session.backward(ctx.layer_id, grad_out), None, None, None
+
+
+def _executor_call(layer: nn.Module, x: torch.Tensor, out_features: int) -> torch.Tensor:
+    # x: [..., in] -> tokens: [T, in] -> [T, out] -> [..., out]
+    leading = x.shape[:-1]
+    tokens = x.reshape(-1, x.shape[-1])
+    out = _BaseLayerCall.apply(tokens, layer.session, layer.layer_id, not torch.is_grad_enabled())
+    return out.view(*leading, out_features)
+
+
+def _init_virtual(layer: nn.Module, spec: BaseLayerSpec, session, device, dtype) -> None:
+    nn.Module.__init__(layer)
+    layer.layer_id = spec.layer_id
+    layer.session = session
+    shape = (spec.out_features, spec.in_features) if spec.kind == "linear" else (spec.in_features, spec.out_features)
+    layer.weight = nn.Parameter(VirtualWeight(shape, dtype, device, spec.layer_id), requires_grad=False)
+    bias = VirtualWeight((spec.out_features,), dtype, device, spec.layer_id) if spec.bias_key else None
+    layer.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+
+def _materialize(layer: nn.Module, real: nn.Module, memo) -> nn.Module:
+    """A deep copy of a virtual layer is a real, client-owned layer holding a copy of the base weights:
+    what PEFT's `modules_to_save` needs to train a base layer fully."""
+    weight, bias = layer.session.fetch(layer.layer_id)
+    real.weight = nn.Parameter(weight.to(layer.weight.device, layer.weight.dtype), requires_grad=layer.weight.requires_grad)
+    if layer.bias is not None:
+        real.bias = nn.Parameter(bias.to(layer.bias.device, layer.bias.dtype), requires_grad=layer.bias.requires_grad)
+    memo[id(layer)] = real
+    return real
+
+
+class VirtualLinear(nn.Linear):
+    """An `nn.Linear` whose y = x W^T + b runs in the executor."""
+
+    def __init__(self, spec: BaseLayerSpec, session, device=None, dtype=None):
+        _init_virtual(self, spec, session, device, dtype)
+        self.in_features, self.out_features = spec.in_features, spec.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _executor_call(self, x, self.out_features)
+
+    def __deepcopy__(self, memo):
+        real = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        return _materialize(self, real, memo)
+
+    def extra_repr(self) -> str:
+        return f"layer_id={self.layer_id!r}, " + super().extra_repr()
+
+
+class VirtualConv1D(Conv1D):
+    """A transformers `Conv1D` (GPT-2 style, W: [in, out]) whose y = x W + b runs in the executor."""
+
+    def __init__(self, spec: BaseLayerSpec, session, device=None, dtype=None):
+        _init_virtual(self, spec, session, device, dtype)
+        self.nx, self.nf = spec.in_features, spec.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _executor_call(self, x, self.nf)
+
+    def __deepcopy__(self, memo):
+        with torch.device("meta"):
+            real = Conv1D(self.nf, self.nx)
+        return _materialize(self, real, memo)
+
+    def __repr__(self) -> str:
+        return f"VirtualConv1D(layer_id={self.layer_id!r}, nf={self.nf}, nx={self.nx})"
+
+
+def make_virtual(spec: BaseLayerSpec, session, device, dtype) -> nn.Module:
+    cls = VirtualLinear if spec.kind == "linear" else VirtualConv1D
+    return cls(spec, session, device=device, dtype=dtype)

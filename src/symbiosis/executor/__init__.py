@@ -1,0 +1,1 @@
+"""The base executor: frozen base layers held once, served to many clients."""

@@ -1,0 +1,160 @@
+"""The executor: serves forward / backward / fetch calls of attached clients on the base weights.
+
+It keeps no per-call state: backward needs only the output gradient (grad_x = g W), so calls of any
+client may arrive in any order, and a client that vanishes leaves nothing behind but its id.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+
+import torch
+
+from symbiosis.errors import BadCall, FingerprintMismatch, UnknownClient, UnknownLayer
+from symbiosis.executor.store import BaseLayer, BaseWeights
+from symbiosis.model.checkpoint import Checkpoint
+from symbiosis.model.partition import (
+    BaseLayerSpec,
+    architecture_class,
+    build_skeleton,
+    load_config,
+    plan_base_layers,
+)
+from symbiosis.torch_dtypes import resolve_dtype
+
+DEFAULT_MAX_CALL_TOKENS = 1 << 20
+
+
+class Executor:
+    """Holds the base layers of one checkpoint and serves them to clients.
+
+    >>> executor = Executor.from_pretrained(path, device="cuda:0", dtype=torch.bfloat16)
+    """
+
+    def __init__(self, checkpoint: Checkpoint, weights: BaseWeights, fingerprint: str,
+                 device: torch.device, dtype: torch.dtype, max_call_tokens: int = DEFAULT_MAX_CALL_TOKENS):
+        self.checkpoint = checkpoint
+        self.weights = weights
+        self.fingerprint = fingerprint
+        self.device = device
+        self.dtype = dtype
+        self.max_call_tokens = max_call_tokens
+        self.clients: dict[str, str] = {}  # client id -> name the client gave
+        self._client_ids = itertools.count()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, device: str | torch.device = "cpu",
+                        dtype: torch.dtype | str | None = None, *, torch_dtype=None, auto_class=None,
+                        max_call_tokens: int = DEFAULT_MAX_CALL_TOKENS) -> "Executor":
+        """Read only the base tensors of the model in `path` onto `device`.
+
+        `auto_class` defaults to the class named in config.json's `architectures`, which covers every
+        tensor of the checkpoint; `dtype` defaults to the config's dtype (`torch_dtype` is its deprecated alias).
+        """
+        checkpoint = Checkpoint(path)
+        config = load_config(checkpoint)
+        dtype = resolve_dtype(dtype, torch_dtype, config)
+        skeleton = build_skeleton(config, auto_class or architecture_class(config), dtype)
+        specs = list(plan_base_layers(skeleton, checkpoint).values())
+        fingerprint = checkpoint.fingerprint()
+        device = torch.device(device)
+        weights = BaseWeights(checkpoint, specs, device, dtype)
+        return cls(checkpoint, weights, fingerprint, device, dtype, max_call_tokens)
+
+    @property
+    def layer_specs(self) -> dict[str, BaseLayerSpec]:
+        return {layer_id: layer.spec for layer_id, layer in self.weights.layers.items()}
+
+    # --- clients -------------------------------------------------------------------------------------
+
+    def attach(self, fingerprint: str, name: str = "client") -> "InProcessSession":
+        """Admit a client built from the checkpoint with this fingerprint; returns its session."""
+        client_id = self.register(fingerprint, name)
+        return InProcessSession(self, client_id)
+
+    def register(self, fingerprint: str, name: str) -> str:
+        if fingerprint != self.fingerprint:
+            raise FingerprintMismatch(
+                f"client {name!r} was built from a different checkpoint than this executor serves "
+                f"(client fingerprint {fingerprint[:16]}…, executor {self.fingerprint[:16]}… from "
+                f"{self.checkpoint.path}); both sides must load the same model directory"
+            )
+        with self._lock:
+            client_id = f"{name}-{next(self._client_ids)}"
+            self.clients[client_id] = name
+        return client_id
+
+    def detach(self, client_id: str) -> None:
+        with self._lock:
+            self.clients.pop(client_id, None)
+
+    # --- calls ---------------------------------------------------------------------------------------
+
+    def _layer_for(self, client_id: str, layer_id: str) -> BaseLayer:
+        if client_id not in self.clients:
+            raise UnknownClient(f"client {client_id!r} is not attached to this executor")
+        layer = self.weights.layers.get(layer_id)
+        if layer is None:
+            raise UnknownLayer(f"this executor serves no base layer {layer_id!r}")
+        return layer
+
+    def _check(self, layer: BaseLayer, tensor: torch.Tensor, width: int, what: str) -> None:
+        lid = layer.spec.layer_id
+        if tensor.dim() != 2 or tensor.shape[1] != width:
+            raise BadCall(f"{what} call to layer {lid!r} expects [tokens, {width}], got {list(tensor.shape)}")
+        if tensor.dtype != self.dtype:
+            raise BadCall(f"{what} call to layer {lid!r} expects {self.dtype}, got {tensor.dtype}")
+        if tensor.shape[0] > self.max_call_tokens:
+            raise BadCall(f"{what} call to layer {lid!r} has {tensor.shape[0]} tokens, "
+                          f"more than this executor's limit of {self.max_call_tokens}")
+
+    def forward(self, client_id: str, layer_id: str, x: torch.Tensor, inference: bool = False,
+                with_bias: bool = True) -> torch.Tensor:
+        """x: [T, in] -> x W^T + b: [T, out] (on the executor's device)."""
+        layer = self._layer_for(client_id, layer_id)
+        self._check(layer, x, layer.spec.in_features, "forward")
+        with torch.no_grad():
+            return layer.forward(x.to(self.device), with_bias)
+
+    def backward(self, client_id: str, layer_id: str, grad_out: torch.Tensor) -> torch.Tensor:
+        """grad_out: [T, out] -> grad_in = grad_out W: [T, in]."""
+        layer = self._layer_for(client_id, layer_id)
+        self._check(layer, grad_out, layer.spec.out_features, "backward")
+        with torch.no_grad():
+            return layer.backward(grad_out.to(self.device))
+
+    def fetch(self, client_id: str, layer_id: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A copy of a base layer's weight and bias (public base weights; for PEFT's `modules_to_save`)."""
+        layer = self._layer_for(client_id, layer_id)
+        return layer.weight.clone(), None if layer.bias is None else layer.bias.clone()
+
+
+class InProcessSession:
+    """A client's handle on an executor in the same process: plain calls, tensors passed by reference.
+
+    Casts at the boundary: activations go in the executor's dtype and device, results come back in the
+    client's (a float32 CPU client may use a bfloat16 GPU executor).
+    """
+
+    def __init__(self, executor: Executor, client_id: str):
+        self.executor = executor
+        self.client_id = client_id
+        self.layer_specs = executor.layer_specs
+        self.dtype = executor.dtype
+
+    def forward(self, layer_id: str, x: torch.Tensor, inference: bool = False) -> torch.Tensor:
+        y = self.executor.forward(self.client_id, layer_id, x.to(self.dtype), inference=inference)
+        return y.to(x.device, x.dtype)
+
+    def backward(self, layer_id: str, grad_out: torch.Tensor) -> torch.Tensor:
+        g = self.executor.backward(self.client_id, layer_id, grad_out.to(self.dtype))
+        return g.to(grad_out.device, grad_out.dtype)
+
+    def fetch(self, layer_id: str):
+        return self.executor.fetch(self.client_id, layer_id)
+
+    def close(self) -> None:
+        self.executor.detach(self.client_id)
