@@ -9,10 +9,14 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from concurrent.futures import Future
 
 import torch
 
 from symbiosis.errors import BadCall, FingerprintMismatch, UnknownClient, UnknownLayer
+from symbiosis.executor.batcher import Batcher
+from symbiosis.executor.policy import Policy, make_policy
+from symbiosis.executor.stats import ExecutorStats
 from symbiosis.executor.store import BaseLayer, BaseWeights
 from symbiosis.model.checkpoint import Checkpoint
 from symbiosis.model.partition import (
@@ -25,6 +29,7 @@ from symbiosis.model.partition import (
 from symbiosis.torch_dtypes import resolve_dtype
 
 DEFAULT_MAX_CALL_TOKENS = 1 << 20
+OPS = ("forward", "forward_nobias", "backward")
 
 
 class Executor:
@@ -34,7 +39,8 @@ class Executor:
     """
 
     def __init__(self, checkpoint: Checkpoint, weights: BaseWeights, fingerprint: str,
-                 device: torch.device, dtype: torch.dtype, max_call_tokens: int = DEFAULT_MAX_CALL_TOKENS):
+                 device: torch.device, dtype: torch.dtype, max_call_tokens: int = DEFAULT_MAX_CALL_TOKENS,
+                 policy: Policy | str = "opportunistic"):
         self.checkpoint = checkpoint
         self.weights = weights
         self.fingerprint = fingerprint
@@ -44,15 +50,20 @@ class Executor:
         self.clients: dict[str, str] = {}  # client id -> name the client gave
         self._client_ids = itertools.count()
         self._lock = threading.Lock()
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.stats = ExecutorStats(device)
+        self.batcher = Batcher(self._run_batch, self.policy, lambda: len(self.clients), self.stats)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device: str | torch.device = "cpu",
                         dtype: torch.dtype | str | None = None, *, torch_dtype=None, auto_class=None,
-                        max_call_tokens: int = DEFAULT_MAX_CALL_TOKENS) -> "Executor":
+                        max_call_tokens: int = DEFAULT_MAX_CALL_TOKENS,
+                        policy: Policy | str = "opportunistic") -> "Executor":
         """Read only the base tensors of the model in `path` onto `device`.
 
         `auto_class` defaults to the class named in config.json's `architectures`, which covers every
         tensor of the checkpoint; `dtype` defaults to the config's dtype (`torch_dtype` is its deprecated alias).
+        `policy`: how calls of different clients are batched (`opportunistic`, `lockstep`, `none`, or a Policy).
         """
         checkpoint = Checkpoint(path)
         config = load_config(checkpoint)
@@ -62,7 +73,7 @@ class Executor:
         fingerprint = checkpoint.fingerprint()
         device = torch.device(device)
         weights = BaseWeights(checkpoint, specs, device, dtype)
-        return cls(checkpoint, weights, fingerprint, device, dtype, max_call_tokens)
+        return cls(checkpoint, weights, fingerprint, device, dtype, max_call_tokens, policy)
 
     @property
     def layer_specs(self) -> dict[str, BaseLayerSpec]:
@@ -88,8 +99,16 @@ class Executor:
         return client_id
 
     def detach(self, client_id: str) -> None:
+        """Forget a client: its queued calls are dropped, and batching stops waiting for it."""
         with self._lock:
             self.clients.pop(client_id, None)
+        self.batcher.drop_client(client_id)
+
+    def close(self) -> None:
+        self.batcher.close()
+
+    def stats_snapshot(self) -> dict:
+        return self.stats.snapshot(self.clients)
 
     # --- calls ---------------------------------------------------------------------------------------
 
@@ -111,20 +130,33 @@ class Executor:
             raise BadCall(f"{what} call to layer {lid!r} has {tensor.shape[0]} tokens, "
                           f"more than this executor's limit of {self.max_call_tokens}")
 
+    def submit(self, client_id: str, op: str, layer_id: str, tensor: torch.Tensor, inference: bool = False) -> Future:
+        """Queue one call; the future resolves to its output on the executor's device.
+
+        forward:        x [T, in]  -> x W^T + b  [T, out]
+        forward_nobias: x [T, in]  -> x W^T      [T, out]
+        backward:       g [T, out] -> g W        [T, in]
+        A bad call raises here, before it is queued, so it can never spoil a batch.
+        """
+        if op not in OPS:
+            raise BadCall(f"unknown op {op!r}; expected one of {OPS}")
+        layer = self._layer_for(client_id, layer_id)
+        width = layer.spec.out_features if op == "backward" else layer.spec.in_features
+        self._check(layer, tensor, width, op)
+        return self.batcher.submit(client_id, (layer_id, op), tensor.to(self.device), inference and op != "backward")
+
     def forward(self, client_id: str, layer_id: str, x: torch.Tensor, inference: bool = False,
                 with_bias: bool = True) -> torch.Tensor:
-        """x: [T, in] -> x W^T + b: [T, out] (on the executor's device)."""
-        layer = self._layer_for(client_id, layer_id)
-        self._check(layer, x, layer.spec.in_features, "forward")
-        with torch.no_grad():
-            return layer.forward(x.to(self.device), with_bias)
+        return self.submit(client_id, "forward" if with_bias else "forward_nobias", layer_id, x, inference).result()
 
     def backward(self, client_id: str, layer_id: str, grad_out: torch.Tensor) -> torch.Tensor:
-        """grad_out: [T, out] -> grad_in = grad_out W: [T, in]."""
-        layer = self._layer_for(client_id, layer_id)
-        self._check(layer, grad_out, layer.spec.out_features, "backward")
+        return self.submit(client_id, "backward", layer_id, grad_out).result()
+
+    def _run_batch(self, key: tuple[str, str], tensor: torch.Tensor) -> torch.Tensor:
+        layer_id, op = key
+        layer = self.weights.layers[layer_id]
         with torch.no_grad():
-            return layer.backward(grad_out.to(self.device))
+            return layer.backward(tensor) if op == "backward" else layer.forward(tensor, op == "forward")
 
     def fetch(self, client_id: str, layer_id: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A copy of a base layer's weight and bias (public base weights; for PEFT's `modules_to_save`)."""

@@ -1,0 +1,141 @@
+"""Per-layer batching: calls of many clients for the same (layer, op) become one token-flattened GEMM.
+
+Clients submit calls from any thread (in-process sessions, transport servers); one worker thread owns the
+compute. It asks the policy what to run, concatenates the chosen calls along the token dimension (no
+padding: [T1, d] ++ [T2, d] -> [T1+T2, d]), runs the layer once, splits the result back per call and
+resolves each call's future.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from symbiosis.errors import UnknownClient
+from symbiosis.executor.policy import Decision, Policy, QueuedCall, QueueKey, Queues
+from symbiosis.executor.stats import ExecutorStats
+
+RunBatch = Callable[[QueueKey, torch.Tensor], torch.Tensor]  # (key, [T, d_in]) -> [T, d_out]
+
+
+@dataclass
+class PendingCall(QueuedCall):
+    tensor: torch.Tensor = None
+    future: Future = field(default_factory=Future)
+
+
+def _split_rows(y: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Split [sum T, d] into [T_i, d] pieces that share y's storage but are not autograd views: a client's
+    autograd Function returns its piece, and PEFT adds to it in place, which autograd forbids on views."""
+    if len(sizes) == 1:
+        return [y]
+    y = y.contiguous()
+    pieces, offset = [], y.storage_offset()
+    for rows in sizes:
+        piece = torch.empty(0, dtype=y.dtype, device=y.device)
+        piece.set_(y.untyped_storage(), offset, (rows, y.shape[1]), y.stride())
+        pieces.append(piece)
+        offset += rows * y.shape[1]
+    return pieces
+
+
+class Batcher:
+    def __init__(self, run_batch: RunBatch, policy: Policy, attached: Callable[[], int], stats: ExecutorStats):
+        self.run_batch = run_batch
+        self.policy = policy
+        self.attached = attached
+        self.stats = stats
+        self.queues = Queues()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._worker = threading.Thread(target=self._serve, name="symbiosis-batcher", daemon=True)
+        self._worker.start()
+
+    def submit(self, client_id: str, key: QueueKey, tensor: torch.Tensor, inference: bool) -> Future:
+        call = PendingCall(client_id, tensor.shape[0], inference, time.perf_counter(), tensor)
+        with self._cond:
+            self.queues.by_key.setdefault(key, []).append(call)
+            self._cond.notify()
+        return call.future
+
+    def drop_client(self, client_id: str) -> None:
+        """Forget a departed client's queued calls (their futures fail; nobody waits on them)."""
+        with self._cond:
+            for key in list(self.queues.by_key):
+                kept = []
+                for call in self.queues.by_key[key]:
+                    if call.client_id == client_id:
+                        call.future.set_exception(UnknownClient(f"client {client_id!r} detached"))
+                    else:
+                        kept.append(call)
+                if kept:
+                    self.queues.by_key[key] = kept
+                else:
+                    del self.queues.by_key[key]
+            self._cond.notify()
+
+    def notify(self) -> None:
+        """Re-run the policy (the set of attached clients changed)."""
+        with self._cond:
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._worker.join(timeout=5)
+
+    def _take(self, decision: Decision) -> tuple[QueueKey, list[PendingCall]]:
+        queued = self.queues.by_key[decision.key]
+        if decision.single:
+            taken, kept = queued[:1], queued[1:]
+        elif decision.only_inference:
+            taken, kept = [c for c in queued if c.inference], [c for c in queued if not c.inference]
+        else:
+            taken, kept = queued, []
+        if kept:
+            self.queues.by_key[decision.key] = kept
+        else:
+            del self.queues.by_key[decision.key]
+        return decision.key, taken
+
+    def _next_batch(self) -> tuple[QueueKey, list[PendingCall]] | None:
+        with self._cond:
+            while not self._closed:
+                if not self.queues.by_key:
+                    self._cond.wait()
+                    continue
+                decision = self.policy.decide(self.queues, time.perf_counter(), max(1, self.attached()))
+                if decision.key is None:
+                    self._cond.wait(decision.wait)
+                    continue
+                return self._take(decision)
+        return None
+
+    def _serve(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            key, calls = batch
+            self._run(key, calls)
+
+    def _run(self, key: QueueKey, calls: list[PendingCall]) -> None:
+        now = time.perf_counter()
+        started = self.stats.timer()
+        try:
+            # [T1, d] ++ [T2, d] ++ ... -> [sum T, d]; one GEMM; split back.
+            x = calls[0].tensor if len(calls) == 1 else torch.cat([c.tensor for c in calls])
+            outputs = _split_rows(self.run_batch(key, x), [c.tokens for c in calls])
+        except Exception as error:  # e.g. out of memory: retry alone, so one large call fails alone
+            if len(calls) > 1:
+                for call in calls:
+                    self._run(key, [call])
+                return
+            calls[0].future.set_exception(error)
+            return
+        self.stats.record(key, [now - c.arrived for c in calls], x.shape[0], started)
+        for call, out in zip(calls, outputs):
+            call.future.set_result(out)

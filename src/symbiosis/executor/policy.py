@@ -1,0 +1,120 @@
+"""Batching policies: which queued calls the executor runs next, as one GEMM.
+
+Queues are keyed by (layer id, op); forward and backward calls of a layer never share a GEMM. A policy
+sees the queues, the time and how many clients are attached, and answers either a key to run now (all
+calls queued at that key, concatenated along tokens) or how long to wait before asking again.
+
+- `none`: every call runs alone, oldest first (inference before training).
+- `lockstep`: a layer runs once every attached client has a call queued there (the paper's baseline), or
+  when its oldest call has waited `max_wait` (a slow or dead client holds the others up no longer).
+- `opportunistic`: inference runs at once, ahead of training; training waits for company up to a budget
+  that shrinks as queued work grows: budget = max_wait * (1 - queued_tokens / target_tokens). No wait
+  at all once every attached client is queued (nobody else can come) or a key holds target_tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+QueueKey = tuple[str, str]  # (layer id, op)
+
+
+@dataclass
+class QueuedCall:
+    client_id: str
+    tokens: int
+    inference: bool
+    arrived: float
+
+
+@dataclass
+class Queues:
+    """What the policy sees: per key, the calls in arrival order."""
+
+    by_key: dict[QueueKey, list[QueuedCall]] = field(default_factory=dict)
+
+    def oldest(self, inference: bool | None = None) -> tuple[QueueKey, QueuedCall] | None:
+        best = None
+        for key, calls in self.by_key.items():
+            for call in calls:
+                if inference is None or call.inference == inference:
+                    if best is None or call.arrived < best[1].arrived:
+                        best = (key, call)
+                    break
+        return best
+
+    def clients(self) -> set[str]:
+        return {c.client_id for calls in self.by_key.values() for c in calls}
+
+    def tokens(self, key: QueueKey | None = None) -> int:
+        keys = [key] if key is not None else list(self.by_key)
+        return sum(c.tokens for k in keys for c in self.by_key.get(k, ()))
+
+
+@dataclass(frozen=True)
+class Decision:
+    key: QueueKey | None = None
+    only_inference: bool = False
+    single: bool = False  # run the oldest call of `key` alone
+    wait: float = 0.0
+
+
+class Policy(Protocol):
+    name: str
+
+    def decide(self, queues: Queues, now: float, attached: int) -> Decision: ...
+
+
+@dataclass(frozen=True)
+class NoBatching:
+    name: str = "none"
+
+    def decide(self, queues: Queues, now: float, attached: int) -> Decision:
+        key, _ = queues.oldest(inference=True) or queues.oldest()
+        return Decision(key=key, single=True)
+
+
+@dataclass(frozen=True)
+class Lockstep:
+    max_wait: float = 0.05
+    name: str = "lockstep"
+
+    def decide(self, queues: Queues, now: float, attached: int) -> Decision:
+        for key, calls in queues.by_key.items():
+            if len({c.client_id for c in calls}) >= attached:
+                return Decision(key=key)
+        key, oldest = queues.oldest()
+        age = now - oldest.arrived
+        return Decision(key=key) if age >= self.max_wait else Decision(wait=self.max_wait - age)
+
+
+@dataclass(frozen=True)
+class Opportunistic:
+    max_wait: float = 0.002
+    target_tokens: int = 4096
+    name: str = "opportunistic"
+
+    def decide(self, queues: Queues, now: float, attached: int) -> Decision:
+        inference = queues.oldest(inference=True)
+        if inference is not None:
+            return Decision(key=inference[0], only_inference=True)
+        fullest = max(queues.by_key, key=lambda k: (queues.tokens(k), -queues.by_key[k][0].arrived))
+        if len(queues.clients()) >= attached or queues.tokens(fullest) >= self.target_tokens:
+            return Decision(key=fullest)
+        key, oldest = queues.oldest()
+        budget = self.max_wait * max(0.0, 1.0 - queues.tokens() / self.target_tokens)
+        age = now - oldest.arrived
+        return Decision(key=key) if age >= budget else Decision(wait=budget - age)
+
+
+def make_policy(name: str, max_wait: float | None = None, target_tokens: int | None = None) -> Policy:
+    """`none` | `lockstep` | `opportunistic`, with optional overrides of their knobs."""
+    if name == "none":
+        return NoBatching()
+    if name == "lockstep":
+        return Lockstep() if max_wait is None else Lockstep(max_wait=max_wait)
+    if name == "opportunistic":
+        knobs = {k: v for k, v in (("max_wait", max_wait), ("target_tokens", target_tokens)) if v is not None}
+        return Opportunistic(**knobs)
+    raise ValueError(f"unknown batching policy {name!r}: choose none, lockstep or opportunistic")

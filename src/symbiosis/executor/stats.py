@@ -1,0 +1,86 @@
+"""What the executor did, per (layer, op) and overall: calls, batch sizes, queue wait, compute time."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class LayerStats:
+    calls: int = 0
+    batches: int = 0
+    tokens: int = 0
+    max_batch_calls: int = 0
+    max_batch_tokens: int = 0
+    queue_wait_s: float = 0.0
+    max_queue_wait_s: float = 0.0
+    compute_s: float = 0.0
+
+    def add(self, other: "LayerStats") -> None:
+        for name, value in asdict(other).items():
+            merged = max(getattr(self, name), value) if name.startswith("max_") else getattr(self, name) + value
+            setattr(self, name, merged)
+
+    def summary(self) -> dict:
+        out = asdict(self)
+        out["mean_batch_calls"] = self.calls / self.batches if self.batches else 0.0
+        out["mean_batch_tokens"] = self.tokens / self.batches if self.batches else 0.0
+        out["mean_queue_wait_ms"] = 1e3 * self.queue_wait_s / self.calls if self.calls else 0.0
+        return out
+
+
+class ExecutorStats:
+    """Thread-safe counters. On CUDA, compute time comes from events resolved when stats are read, so
+    recording never synchronises the device."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.by_key: dict[tuple[str, str], LayerStats] = defaultdict(LayerStats)
+        self._pending_events: list[tuple[tuple[str, str], torch.cuda.Event, torch.cuda.Event]] = []
+        self._lock = threading.Lock()
+        self.started = time.time()
+
+    def timer(self):
+        """Start timing one batch; returns a token for `record`."""
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            return start
+        return time.perf_counter()
+
+    def record(self, key: tuple[str, str], waits: list[float], tokens: int, started) -> None:
+        with self._lock:
+            s = self.by_key[key]
+            s.calls += len(waits)
+            s.batches += 1
+            s.tokens += tokens
+            s.max_batch_calls = max(s.max_batch_calls, len(waits))
+            s.max_batch_tokens = max(s.max_batch_tokens, tokens)
+            s.queue_wait_s += sum(waits)
+            s.max_queue_wait_s = max(s.max_queue_wait_s, max(waits))
+            if self.cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._pending_events.append((key, started, end))
+            else:
+                s.compute_s += time.perf_counter() - started
+
+    def snapshot(self, clients: dict[str, str]) -> dict:
+        with self._lock:
+            if self._pending_events:
+                self._pending_events[-1][2].synchronize()
+                for key, start, end in self._pending_events:
+                    self.by_key[key].compute_s += start.elapsed_time(end) / 1e3
+                self._pending_events.clear()
+            total = LayerStats()
+            per_layer = {}
+            for (layer_id, op), s in sorted(self.by_key.items()):
+                total.add(s)
+                per_layer[f"{layer_id}:{op}"] = s.summary()
+        return {"uptime_s": time.time() - self.started, "attached_clients": sorted(clients),
+                "overall": total.summary(), "per_layer": per_layer}
