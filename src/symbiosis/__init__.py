@@ -10,10 +10,12 @@ from symbiosis.errors import (
     SymbiosisError,
     UnknownClient,
     UnknownLayer,
+    Unauthorized,
     UnsupportedAdapter,
     VirtualWeightAccess,
 )
 from symbiosis.executor.executor import Executor
+from symbiosis.transport.client import connect
 
 __all__ = [
     "BadCall",
@@ -24,7 +26,9 @@ __all__ = [
     "SymbiosisError",
     "UnknownClient",
     "UnknownLayer",
+    "Unauthorized",
     "UnsupportedAdapter",
     "VirtualWeightAccess",
+    "connect",
     "from_pretrained",
 ]

@@ -39,3 +39,7 @@ class VirtualWeightAccess(UnsupportedAdapter):
 
 class ExecutorUnavailable(SymbiosisError):
     """The executor cannot be reached, or stopped answering within the configured timeout."""
+
+
+class Unauthorized(SymbiosisError):
+    """A client presented no token, or the wrong one."""

@@ -55,15 +55,15 @@ def from_pretrained(path: str | os.PathLike, executor, auto_class=AutoModelForCa
                     name: str = "client") -> PreTrainedModel:
     """A transformers model of `path` whose base layers run in `executor`; it holds only the client's tensors.
 
-    `executor`: an `Executor` (in-process) or anything with the same `attach(fingerprint, name)`.
+    `executor`: an in-process `Executor`, or `symbiosis.connect(url)` for one in another process or host.
     `dtype` defaults to the executor's dtype (`torch_dtype` is its deprecated alias); a different dtype is
     cast at the executor boundary. `device` is where the client's own tensors and compute live.
     """
     checkpoint = Checkpoint(path)
     config = load_config(checkpoint)
-    session = executor.attach(checkpoint.fingerprint(), name)
-    dtype = resolve_dtype(dtype, torch_dtype, config) if (dtype or torch_dtype) else session.dtype
     device = torch.device(device)
+    session = executor.attach(checkpoint.fingerprint(), name, device)
+    dtype = resolve_dtype(dtype, torch_dtype, config) if (dtype or torch_dtype) else session.dtype
     model = build_skeleton(config, auto_class, dtype)
 
     for module_name, spec in plan_base_layers(model, checkpoint).items():

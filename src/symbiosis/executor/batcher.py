@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from symbiosis.errors import UnknownClient
-from symbiosis.executor.policy import Decision, Policy, QueuedCall, QueueKey, Queues
+from symbiosis.executor.policy import ACTIVE_WINDOW, ClientCounts, Decision, Policy, QueuedCall, QueueKey, Queues
 from symbiosis.executor.stats import ExecutorStats
 
 RunBatch = Callable[[QueueKey, torch.Tensor], torch.Tensor]  # (key, [T, d_in]) -> [T, d_out]
@@ -51,6 +51,7 @@ class Batcher:
         self.attached = attached
         self.stats = stats
         self.queues = Queues()
+        self.last_call: dict[str, float] = {}  # client id -> arrival time of its latest call
         self._cond = threading.Condition()
         self._closed = False
         self._worker = threading.Thread(target=self._serve, name="symbiosis-batcher", daemon=True)
@@ -59,6 +60,7 @@ class Batcher:
     def submit(self, client_id: str, key: QueueKey, tensor: torch.Tensor, inference: bool) -> Future:
         call = PendingCall(client_id, tensor.shape[0], inference, time.perf_counter(), tensor)
         with self._cond:
+            self.last_call[client_id] = call.arrived
             self.queues.by_key.setdefault(key, []).append(call)
             self._cond.notify()
         return call.future
@@ -66,6 +68,7 @@ class Batcher:
     def drop_client(self, client_id: str) -> None:
         """Forget a departed client's queued calls (their futures fail; nobody waits on them)."""
         with self._cond:
+            self.last_call.pop(client_id, None)
             for key in list(self.queues.by_key):
                 kept = []
                 for call in self.queues.by_key[key]:
@@ -110,7 +113,10 @@ class Batcher:
                 if not self.queues.by_key:
                     self._cond.wait()
                     continue
-                decision = self.policy.decide(self.queues, time.perf_counter(), max(1, self.attached()))
+                now = time.perf_counter()
+                active = sum(now - t < ACTIVE_WINDOW for t in self.last_call.values())
+                clients = ClientCounts(attached=max(1, self.attached()), active=max(1, active))
+                decision = self.policy.decide(self.queues, now, clients)
                 if decision.key is None:
                     self._cond.wait(decision.wait)
                     continue

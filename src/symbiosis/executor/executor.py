@@ -81,7 +81,7 @@ class Executor:
 
     # --- clients -------------------------------------------------------------------------------------
 
-    def attach(self, fingerprint: str, name: str = "client") -> "InProcessSession":
+    def attach(self, fingerprint: str, name: str = "client", device=None) -> "InProcessSession":
         """Admit a client built from the checkpoint with this fingerprint; returns its session."""
         client_id = self.register(fingerprint, name)
         return InProcessSession(self, client_id)
@@ -179,6 +179,10 @@ class InProcessSession:
 
     def forward(self, layer_id: str, x: torch.Tensor, inference: bool = False) -> torch.Tensor:
         y = self.executor.forward(self.client_id, layer_id, x.to(self.dtype), inference=inference)
+        return y.to(x.device, x.dtype)
+
+    def forward_nobias(self, layer_id: str, x: torch.Tensor, inference: bool = False) -> torch.Tensor:
+        y = self.executor.forward(self.client_id, layer_id, x.to(self.dtype), inference=inference, with_bias=False)
         return y.to(x.device, x.dtype)
 
     def backward(self, layer_id: str, grad_out: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Batching policies: which queued calls the executor runs next, as one GEMM.
 
 Queues are keyed by (layer id, op); forward and backward calls of a layer never share a GEMM. A policy
-sees the queues, the time and how many clients are attached, and answers either a key to run now (all
+sees the queues, the time and the clients (attached; active = called within the last `ACTIVE_WINDOW`
+seconds), and answers either a key to run now (all
 calls queued at that key, concatenated along tokens) or how long to wait before asking again.
 
 - `none`: every call runs alone, oldest first (inference before training).
@@ -9,7 +10,9 @@ calls queued at that key, concatenated along tokens) or how long to wait before 
   when its oldest call has waited `max_wait` (a slow or dead client holds the others up no longer).
 - `opportunistic`: inference runs at once, ahead of training; training waits for company up to a budget
   that shrinks as queued work grows: budget = max_wait * (1 - queued_tokens / target_tokens). No wait
-  at all once every attached client is queued (nobody else can come) or a key holds target_tokens.
+  at all once every active client is queued (nobody else is coming soon) or a key holds target_tokens.
+  An attached client that has been idle longer than ACTIVE_WINDOW (between requests, in a long optimizer
+  step) makes nobody wait.
 """
 
 from __future__ import annotations
@@ -18,6 +21,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 QueueKey = tuple[str, str]  # (layer id, op)
+ACTIVE_WINDOW = 0.05  # seconds since a client's last call during which it counts as active
+
+
+@dataclass(frozen=True)
+class ClientCounts:
+    attached: int
+    active: int
 
 
 @dataclass
@@ -63,14 +73,14 @@ class Decision:
 class Policy(Protocol):
     name: str
 
-    def decide(self, queues: Queues, now: float, attached: int) -> Decision: ...
+    def decide(self, queues: Queues, now: float, clients: ClientCounts) -> Decision: ...
 
 
 @dataclass(frozen=True)
 class NoBatching:
     name: str = "none"
 
-    def decide(self, queues: Queues, now: float, attached: int) -> Decision:
+    def decide(self, queues: Queues, now: float, clients: ClientCounts) -> Decision:
         key, _ = queues.oldest(inference=True) or queues.oldest()
         return Decision(key=key, single=True)
 
@@ -80,9 +90,9 @@ class Lockstep:
     max_wait: float = 0.05
     name: str = "lockstep"
 
-    def decide(self, queues: Queues, now: float, attached: int) -> Decision:
+    def decide(self, queues: Queues, now: float, clients: ClientCounts) -> Decision:
         for key, calls in queues.by_key.items():
-            if len({c.client_id for c in calls}) >= attached:
+            if len({c.client_id for c in calls}) >= clients.attached:
                 return Decision(key=key)
         key, oldest = queues.oldest()
         age = now - oldest.arrived
@@ -95,12 +105,12 @@ class Opportunistic:
     target_tokens: int = 4096
     name: str = "opportunistic"
 
-    def decide(self, queues: Queues, now: float, attached: int) -> Decision:
+    def decide(self, queues: Queues, now: float, clients: ClientCounts) -> Decision:
         inference = queues.oldest(inference=True)
         if inference is not None:
             return Decision(key=inference[0], only_inference=True)
         fullest = max(queues.by_key, key=lambda k: (queues.tokens(k), -queues.by_key[k][0].arrived))
-        if len(queues.clients()) >= attached or queues.tokens(fullest) >= self.target_tokens:
+        if len(queues.clients()) >= clients.active or queues.tokens(fullest) >= self.target_tokens:
             return Decision(key=fullest)
         key, oldest = queues.oldest()
         budget = self.max_wait * max(0.0, 1.0 - queues.tokens() / self.target_tokens)

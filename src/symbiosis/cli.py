@@ -1,0 +1,91 @@
+"""`symbiosis` command line: `demo`, `executor` (serve, or print another's --stats)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+
+def _read_token(token_file: str | None) -> str | None:
+    if token_file is None:
+        return None
+    token = Path(token_file).read_text().strip()
+    if not token:
+        raise SystemExit(f"token file {token_file} is empty")
+    return token
+
+
+def executor_command(args: argparse.Namespace) -> int:
+    """Serve the base layers of --model on --listen until SIGTERM / Ctrl-C, or print --stats of a running one."""
+    import symbiosis
+    from symbiosis.executor.policy import make_policy
+    from symbiosis.transport.server import ExecutorServer
+
+    token = _read_token(args.token_file)
+    if args.stats:
+        print(json.dumps(symbiosis.connect(args.stats, token=token, timeout=10).stats(), indent=2))
+        return 0
+    if not args.model or not args.listen:
+        raise SystemExit("symbiosis executor: --model and --listen are required (or --stats URL)")
+    logging.basicConfig(level=logging.INFO, format="[executor] %(message)s", stream=sys.stderr)
+    policy = make_policy(args.policy, None if args.max_wait_ms is None else args.max_wait_ms / 1e3)
+    executor = symbiosis.Executor.from_pretrained(args.model, device=args.device, dtype=args.dtype, policy=policy,
+                                                  max_call_tokens=args.max_call_tokens)
+    server = ExecutorServer(executor, args.listen, token=token, client_timeout=args.client_timeout)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    mib = executor.weights.nbytes / 2**20
+    print(f"[executor] serving {len(executor.weights.layers)} base layers ({mib:.1f} MiB) of {args.model} on "
+          f"{args.listen} ({executor.device}, {executor.dtype}, policy {policy.name})", file=sys.stderr, flush=True)
+    stop.wait()
+    server.stop()
+    executor.close()
+    print("[executor] stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    """Several tenants fine-tuning and generating on one shared base model, each its own process."""
+    from symbiosis.demo import run_demo
+
+    return run_demo(Path(args.workdir), steps=args.steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="symbiosis", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help=demo_command.__doc__)
+    demo.add_argument("--workdir", default="demo-out", help="where the base model and adapters are written")
+    demo.add_argument("--steps", type=int, default=60, help="fine-tuning steps per training tenant")
+    demo.set_defaults(run=demo_command)
+
+    executor = commands.add_parser("executor", help=executor_command.__doc__)
+    executor.add_argument("--model", help="Hugging Face model directory (config.json + safetensors)")
+    executor.add_argument("--listen", help="ipc:///path/to/socket or tcp://host:port")
+    executor.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    executor.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
+    executor.add_argument("--policy", default="opportunistic", choices=["opportunistic", "lockstep", "none"])
+    executor.add_argument("--max-wait-ms", type=float, default=None, help="batching wait budget per call")
+    executor.add_argument("--max-call-tokens", type=int, default=1 << 20, help="largest call accepted")
+    executor.add_argument("--client-timeout", type=float, default=30.0,
+                          help="seconds without a call or heartbeat before a client is detached")
+    executor.add_argument("--token-file", help="file holding the token clients must present")
+    executor.add_argument("--stats", metavar="URL", help="print the stats of the executor at URL and exit")
+    executor.set_defaults(run=executor_command)
+
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""The client's side of `ipc://` and `tcp://`: `symbiosis.connect(url, token=...)`.
+
+    executor = symbiosis.connect("ipc:///tmp/symbiosis.sock", token=token)
+    model = symbiosis.from_pretrained(path, executor, auto_class=AutoModelForCausalLM)
+
+Calls are synchronous request/replies on a ZeroMQ DEALER socket, each with a timeout: an executor that
+is gone or hung raises `ExecutorUnavailable` instead of hanging the client. A heartbeat thread (its own
+socket) keeps the executor from reaping a client that is busy computing on its side.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+from urllib.parse import urlparse
+
+import torch
+import zmq
+
+from symbiosis.errors import ExecutorUnavailable, SymbiosisError, UnknownClient
+from symbiosis.model.partition import BaseLayerSpec
+from symbiosis.transport import wire
+from symbiosis.transport.shm import SharedBuffer
+
+INITIAL_BUFFER_BYTES = 8 << 20
+
+
+class _Channel:
+    """One DEALER socket with request/reply matching by id and a timeout on every request."""
+
+    def __init__(self, url: str, timeout: float):
+        self.url = url
+        self.timeout = timeout
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._open()
+
+    def _open(self) -> None:
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.IDENTITY, secrets.token_bytes(12))
+        self.socket.connect(self.url)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+    def send(self, header: dict, *tensors: torch.Tensor) -> None:
+        with self._lock:
+            self.socket.send_multipart(wire.encode(header, *tensors), copy=False)
+
+    def request(self, header: dict, *tensors: torch.Tensor) -> tuple[dict, list]:
+        with self._lock:
+            header = {**header, "id": next(self._ids)}
+            self.socket.send_multipart(wire.encode(header, *tensors), copy=False)
+            deadline_ms = int(self.timeout * 1000)
+            while self.socket.poll(deadline_ms, zmq.POLLIN):
+                frames = self.socket.recv_multipart(copy=False)
+                reply = wire.decode_header(frames[0]) if frames else {}
+                if reply.get("id") == header["id"]:
+                    if not reply.get("ok"):
+                        wire.raise_error(reply)
+                    return reply, frames[1:]
+                # a stale reply to an earlier, timed-out request: skip it
+            # Nothing in time: drop the socket so queued requests are not replayed to a restarted executor.
+            self.close()
+            self._open()
+        raise ExecutorUnavailable(f"executor at {self.url} did not answer {header['op']!r} within {self.timeout:g}s "
+                                  "(stopped, restarted or overloaded)")
+
+
+class RemoteExecutor:
+    """An executor in another process or on another host; a drop-in for `Executor` in `from_pretrained`."""
+
+    def __init__(self, url: str, token: str | None = None, timeout: float = 60.0):
+        scheme = urlparse(url).scheme
+        if scheme not in ("ipc", "tcp"):
+            raise ValueError(f"unsupported executor URL {url!r}: use ipc://PATH or tcp://HOST:PORT")
+        self.url, self.token, self.timeout = url, token, timeout
+        self.shared_buffers = scheme == "ipc"
+
+    def attach(self, fingerprint: str, name: str = "client", device: str | torch.device = "cpu") -> "RemoteSession":
+        return RemoteSession(self, fingerprint, name, torch.device(device))
+
+    def stats(self) -> dict:
+        channel = _Channel(self.url, self.timeout)
+        try:
+            return channel.request({"op": "stats", "token": self.token})[0]["stats"]
+        finally:
+            channel.close()
+
+
+class RemoteSession:
+    """A client's handle on a remote executor: same interface as the in-process session."""
+
+    def __init__(self, executor: RemoteExecutor, fingerprint: str, name: str, device: torch.device):
+        self.executor, self.fingerprint, self.name, self.device = executor, fingerprint, name, device
+        self.channel = _Channel(executor.url, executor.timeout)
+        self.buffer: SharedBuffer | None = None
+        if executor.shared_buffers:
+            self.buffer = SharedBuffer.create(INITIAL_BUFFER_BYTES, device if device.type == "cuda" else torch.device("cpu"))
+        self._heartbeat_stop = threading.Event()
+        self._attach()
+
+    def _attach(self) -> None:
+        reply, _ = self.channel.request({"op": "attach", "token": self.executor.token, "fingerprint": self.fingerprint,
+                                         "name": self.name,
+                                         "buffer": self.buffer.description if self.buffer else None})
+        self.client_id = reply["client"]
+        self.dtype = wire.parse_dtype(reply["dtype"])
+        self.executor_device = reply["device"]
+        self.heartbeat_s = float(reply["heartbeat_s"])
+        self.layer_specs = {d["layer_id"]: BaseLayerSpec(**d) for d in reply["layers"]}
+        self._heartbeat_stop.clear()
+        threading.Thread(target=self._heartbeat, args=(self.client_id,), name="symbiosis-heartbeat", daemon=True).start()
+
+    def reconnect(self) -> None:
+        """Attach again (after the executor restarted): a new client id; the model and its state are kept."""
+        self._heartbeat_stop.set()  # the old heartbeat thread ends; _attach starts one for the new id
+        self.channel.close()
+        self.channel = _Channel(self.executor.url, self.executor.timeout)
+        self._attach()
+
+    def _heartbeat(self, client_id: str) -> None:
+        channel = _Channel(self.executor.url, self.executor.timeout)
+        stop = self._heartbeat_stop
+        try:
+            while not stop.wait(self.heartbeat_s) and client_id == self.client_id:
+                channel.send({"op": "heartbeat", "client": client_id})
+        finally:
+            channel.close()
+
+    def _request(self, header: dict, *tensors: torch.Tensor) -> tuple[dict, list]:
+        if self._heartbeat_stop.is_set():
+            raise SymbiosisError(f"this session is closed (client {self.client_id!r}); attach a new one")
+        try:
+            return self.channel.request({**header, "client": self.client_id}, *tensors)
+        except UnknownClient as e:
+            raise ExecutorUnavailable(f"{e}. The executor at {self.executor.url} no longer knows this client; "
+                                      "call reconnect() on the session to attach again") from e
+
+    def _ensure_capacity(self, nbytes: int) -> None:
+        if nbytes <= self.buffer.nbytes:
+            return
+        old = self.buffer
+        self.buffer = SharedBuffer.create(max(nbytes, old.nbytes * 3 // 2), old.tensor.device)
+        self._request({"op": "buffer", "buffer": self.buffer.description})
+        old.close()
+
+    def _call(self, op: str, layer_id: str, tensor: torch.Tensor, out_width: int, inference: bool) -> torch.Tensor:
+        # tensor: [T, d_in] in the client's dtype/device -> [T, d_out] likewise
+        sent = tensor.detach().to(self.dtype)
+        header = {"op": op, "layer": layer_id, "inference": inference, "tensor": wire.describe(sent)}
+        if self.buffer is not None:
+            self._ensure_capacity(sent.shape[0] * max(sent.shape[1], out_width) * self.dtype.itemsize)
+            self.buffer.view(self.dtype, list(sent.shape)).copy_(sent)
+            if self.buffer.tensor.is_cuda:
+                torch.cuda.current_stream(self.buffer.tensor.device).synchronize()
+            reply, _ = self._request({**header, "shm": True})
+            spec = reply["tensor"]
+            result = self.buffer.view(wire.parse_dtype(spec["dtype"]), spec["shape"]).clone()
+        else:
+            reply, frames = self._request(header, sent.cpu())
+            result = wire.frame_tensor(frames[0], reply["tensor"]).clone()
+        return result.to(tensor.device, tensor.dtype)
+
+    def _spec(self, layer_id: str) -> BaseLayerSpec:
+        spec = self.layer_specs.get(layer_id)
+        return spec or BaseLayerSpec(layer_id, "linear", 0, 0, "", None)  # the executor answers UnknownLayer
+
+    def forward(self, layer_id: str, x: torch.Tensor, inference: bool = False) -> torch.Tensor:
+        return self._call("forward", layer_id, x, self._spec(layer_id).out_features, inference)
+
+    def forward_nobias(self, layer_id: str, x: torch.Tensor, inference: bool = False) -> torch.Tensor:
+        return self._call("forward_nobias", layer_id, x, self._spec(layer_id).out_features, inference)
+
+    def backward(self, layer_id: str, grad_out: torch.Tensor) -> torch.Tensor:
+        return self._call("backward", layer_id, grad_out, self._spec(layer_id).in_features, False)
+
+    def fetch(self, layer_id: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        reply, frames = self._request({"op": "fetch", "layer": layer_id})
+        tensors = [wire.frame_tensor(f, spec).clone() for f, spec in zip(frames, reply["tensors"])]
+        return tensors[0], (tensors[1] if len(tensors) > 1 else None)
+
+    def close(self) -> None:
+        if self._heartbeat_stop.is_set():
+            return
+        try:
+            self._request({"op": "detach"})
+        except ExecutorUnavailable:
+            pass
+        finally:
+            self._heartbeat_stop.set()
+            self.channel.close()
+            if self.buffer is not None:
+                self.buffer.close()
+
+
+def connect(url: str, token: str | None = None, timeout: float = 60.0) -> RemoteExecutor:
+    """An executor served at `url` (`ipc://PATH` on this host, `tcp://HOST:PORT` anywhere).
+
+    `timeout`: seconds any one call may take before `ExecutorUnavailable` is raised.
+    """
+    return RemoteExecutor(url, token, timeout)

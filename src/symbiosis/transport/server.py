@@ -1,0 +1,237 @@
+"""The executor as a service: a ZeroMQ ROUTER socket in front of an `Executor`.
+
+One I/O thread owns the socket. Requests are decoded and submitted to the executor's batcher; when a
+call's future resolves (on the batcher thread) it is queued here and the I/O thread is woken through a
+pipe, so only the I/O thread ever touches the socket. A client that stops sending anything (calls or
+heartbeats) for `client_timeout` seconds is detached: its queued calls are dropped, its shared buffer
+unmapped and removed, and batching stops waiting for it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+
+import torch
+import zmq
+
+from symbiosis.errors import BadCall, SymbiosisError, UnknownClient, Unauthorized
+from symbiosis.executor.executor import Executor
+from symbiosis.transport import wire
+from symbiosis.transport.shm import SharedBuffer
+
+log = logging.getLogger("symbiosis.executor")
+CALL_OPS = ("forward", "forward_nobias", "backward")
+
+
+@dataclass
+class RemoteClient:
+    identity: bytes
+    name: str
+    buffer: SharedBuffer | None
+    last_seen: float
+
+
+class ExecutorServer:
+    def __init__(self, executor: Executor, url: str, token: str | None = None, client_timeout: float = 30.0):
+        self.executor = executor
+        self.url = url
+        self.token = token
+        self.client_timeout = client_timeout
+        self.clients: dict[str, RemoteClient] = {}
+        self._context = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(url)
+        self._completions: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------------------
+
+    def start(self) -> "ExecutorServer":
+        self._thread = threading.Thread(target=self.serve_forever, name="symbiosis-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        os.write(self._wake_write, b"x")
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
+        next_reap = time.monotonic()
+        try:
+            while not self._stopping.is_set():
+                events = dict(poller.poll(timeout=200))
+                if self._socket in events:
+                    self._drain_requests()
+                if self._wake_read in events:
+                    self._drain_completions()
+                if time.monotonic() >= next_reap:
+                    self._reap()
+                    next_reap = time.monotonic() + min(1.0, self.client_timeout / 4)
+        finally:
+            for client_id in list(self.clients):
+                self._drop(client_id, unlink=False)
+            self._socket.close(linger=0)
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+
+    # --- requests ------------------------------------------------------------------------------------
+
+    def _drain_requests(self) -> None:
+        while True:
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            identity, payload = frames[0].bytes, frames[1:]
+            header = {}
+            try:
+                if not payload:
+                    raise BadCall("malformed message: no header frame")
+                header = wire.decode_header(payload[0])
+                self._handle(identity, header, payload[1:])
+            except Exception as error:  # any bad request is answered, never fatal
+                if not isinstance(error, SymbiosisError):
+                    log.exception("request %s failed", header.get("op"))
+                self._reply(identity, wire.error_reply(header.get("id"), error))
+
+    def _handle(self, identity: bytes, header: dict, frames: list) -> None:
+        op = header.get("op")
+        if op == "attach":
+            return self._attach(identity, header)
+        if op == "stats":
+            self._authorize(header)
+            return self._reply(identity, {"id": header.get("id"), "ok": True,
+                                          "stats": self.executor.stats_snapshot()})
+        client_id = header.get("client")
+        client = self.clients.get(client_id)
+        if client is None or client.identity != identity:
+            raise UnknownClient(f"client {client_id!r} is not attached to this executor (restarted, or timed out "
+                                "without heartbeats); attach again")
+        client.last_seen = time.monotonic()
+        if op == "heartbeat":
+            return None
+        if op in CALL_OPS:
+            return self._call(identity, client, header, frames)
+        if op == "fetch":
+            weight, bias = self.executor.fetch(client_id, str(header.get("layer")))
+            tensors = [weight.cpu()] + ([bias.cpu()] if bias is not None else [])
+            return self._reply(identity, {"id": header.get("id"), "ok": True,
+                                          "tensors": [wire.describe(t) for t in tensors]}, *tensors)
+        if op == "buffer":
+            new = SharedBuffer.open(header.get("buffer") or {})
+            if client.buffer is not None:
+                client.buffer.close()
+            client.buffer = new
+            return self._reply(identity, {"id": header.get("id"), "ok": True})
+        if op == "detach":
+            self._drop(client_id, unlink=False)
+            return self._reply(identity, {"id": header.get("id"), "ok": True})
+        raise BadCall(f"unknown op {op!r}")
+
+    def _authorize(self, header: dict) -> None:
+        if self.token is None:
+            return
+        given = header.get("token")
+        if not isinstance(given, str) or not hmac.compare_digest(given.encode(), self.token.encode()):
+            raise Unauthorized("executor refused the client: missing or wrong token")
+
+    def _attach(self, identity: bytes, header: dict) -> None:
+        self._authorize(header)
+        name = str(header.get("name", "client"))[:64]
+        buffer = SharedBuffer.open(header["buffer"]) if header.get("buffer") else None
+        client_id = self.executor.register(str(header.get("fingerprint")), f"{name}-{secrets.token_hex(4)}")
+        self.clients[client_id] = RemoteClient(identity, name, buffer, time.monotonic())
+        log.info("attached %s (%s)", client_id, "shared buffer" if buffer else "frames")
+        self._reply(identity, {
+            "id": header.get("id"), "ok": True, "client": client_id, "fingerprint": self.executor.fingerprint,
+            "dtype": wire.dtype_name(self.executor.dtype), "device": str(self.executor.device),
+            "heartbeat_s": self.client_timeout / 4, "max_call_tokens": self.executor.max_call_tokens,
+            "layers": [asdict(spec) for spec in self.executor.layer_specs.values()],
+        })
+
+    def _call(self, identity: bytes, client: RemoteClient, header: dict, frames: list) -> None:
+        spec = header.get("tensor") or {}
+        if header.get("shm"):
+            if client.buffer is None:
+                raise BadCall("call refers to a shared buffer, but this client registered none")
+            tensor = client.buffer.view(wire.parse_dtype(spec.get("dtype")), [int(n) for n in spec.get("shape", [])])
+        elif len(frames) == 1:
+            tensor = wire.frame_tensor(frames[0], spec)
+        else:
+            raise BadCall(f"{header['op']} call carries {len(frames)} tensor frames, expected 1")
+        future = self.executor.submit(header["client"], header["op"], str(header.get("layer")), tensor,
+                                      inference=bool(header.get("inference")))
+        future.add_done_callback(lambda f: self._complete(identity, header, f))
+
+    # --- completions ---------------------------------------------------------------------------------
+
+    def _complete(self, identity: bytes, header: dict, future: Future) -> None:
+        self._completions.put((identity, header, future))
+        os.write(self._wake_write, b"x")
+
+    def _drain_completions(self) -> None:
+        try:
+            while os.read(self._wake_read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                identity, header, future = self._completions.get_nowait()
+            except queue.Empty:
+                return
+            client = self.clients.get(header["client"])
+            if client is None:
+                continue  # the client left (or died) while its call ran: nobody to answer
+            try:
+                result = future.result()
+                reply = {"id": header.get("id"), "ok": True, "tensor": wire.describe(result)}
+                if header.get("shm"):
+                    client.buffer.view(result.dtype, list(result.shape)).copy_(result)
+                    if result.is_cuda:
+                        torch.cuda.current_stream(result.device).synchronize()
+                    self._reply(identity, {**reply, "shm": True})
+                else:
+                    self._reply(identity, reply, result.cpu())
+            except Exception as error:
+                self._reply(identity, wire.error_reply(header.get("id"), error))
+
+    def _reply(self, identity: bytes, header: dict, *tensors: torch.Tensor) -> None:
+        try:
+            self._socket.send_multipart([identity, *wire.encode(header, *tensors)], copy=False)
+        except zmq.ZMQError as e:
+            log.warning("could not answer %r: %s", identity, e)
+
+    # --- departures ----------------------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        for client_id, client in list(self.clients.items()):
+            if now - client.last_seen > self.client_timeout:
+                log.warning("client %s silent for %.1fs: detaching it", client_id, now - client.last_seen)
+                self._drop(client_id, unlink=True)
+
+    def _drop(self, client_id: str, unlink: bool) -> None:
+        client = self.clients.pop(client_id, None)
+        self.executor.detach(client_id)
+        if client is not None and client.buffer is not None:
+            if unlink:
+                client.buffer.unlink()
+            client.buffer.close()

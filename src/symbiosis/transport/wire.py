@@ -1,0 +1,85 @@
+"""The wire format shared by server and client: one ZeroMQ multipart message per request or reply.
+
+    frame 0: header, UTF-8 JSON: {"op", "id", "client", ...}; tensors are described as
+             {"dtype": "float32", "shape": [T, d]}
+    frame 1..n: raw tensor bytes (tcp), sent and received without copies; none when the tensor travels
+             through the client's shared buffer (ipc)
+
+Replies carry {"id", "ok": true, ...} or {"id", "ok": false, "error": ErrorClassName, "message": ...}.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from symbiosis import errors
+
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool)}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name) -> torch.dtype:
+    dtype = DTYPES.get(name)
+    if dtype is None:
+        raise errors.BadCall(f"unsupported tensor dtype {name!r}")
+    return dtype
+
+
+def tensor_frame(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor, without a copy (pyzmq keeps the buffer alive until sent)."""
+    tensor = tensor.detach().contiguous()
+    return memoryview(tensor.view(torch.uint8).reshape(-1).numpy()) if tensor.numel() else memoryview(b"")
+
+
+def describe(tensor: torch.Tensor) -> dict:
+    return {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
+
+
+def frame_tensor(frame, spec: dict) -> torch.Tensor:
+    """A tensor over a received frame's bytes (no copy); checks that the bytes fit the declared shape."""
+    try:
+        dtype, shape = parse_dtype(spec["dtype"]), [int(n) for n in spec["shape"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise errors.BadCall(f"malformed tensor description {spec!r}") from e
+    buffer = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+    numel = 1
+    for n in shape:
+        numel *= n
+    if buffer.nbytes != numel * dtype.itemsize or any(n < 0 for n in shape):
+        raise errors.BadCall(f"tensor frame has {buffer.nbytes} bytes, but {spec} needs {numel * dtype.itemsize}")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def encode(header: dict, *tensors: torch.Tensor) -> list:
+    return [json.dumps(header).encode(), *(tensor_frame(t) for t in tensors)]
+
+
+def decode_header(frame) -> dict:
+    try:
+        header = json.loads(bytes(frame.buffer if hasattr(frame, "buffer") else frame))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise errors.BadCall(f"malformed message: header is not JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise errors.BadCall("malformed message: header must be a JSON object")
+    return header
+
+
+def error_reply(call_id, error: BaseException) -> dict:
+    name = type(error).__name__ if isinstance(error, errors.SymbiosisError) else "SymbiosisError"
+    message = str(error) if isinstance(error, errors.SymbiosisError) else f"{type(error).__name__}: {error}"
+    return {"id": call_id, "ok": False, "error": name, "message": message}
+
+
+def raise_error(reply: dict) -> None:
+    cls = getattr(errors, str(reply.get("error")), errors.SymbiosisError)
+    if not (isinstance(cls, type) and issubclass(cls, errors.SymbiosisError)):
+        cls = errors.SymbiosisError
+    raise cls(reply.get("message", "executor error"))

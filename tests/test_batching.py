@@ -1,0 +1,135 @@
+"""Per-layer batching: results per client do not depend on policy or on who else is attached; inference
+overtakes training; waits shrink as work queues up."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from peft import get_peft_model
+
+import symbiosis
+from symbiosis.executor.batcher import Batcher
+from symbiosis.executor.policy import ClientCounts, Lockstep, NoBatching, Opportunistic, QueuedCall, Queues
+from symbiosis.executor.stats import ExecutorStats
+from test_exactness import assert_close, peft_config
+
+# Tenants of different shapes and PEFT methods: (name, method, batch size, sequence length)
+TENANTS = [("a", "lora", 1, 5), ("b", "ia3", 2, 9), ("c", "prompt", 4, 3), ("d", "lokr", 3, 7)]  # no dropout: threads share the global RNG
+
+
+def _tenant_run(model, batch_size, length, seed, steps=2):
+    """Two AdamW steps; returns (losses, final trainable tensors)."""
+    g = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(2, 128, (batch_size, length), generator=g)
+        torch.manual_seed(seed)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _build(path, executor, method, seed):
+    torch.manual_seed(seed)
+    return get_peft_model(symbiosis.from_pretrained(path, executor), peft_config(method, "llama"))
+
+
+@pytest.mark.parametrize("policy", ["none", "lockstep", "opportunistic"])
+def test_concurrent_clients_get_their_solo_results(policy, checkpoints):
+    path, _ = checkpoints("llama")
+    solo_executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64, policy="none")
+    solo = {name: _tenant_run(_build(path, solo_executor, method, i), bs, sl, i)
+            for i, (name, method, bs, sl) in enumerate(TENANTS)}
+
+    shared = symbiosis.Executor.from_pretrained(path, dtype=torch.float64, policy=policy)
+    models = {name: _build(path, shared, method, i) for i, (name, method, _, _) in enumerate(TENANTS)}
+    results, errors, start = {}, [], threading.Barrier(len(TENANTS))
+
+    def run(i, name, bs, sl):
+        try:
+            start.wait()
+            results[name] = _tenant_run(models[name], bs, sl, i)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, n, bs, sl)) for i, (n, _, bs, sl) in enumerate(TENANTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for name, (losses, params) in solo.items():
+        for ours, theirs in zip(results[name][0], losses):
+            assert_close(ours, theirs, f"{name} loss under {policy}")
+        for key, value in params.items():
+            assert_close(results[name][1][key], value, f"{name} {key} under {policy}")
+    stats = shared.stats_snapshot()["overall"]
+    if policy == "none":
+        assert stats["max_batch_calls"] == 1
+    if policy == "lockstep":
+        assert stats["max_batch_calls"] >= 2, stats  # concatenated calls of several clients into one GEMM
+
+
+def _queues(*calls: tuple[str, str, int, bool, float]) -> Queues:
+    queues = Queues()
+    for layer, client, tokens, inference, arrived in calls:
+        queues.by_key.setdefault((layer, "forward"), []).append(QueuedCall(client, tokens, inference, arrived))
+    return queues
+
+
+def test_opportunistic_serves_inference_first_and_waits_less_as_work_grows():
+    policy = Opportunistic(max_wait=0.010, target_tokens=1000)
+    queues = _queues(("l0", "train", 400, False, 0.0), ("l5", "infer", 1, True, 0.001))
+    decision = policy.decide(queues, 0.002, ClientCounts(attached=3, active=3))
+    assert decision.key == ("l5", "forward") and decision.only_inference
+    # Training alone, others still active: it waits, and the budget shrinks with the queued tokens.
+    small = policy.decide(_queues(("l0", "a", 100, False, 0.0)), 0.0, ClientCounts(3, 3))
+    large = policy.decide(_queues(("l0", "a", 800, False, 0.0)), 0.0, ClientCounts(3, 3))
+    assert small.key is None and large.key is None and small.wait > large.wait > 0
+    assert policy.decide(_queues(("l0", "a", 100, False, 0.0)), 0.0095, ClientCounts(3, 3)).key == ("l0", "forward")
+    # Every active client is queued, or enough tokens: no wait.
+    both = _queues(("l0", "a", 10, False, 0.0), ("l1", "b", 10, False, 0.0))
+    assert policy.decide(both, 0.0, ClientCounts(attached=5, active=2)).key is not None
+    assert policy.decide(_queues(("l0", "a", 1000, False, 0.0)), 0.0, ClientCounts(3, 3)).key == ("l0", "forward")
+
+
+def test_lockstep_waits_for_every_attached_client_then_gives_up():
+    policy = Lockstep(max_wait=0.05)
+    two = _queues(("l0", "a", 5, False, 0.0), ("l0", "b", 5, False, 0.0))
+    assert policy.decide(two, 0.0, ClientCounts(attached=2, active=2)).key == ("l0", "forward")
+    waiting = policy.decide(two, 0.01, ClientCounts(attached=3, active=2))
+    assert waiting.key is None and waiting.wait == pytest.approx(0.04)
+    assert policy.decide(two, 0.06, ClientCounts(attached=3, active=2)).key == ("l0", "forward")
+
+
+def test_no_batching_runs_calls_alone_inference_first():
+    queues = _queues(("l0", "a", 5, False, 0.0), ("l0", "b", 5, False, 0.1), ("l1", "c", 1, True, 0.2))
+    assert NoBatching().decide(queues, 1.0, ClientCounts(3, 3)).key == ("l1", "forward")
+
+
+def test_inference_calls_overtake_a_queued_training_burst():
+    """A busy executor with training calls queued: an inference call that arrives later is served first."""
+    order = []
+
+    def slow_layer(key, x):
+        time.sleep(0.02)
+        order.append(key[0])
+        return x
+
+    batcher = Batcher(slow_layer, NoBatching(), lambda: 2, ExecutorStats(torch.device("cpu")))
+    training = [batcher.submit("trainer", (f"train{i}", "forward"), torch.zeros(4, 2), False) for i in range(5)]
+    time.sleep(0.005)  # the first training call is running; the rest are queued
+    inference = batcher.submit("chat", ("infer", "forward"), torch.zeros(1, 2), True)
+    inference.result(timeout=5)
+    for f in training:
+        f.result(timeout=5)
+    batcher.close()
+    assert order.index("infer") <= 1, order

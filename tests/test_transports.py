@@ -1,0 +1,151 @@
+"""Every transport gives the in-process results; bad messages get an error to that client only."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import peft
+import pytest
+import torch
+import zmq
+from peft import get_peft_model
+
+import symbiosis
+from symbiosis.errors import BadCall, UnknownClient, UnknownLayer, Unauthorized
+from symbiosis.transport.server import ExecutorServer
+from test_exactness import assert_close, batch, peft_config
+
+TOKEN = "correct horse battery staple"
+_ports = itertools.count(46100)
+
+
+def _url(scheme: str, tmp_path) -> str:
+    return f"ipc://{tmp_path}/executor.sock" if scheme == "ipc" else f"tcp://127.0.0.1:{next(_ports)}"
+
+
+@pytest.fixture
+def served(checkpoints, tmp_path):
+    """(executor, url-maker) with servers stopped at teardown."""
+    servers = []
+
+    def serve(arch: str, scheme: str, **kwargs):
+        path, _ = checkpoints(arch)
+        executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64, **kwargs)
+        url = _url(scheme, tmp_path)
+        servers.append(ExecutorServer(executor, url, token=TOKEN, client_timeout=5).start())
+        return executor, url
+
+    yield serve
+    for server in servers:
+        server.stop()
+
+
+def _train_once(model, arch):
+    model.train()
+    torch.manual_seed(11)  # same dropout masks for both models
+    out = model(**batch(arch))
+    out.loss.backward()
+    return out, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("scheme", ["ipc", "tcp"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+def test_remote_equals_in_process(arch, scheme, served, checkpoints):
+    path, auto_class = checkpoints(arch)
+    executor, url = served(arch, scheme)
+    models = []
+    for backend in (executor, symbiosis.connect(url, token=TOKEN, timeout=10)):
+        torch.manual_seed(3)
+        models.append(get_peft_model(symbiosis.from_pretrained(path, backend, auto_class=auto_class),
+                                     peft_config("lora", arch)))
+    (local_out, local_grads), (remote_out, remote_grads) = (_train_once(m, arch) for m in models)
+    assert_close(remote_out.logits, local_out.logits, "logits")
+    assert_close(remote_out.loss, local_out.loss, "loss")
+    for name, grad in local_grads.items():
+        assert_close(remote_grads[name], grad, f"grad of {name}")
+    models[1].base_model.model.symbiosis_session.close()
+
+
+def test_wrong_or_missing_token_is_refused(served, checkpoints):
+    path, auto_class = checkpoints("llama")
+    _, url = served("llama", "tcp")
+    for token in (None, "guess"):
+        with pytest.raises(Unauthorized, match="missing or wrong token"):
+            symbiosis.from_pretrained(path, symbiosis.connect(url, token=token, timeout=5), auto_class=auto_class)
+    with pytest.raises(Unauthorized):
+        symbiosis.connect(url, token="guess", timeout=5).stats()
+
+
+def test_remote_errors_name_the_problem(served, checkpoints):
+    path, auto_class = checkpoints("llama")
+    _, url = served("llama", "ipc", max_call_tokens=64)
+    model = symbiosis.from_pretrained(path, symbiosis.connect(url, token=TOKEN, timeout=5), auto_class=auto_class)
+    session = model.symbiosis_session
+    with pytest.raises(UnknownLayer, match="no base layer 'nope'"):
+        session.forward("nope", torch.zeros(2, 64, dtype=torch.float64))
+    with pytest.raises(BadCall, match=r"expects \[tokens, 64\], got \[2, 63\]"):
+        session.forward("model.layers.0.self_attn.q_proj", torch.zeros(2, 63, dtype=torch.float64))
+    with pytest.raises(BadCall, match="more than this executor's limit of 64"):
+        session.forward("model.layers.0.self_attn.q_proj", torch.zeros(65, 64, dtype=torch.float64))
+    ids = torch.randint(0, 128, (1, 5))
+    assert model(ids).logits.shape == (1, 5, 128)  # still served
+
+
+def _raw(url: str, *frames: bytes) -> dict:
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(url)
+    socket.send_multipart(list(frames))
+    assert socket.poll(5000), "no reply to a malformed message"
+    reply = json.loads(socket.recv_multipart()[0])
+    socket.close()
+    return reply
+
+
+def test_malformed_messages_get_an_error_and_the_executor_keeps_serving(served, checkpoints):
+    path, auto_class = checkpoints("llama")
+    executor, url = served("llama", "tcp")
+    healthy = symbiosis.from_pretrained(path, symbiosis.connect(url, token=TOKEN, timeout=5), auto_class=auto_class)
+    ids = torch.randint(0, 128, (2, 4))
+    expected = healthy(ids).logits
+    client = healthy.symbiosis_session.client_id
+    cases = [
+        ((b"{not json",), "BadCall", "not JSON"),
+        ((b"[1, 2]",), "BadCall", "JSON object"),
+        ((json.dumps({"op": "teleport", "client": client}).encode(),), "UnknownClient", "not attached"),
+        ((json.dumps({"op": "forward", "client": "ghost", "layer": "lm_head"}).encode(),), "UnknownClient", "ghost"),
+        ((json.dumps({"op": "attach", "token": TOKEN, "fingerprint": "0" * 64}).encode(),), "FingerprintMismatch",
+         "different checkpoint"),
+        ((json.dumps({"op": "attach", "token": TOKEN, "fingerprint": executor.fingerprint,
+                      "buffer": {"kind": "cpu", "path": "/etc/passwd", "nbytes": 10}}).encode(),), "BadCall",
+         "not a symbiosis buffer"),
+    ]
+    for frames, error, message in cases:
+        reply = _raw(url, *frames)
+        assert reply["ok"] is False and reply["error"] == error and message in reply["message"], reply
+    assert torch.equal(healthy(ids).logits, expected)
+
+
+def test_frames_that_do_not_match_their_description(served, checkpoints):
+    """A tensor frame whose size disagrees with the declared shape, sent on an attached client's socket."""
+    path, auto_class = checkpoints("llama")
+    _, url = served("llama", "tcp")
+    session = symbiosis.connect(url, token=TOKEN, timeout=5).attach(
+        symbiosis.Executor.from_pretrained(path).fingerprint, "raw")
+    header = {"op": "forward", "id": 999, "client": session.client_id, "layer": "model.layers.0.self_attn.q_proj",
+              "tensor": {"dtype": "float64", "shape": [2, 64]}}
+    session.channel.socket.send_multipart([json.dumps(header).encode(), b"\0" * 10])
+    assert session.channel.socket.poll(5000)
+    reply = json.loads(session.channel.socket.recv_multipart()[0])
+    assert reply["error"] == "BadCall" and "10 bytes" in reply["message"]
+    header.update(id=1000, tensor={"dtype": "complex128", "shape": [2, 64]})
+    session.channel.socket.send_multipart([json.dumps(header).encode(), b"\0" * 10])
+    assert session.channel.socket.poll(5000)
+    assert "unsupported tensor dtype" in json.loads(session.channel.socket.recv_multipart()[0])["message"]
+    session._request({"op": "detach"})  # e.g. the executor reaped it
+    with pytest.raises(symbiosis.ExecutorUnavailable, match="no longer knows this client"):
+        session.forward("model.layers.0.self_attn.q_proj", torch.zeros(2, 64))
+    session.close()
+    with pytest.raises(symbiosis.SymbiosisError, match="session is closed"):
+        session.forward("model.layers.0.self_attn.q_proj", torch.zeros(2, 64))
