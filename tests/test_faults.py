@@ -1,0 +1,161 @@
+"""Faults with real processes on loopback: a client killed mid-pass, a frozen client, an executor killed
+and restarted. The executor and the surviving clients must carry on, with exact results."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import symbiosis
+from symbiosis.transport.shm import SHM_DIR
+from tenant_process import build, train
+from test_exactness import assert_close
+
+pytestmark = pytest.mark.slow
+HERE = Path(__file__).parent
+TOKEN = "fault-test-token"
+
+
+def start_executor(model_dir, url, tmp_path, policy="opportunistic", client_timeout=2.0) -> subprocess.Popen:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    process = subprocess.Popen([sys.executable, "-m", "symbiosis.cli", "executor", "--model", str(model_dir),
+                                "--listen", url, "--device", "cpu", "--dtype", "float64", "--policy", policy,
+                                "--max-wait-ms", "50", "--client-timeout", str(client_timeout),
+                                "--token-file", str(token_file)])
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        assert process.poll() is None, "executor exited during start-up"
+        try:
+            symbiosis.connect(url, token=TOKEN, timeout=0.5).stats()
+            return process
+        except symbiosis.ExecutorUnavailable:
+            time.sleep(0.2)
+    process.kill()
+    raise AssertionError("executor did not come up")
+
+
+def start_tenant(model_dir, url, method, seed, out, *extra) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(HERE / "tenant_process.py"), str(model_dir), url, TOKEN, method,
+                             str(seed), str(out), *extra], env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def reference(model_dir, method, seed) -> dict[str, torch.Tensor]:
+    executor = symbiosis.Executor.from_pretrained(model_dir, dtype=torch.float64, policy="none")
+    return train(build(model_dir, executor, method, seed), seed)
+
+
+def attached(url) -> list[str]:
+    return symbiosis.connect(url, token=TOKEN, timeout=5).stats()["attached_clients"]
+
+
+def wait_until(condition, timeout=20.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.parametrize("die_in", ["forward", "backward"])
+def test_client_killed_mid_pass(die_in, checkpoints, tmp_path):
+    model_dir, _ = checkpoints("llama")
+    url = f"ipc://{tmp_path}/executor.sock"
+    executor = start_executor(model_dir, url, tmp_path, policy="lockstep")
+    try:
+        victim = start_tenant(model_dir, url, "lora", 0, tmp_path / "victim.pt", "--die-in", die_in)
+        survivors = {seed: start_tenant(model_dir, url, method, seed, tmp_path / f"{seed}.pt")
+                     for seed, method in ((1, "lora"), (2, "ia3"))}
+        assert victim.wait(timeout=120) == -signal.SIGKILL
+        for seed, process in survivors.items():
+            assert process.wait(timeout=180) == 0, f"survivor {seed} failed"
+        # The dead client is detached (heartbeats stopped) and its shared buffer removed.
+        assert wait_until(lambda: not any(c.startswith("tenant0-") for c in attached(url)))
+        assert wait_until(lambda: not glob.glob(str(SHM_DIR / f"symbiosis-{victim.pid}-*")))
+        assert executor.poll() is None
+    finally:
+        executor.terminate()
+        assert executor.wait(timeout=30) == 0  # SIGTERM: clean shutdown
+    for seed, method in ((1, "lora"), (2, "ia3")):
+        ours, expected = torch.load(tmp_path / f"{seed}.pt"), reference(model_dir, method, seed)
+        for name, value in expected.items():
+            assert_close(ours[name], value, f"survivor {seed}: {name}")
+
+
+def test_frozen_client_holds_no_one_up(checkpoints, tmp_path):
+    model_dir, _ = checkpoints("llama")
+    url = "tcp://127.0.0.1:46731"
+    executor = start_executor(model_dir, url, tmp_path, policy="lockstep")
+    frozen = start_tenant(model_dir, url, "lora", 0, tmp_path / "frozen.pt")
+    try:
+        assert wait_until(lambda: any(c.startswith("tenant0-") for c in attached(url)), timeout=60)
+        frozen.send_signal(signal.SIGSTOP)  # attached, silent: no calls, no heartbeats
+        started = time.time()
+        worker = start_tenant(model_dir, url, "lora", 1, tmp_path / "1.pt")
+        assert worker.wait(timeout=120) == 0
+        assert time.time() - started < 90
+        assert wait_until(lambda: not any(c.startswith("tenant0-") for c in attached(url)))
+    finally:
+        frozen.kill()
+        executor.terminate()
+        executor.wait(timeout=30)
+    for name, value in reference(model_dir, "lora", 1).items():
+        assert_close(torch.load(tmp_path / "1.pt")[name], value, name)
+
+
+def test_executor_killed_and_restarted(checkpoints, tmp_path):
+    model_dir, _ = checkpoints("llama")
+    url = f"ipc://{tmp_path}/executor.sock"
+    executor = start_executor(model_dir, url, tmp_path)
+    with pytest.raises(symbiosis.Unauthorized):
+        symbiosis.from_pretrained(model_dir, symbiosis.connect(url, token="wrong", timeout=5))
+    model = build(model_dir, symbiosis.connect(url, token=TOKEN, timeout=3), "lora", 4)
+    session = model.base_model.model.symbiosis_session
+    g = torch.Generator().manual_seed(4)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    batches = [torch.randint(2, 128, (2, 10), generator=g) for _ in range(3)]
+
+    def step(ids):
+        optimizer.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+
+    try:
+        step(batches[0])
+        executor.kill()
+        executor.wait()
+        started = time.time()
+        with pytest.raises(symbiosis.ExecutorUnavailable, match="did not answer"):
+            step(batches[1])
+        assert time.time() - started < 10  # a clear error, no hang
+        executor = start_executor(model_dir, url, tmp_path)
+        with pytest.raises(symbiosis.ExecutorUnavailable, match="reconnect"):
+            step(batches[1])
+        session.reconnect()
+        step(batches[1])
+        step(batches[2])
+    finally:
+        executor.terminate()
+        executor.wait(timeout=30)
+    # Reference: the same three batches without interruption.
+    reference_model = build(model_dir, symbiosis.Executor.from_pretrained(model_dir, dtype=torch.float64), "lora", 4)
+    ref_opt = torch.optim.AdamW([p for p in reference_model.parameters() if p.requires_grad], lr=1e-2)
+    reference_model.train()
+    for ids in batches:
+        ref_opt.zero_grad()
+        reference_model(input_ids=ids, labels=ids).loss.backward()
+        ref_opt.step()
+    reference_params = dict(reference_model.named_parameters())
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            assert_close(param.detach(), reference_params[name].detach(), name)
