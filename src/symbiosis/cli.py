@@ -1,4 +1,4 @@
-"""`symbiosis` command line: `demo`, `executor` (serve, or print another's --stats)."""
+"""`symbiosis` command line: `demo`, `executor` (serve, or print another's --stats), `generate`."""
 
 from __future__ import annotations
 
@@ -53,6 +53,35 @@ def executor_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def executor_session(model):
+    """The session of a split model, also when wrapped by PEFT."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.symbiosis_session
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    """Generate text from a split model attached to a running executor, streaming tokens as they come."""
+    from transformers import AutoTokenizer
+
+    import symbiosis
+    from symbiosis.client.generate import generate_text, load_adapter
+
+    executor = symbiosis.connect(args.executor, token=_read_token(args.token_file), timeout=args.timeout)
+    model = symbiosis.from_pretrained(args.model, executor, device=args.device, name="generate")
+    try:
+        if args.adapter:
+            model = load_adapter(model, args.adapter)
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, stream=True)
+    except symbiosis.SymbiosisError as e:
+        print(f"symbiosis generate: {e}", file=sys.stderr)
+        return 2
+    finally:
+        executor_session(model).close()
+    return 0
+
+
 def demo_command(args: argparse.Namespace) -> int:
     """Several tenants fine-tuning and generating on one shared base model, each its own process."""
     from symbiosis.demo import run_demo
@@ -68,6 +97,22 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--workdir", default="demo-out", help="where the base model and adapters are written")
     demo.add_argument("--steps", type=int, default=60, help="fine-tuning steps per training tenant")
     demo.set_defaults(run=demo_command)
+
+    generate = commands.add_parser("generate", help=generate_command.__doc__)
+    generate.add_argument("--executor", required=True, help="URL of a running executor")
+    generate.add_argument("--model", required=True, help="the model directory the executor serves")
+    generate.add_argument("--adapter", help="a PEFT adapter directory")
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    generate.add_argument("--top-p", type=float, default=None)
+    generate.add_argument("--top-k", type=int, default=None)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--stop", action="append", help="stop when this text is generated (repeatable)")
+    generate.add_argument("--device", default="cpu", help="where this client computes (cpu, cuda:0, ...)")
+    generate.add_argument("--token-file", help="file holding the executor's token")
+    generate.add_argument("--timeout", type=float, default=60.0)
+    generate.set_defaults(run=generate_command)
 
     executor = commands.add_parser("executor", help=executor_command.__doc__)
     executor.add_argument("--model", help="Hugging Face model directory (config.json + safetensors)")

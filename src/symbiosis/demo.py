@@ -122,6 +122,7 @@ def _complete(model, tokenizer, prompt: str, new_tokens: int = 12) -> str:
 
 def run_tenant(role: str, model_dir: Path, url: str, token: str, steps: int, out_dir: Path) -> None:
     import symbiosis
+    from symbiosis.client.generate import save_adapter
 
     torch.manual_seed(0)
     say = lambda msg: print(f"[{role:6s}] {msg}", flush=True)  # noqa: E731
@@ -150,7 +151,7 @@ def run_tenant(role: str, model_dir: Path, url: str, token: str, steps: int, out
             say(f"step {step:3d}/{steps}  loss {loss.item():.3f}  ({(time.time() - start) / step:.2f} s/step)")
     model.eval()
     say(f"after:  {prompt!r} -> {_complete(model, tokenizer, prompt)!r}")
-    model.save_pretrained(out_dir / role)
+    save_adapter(model, out_dir / role)
     say(f"adapter saved to {out_dir / role} (PEFT format)")
 
 

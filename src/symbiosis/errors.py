@@ -43,3 +43,7 @@ class ExecutorUnavailable(SymbiosisError):
 
 class Unauthorized(SymbiosisError):
     """A client presented no token, or the wrong one."""
+
+
+class AdapterError(SymbiosisError):
+    """An adapter directory is missing, incomplete, or belongs to another base model."""

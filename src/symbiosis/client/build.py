@@ -62,7 +62,8 @@ def from_pretrained(path: str | os.PathLike, executor, auto_class=AutoModelForCa
     checkpoint = Checkpoint(path)
     config = load_config(checkpoint)
     device = torch.device(device)
-    session = executor.attach(checkpoint.fingerprint(), name, device)
+    fingerprint = checkpoint.fingerprint()
+    session = executor.attach(fingerprint, name, device)
     dtype = resolve_dtype(dtype, torch_dtype, config) if (dtype or torch_dtype) else session.dtype
     model = build_skeleton(config, auto_class, dtype)
 
@@ -85,5 +86,6 @@ def from_pretrained(path: str | os.PathLike, executor, auto_class=AutoModelForCa
         model.generation_config = GenerationConfig.from_pretrained(checkpoint.path)
     model.save_pretrained = _refuse_full_save
     model.symbiosis_session = session
+    model.symbiosis_fingerprint = fingerprint
     model.symbiosis_checkpoint = checkpoint  # its bytes_read shows what this client read
     return model.eval()
