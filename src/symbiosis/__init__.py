@@ -2,6 +2,7 @@
 PEFT adapters, through split execution (the base layers run in a shared executor)."""
 
 from symbiosis.client.build import from_pretrained
+from symbiosis.client.privacy import NoiseMasking
 from symbiosis.errors import (
     BadCall,
     CheckpointError,
@@ -23,6 +24,7 @@ __all__ = [
     "Executor",
     "ExecutorUnavailable",
     "FingerprintMismatch",
+    "NoiseMasking",
     "SymbiosisError",
     "UnknownClient",
     "UnknownLayer",

@@ -16,6 +16,7 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
+from symbiosis.client.privacy import MaskedSession, NoiseMasking
 from symbiosis.client.virtual import make_virtual
 from symbiosis.errors import CheckpointError, VirtualWeightAccess
 from symbiosis.model.checkpoint import Checkpoint
@@ -52,12 +53,14 @@ def _refuse_full_save(*args, **kwargs):
 
 def from_pretrained(path: str | os.PathLike, executor, auto_class=AutoModelForCausalLM, *,
                     dtype: torch.dtype | str | None = None, torch_dtype=None, device: str | torch.device = "cpu",
-                    name: str = "client") -> PreTrainedModel:
+                    name: str = "client", privacy: NoiseMasking | None = None) -> PreTrainedModel:
     """A transformers model of `path` whose base layers run in `executor`; it holds only the client's tensors.
 
     `executor`: an in-process `Executor`, or `symbiosis.connect(url)` for one in another process or host.
     `dtype` defaults to the executor's dtype (`torch_dtype` is its deprecated alias); a different dtype is
     cast at the executor boundary. `device` is where the client's own tensors and compute live.
+    `privacy=NoiseMasking(...)` masks every activation (and gradient) that leaves the client with noise
+    whose effect is removed exactly (docs/PRIVACY.md).
     """
     checkpoint = Checkpoint(path)
     config = load_config(checkpoint)
@@ -66,12 +69,15 @@ def from_pretrained(path: str | os.PathLike, executor, auto_class=AutoModelForCa
     session = executor.attach(fingerprint, name, device)
     dtype = resolve_dtype(dtype, torch_dtype, config) if (dtype or torch_dtype) else session.dtype
     model = build_skeleton(config, auto_class, dtype)
-
-    for module_name, spec in plan_base_layers(model, checkpoint).items():
+    plan = plan_base_layers(model, checkpoint)
+    for spec in plan.values():
         served = session.layer_specs.get(spec.layer_id)
         if served != spec:
             raise CheckpointError(f"the executor does not serve base layer {spec.layer_id!r} as this model needs it "
                                   f"(executor: {served}, client: {spec})")
+    if privacy is not None:
+        session = MaskedSession(session, privacy, sorted({s.layer_id for s in plan.values()}), device, dtype)
+    for module_name, spec in plan.items():
         virtual = make_virtual(spec, session, device, dtype)
         virtual._is_hf_initialized = True
         for tensor in virtual.parameters():

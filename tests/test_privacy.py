@@ -1,0 +1,143 @@
+"""Noise masking: exact results, adapters never leave the client, no clear activation reaches the executor."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from peft import get_peft_model
+
+import symbiosis
+from symbiosis import NoiseMasking
+from symbiosis.transport.server import ExecutorServer
+from test_exactness import assert_close, batch, peft_config
+
+MASK = NoiseMasking(pool=2, rows=64, scale=1.0, seed=0)
+
+
+def _model(path, executor, arch, method, auto_class, privacy=None):
+    torch.manual_seed(7)
+    model = symbiosis.from_pretrained(path, executor, auto_class=auto_class, privacy=privacy)
+    return get_peft_model(model, peft_config(method, arch))
+
+
+def _step(model, arch, seed=0):
+    model.train()
+    torch.manual_seed(seed)
+    out = model(**batch(arch, seed=seed))
+    out.loss.backward()
+    return out
+
+
+@pytest.mark.parametrize("arch,method", [("llama", "lora"), ("llama", "ia3"), ("llama", "prefix"),
+                                         ("gpt2", "lora"), ("bert", "lora")])
+def test_masked_equals_unmasked(arch, method, checkpoints):
+    path, auto_class = checkpoints(arch)
+    executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
+    clear = _model(path, executor, arch, method, auto_class)
+    masked = _model(path, executor, arch, method, auto_class, privacy=MASK)
+    ours, theirs = _step(masked, arch), _step(clear, arch)
+    assert_close(ours.logits, theirs.logits, "logits")
+    assert_close(ours.loss, theirs.loss, "loss")
+    reference = dict(clear.named_parameters())
+    for name, param in masked.named_parameters():
+        if param.requires_grad:
+            assert_close(param.grad, reference[name].grad, f"grad of {name}")
+
+
+@pytest.mark.parametrize("scheme", ["ipc", "tcp"])
+def test_masking_over_transports(scheme, checkpoints, tmp_path):
+    path, auto_class = checkpoints("llama")
+    executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
+    url = f"ipc://{tmp_path}/x.sock" if scheme == "ipc" else "tcp://127.0.0.1:46901"
+    server = ExecutorServer(executor, url).start()
+    try:
+        remote = _model(path, symbiosis.connect(url, timeout=10), "llama", "lora", auto_class, privacy=MASK)
+        clear = _model(path, executor, "llama", "lora", auto_class)
+        assert_close(_step(remote, "llama").logits, _step(clear, "llama").logits, "logits")
+    finally:
+        server.stop()
+
+
+def _record(executor) -> list[tuple[str, str, torch.Tensor]]:
+    """Every tensor the executor receives: (op, layer, tensor)."""
+    received = []
+    submit = executor.submit
+
+    def recording_submit(client_id, op, layer_id, tensor, inference=False):
+        received.append((op, layer_id, tensor.detach().clone()))
+        return submit(client_id, op, layer_id, tensor, inference)
+
+    executor.submit = recording_submit
+    return received
+
+
+def _rows_shared(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-6) -> bool:
+    """Does any row of a equal (within tol) any row of b?"""
+    return a.shape[-1] == b.shape[-1] and bool((torch.cdist(a.reshape(-1, a.shape[-1]),
+                                                            b.reshape(-1, b.shape[-1])) < tol).any())
+
+
+def test_executor_sees_no_adapter_and_no_clear_activation(checkpoints):
+    path, auto_class = checkpoints("llama")
+    masked_executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
+    clear_executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
+    received, clear_calls = _record(masked_executor), _record(clear_executor)
+    masked = _model(path, masked_executor, "llama", "lora", auto_class, privacy=NoiseMasking(pool=2, rows=64))
+    pool_calls = len(received)  # noise effects, computed at attach: the executor sees every pool value
+    clear = _model(path, clear_executor, "llama", "lora", auto_class)
+    adapter_snapshots = []
+    for model in (masked, clear):
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        for step in range(3):
+            _step(model, "llama", seed=step)
+            optimizer.step()
+            optimizer.zero_grad()
+            if model is masked:
+                adapter_snapshots += [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    calls = received[pool_calls:]
+    assert len(calls) == len(clear_calls) > 0  # the same calls, masked
+    for op, layer, tensor in received:
+        for adapter in adapter_snapshots:
+            assert not _rows_shared(tensor, adapter) and not _rows_shared(tensor, adapter.t()), \
+                f"an adapter tensor reached the executor in a {op} call to {layer}"
+    for (op, layer, seen), (clear_op, clear_layer, plain) in zip(calls, clear_calls):
+        assert (op, layer) == (clear_op, clear_layer)
+        assert not _rows_shared(seen, plain), f"a clear activation reached the executor ({op} {layer})"
+
+
+def test_pool_refresh_recomputes_effects(checkpoints):
+    path, auto_class = checkpoints("llama")
+    executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
+    received = _record(executor)
+    model = _model(path, executor, "llama", "lora", auto_class,
+                   privacy=NoiseMasking(pool=2, rows=32, refresh_every=2, mask_backward=False, seed=1))
+    attach_effects = sum(op == "forward_nobias" for op, _, _ in received)
+    assert attach_effects == len(executor.layer_specs)  # one pool per layer, computed at attach
+    clear = _model(path, symbiosis.Executor.from_pretrained(path, dtype=torch.float64), "llama", "lora", auto_class)
+    for step in range(3):
+        assert_close(_step(model, "llama", step).logits, _step(clear, "llama", step).logits, f"logits {step}")
+    # 3 forward calls per layer with refresh every 2: one refresh each.
+    assert sum(op == "forward_nobias" for op, _, _ in received) == 2 * attach_effects
+
+
+def test_masked_calls_batch_with_other_clients(checkpoints):
+    path, auto_class = checkpoints("llama")
+    executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64, policy="lockstep")
+    models = [_model(path, executor, "llama", "lora", auto_class, privacy=MASK if i else None) for i in range(2)]
+    reference = _step(_model(path, symbiosis.Executor.from_pretrained(path, dtype=torch.float64), "llama", "lora",
+                             auto_class), "llama")
+    outputs = [None, None]
+
+    def run(i):
+        outputs[i] = models[i](**batch("llama")).logits
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for out in outputs:
+        assert_close(out, reference.logits, "logits")
+    assert executor.stats_snapshot()["overall"]["max_batch_calls"] >= 2
