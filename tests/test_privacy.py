@@ -65,9 +65,9 @@ def _record(executor) -> list[tuple[str, str, torch.Tensor]]:
     received = []
     submit = executor.submit
 
-    def recording_submit(client_id, op, layer_id, tensor, inference=False):
+    def recording_submit(client_id, op, layer_id, tensor, inference=False, inline=False):
         received.append((op, layer_id, tensor.detach().clone()))
-        return submit(client_id, op, layer_id, tensor, inference)
+        return submit(client_id, op, layer_id, tensor, inference, inline)
 
     executor.submit = recording_submit
     return received

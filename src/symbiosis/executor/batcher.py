@@ -57,12 +57,20 @@ class Batcher:
         self._worker = threading.Thread(target=self._serve, name="symbiosis-batcher", daemon=True)
         self._worker.start()
 
-    def submit(self, client_id: str, key: QueueKey, tensor: torch.Tensor, inference: bool) -> Future:
+    def submit(self, client_id: str, key: QueueKey, tensor: torch.Tensor, inference: bool,
+               inline: bool = False) -> Future:
+        """Queue a call. With `inline`, a call the policy would run at once (say, the only active client's)
+        runs on the caller's thread, saving the hand-off to the worker: the in-process fast path."""
         call = PendingCall(client_id, tensor.shape[0], inference, time.perf_counter(), tensor)
         with self._cond:
             self.last_call[client_id] = call.arrived
             self.queues.by_key.setdefault(key, []).append(call)
-            self._cond.notify()
+            decision = self._decide() if inline else None
+            batch = self._take(decision) if decision is not None and decision.key is not None else None
+            if batch is None:
+                self._cond.notify()
+        if batch is not None:
+            self._run(*batch)
         return call.future
 
     def drop_client(self, client_id: str) -> None:
@@ -93,6 +101,12 @@ class Batcher:
             self._cond.notify()
         self._worker.join(timeout=5)
 
+    def _decide(self) -> Decision:
+        now = time.perf_counter()
+        active = sum(now - t < ACTIVE_WINDOW for t in self.last_call.values())
+        clients = ClientCounts(attached=max(1, self.attached()), active=max(1, active))
+        return self.policy.decide(self.queues, now, clients)
+
     def _take(self, decision: Decision) -> tuple[QueueKey, list[PendingCall]]:
         queued = self.queues.by_key[decision.key]
         if decision.single:
@@ -113,10 +127,7 @@ class Batcher:
                 if not self.queues.by_key:
                     self._cond.wait()
                     continue
-                now = time.perf_counter()
-                active = sum(now - t < ACTIVE_WINDOW for t in self.last_call.values())
-                clients = ClientCounts(attached=max(1, self.attached()), active=max(1, active))
-                decision = self.policy.decide(self.queues, now, clients)
+                decision = self._decide()
                 if decision.key is None:
                     self._cond.wait(decision.wait)
                     continue

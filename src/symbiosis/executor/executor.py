@@ -130,7 +130,8 @@ class Executor:
             raise BadCall(f"{what} call to layer {lid!r} has {tensor.shape[0]} tokens, "
                           f"more than this executor's limit of {self.max_call_tokens}")
 
-    def submit(self, client_id: str, op: str, layer_id: str, tensor: torch.Tensor, inference: bool = False) -> Future:
+    def submit(self, client_id: str, op: str, layer_id: str, tensor: torch.Tensor, inference: bool = False,
+               inline: bool = False) -> Future:
         """Queue one call; the future resolves to its output on the executor's device.
 
         forward:        x [T, in]  -> x W^T + b  [T, out]
@@ -143,14 +144,16 @@ class Executor:
         layer = self._layer_for(client_id, layer_id)
         width = layer.spec.out_features if op == "backward" else layer.spec.in_features
         self._check(layer, tensor, width, op)
-        return self.batcher.submit(client_id, (layer_id, op), tensor.to(self.device), inference and op != "backward")
+        return self.batcher.submit(client_id, (layer_id, op), tensor.to(self.device), inference and op != "backward",
+                                   inline)
 
     def forward(self, client_id: str, layer_id: str, x: torch.Tensor, inference: bool = False,
                 with_bias: bool = True) -> torch.Tensor:
-        return self.submit(client_id, "forward" if with_bias else "forward_nobias", layer_id, x, inference).result()
+        op = "forward" if with_bias else "forward_nobias"
+        return self.submit(client_id, op, layer_id, x, inference, inline=True).result()
 
     def backward(self, client_id: str, layer_id: str, grad_out: torch.Tensor) -> torch.Tensor:
-        return self.submit(client_id, "backward", layer_id, grad_out).result()
+        return self.submit(client_id, "backward", layer_id, grad_out, inline=True).result()
 
     def _run_batch(self, key: tuple[str, str], tensor: torch.Tensor) -> torch.Tensor:
         layer_id, op = key
