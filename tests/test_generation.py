@@ -102,3 +102,18 @@ def test_generate_command_streams(lm, tmp_path, capsys):
         assert code == 2 and "max_new_tokens must be positive" in capsys.readouterr().err
     finally:
         server.stop()
+
+
+def test_prefill_then_decode_elsewhere_matches_plain_greedy(lm):
+    """The long-context scheme's mechanics: prefill in one place/dtype, move the client and its KV cache,
+    decode there; tokens equal plain greedy decoding."""
+    from symbiosis.client.offload import prefill_then_decode
+
+    path, executor, tokenizer = lm
+    split, plain = _pair(lm)
+    ids = tokenizer(["<s> the teacher"], return_tensors="pt")["input_ids"]
+    expected = plain.generate(input_ids=ids, max_new_tokens=10, do_sample=False, pad_token_id=0)[:, ids.shape[1]:]
+    model = split.get_base_model()
+    model.to(torch.float32)  # "prefill device": float32 client (the executor serves float64, cast at the boundary)
+    tokens = prefill_then_decode(split, ids, 10, decode_device="cpu", decode_dtype=torch.float64)
+    assert torch.equal(tokens, expected)

@@ -176,9 +176,13 @@ class ExecutorServer:
             tensor = wire.frame_tensor(frames[0], spec)
         else:
             raise BadCall(f"{header['op']} call carries {len(frames)} tensor frames, expected 1")
+        # inline: a call the policy runs at once is computed on this thread, and answered straight away.
         future = self.executor.submit(header["client"], header["op"], str(header.get("layer")), tensor,
-                                      inference=bool(header.get("inference")))
-        future.add_done_callback(lambda f: self._complete(identity, header, f))
+                                      inference=bool(header.get("inference")), inline=True)
+        if future.done():
+            self._finish(identity, header, future)
+        else:
+            future.add_done_callback(lambda f: self._complete(identity, header, f))
 
     # --- completions ---------------------------------------------------------------------------------
 
@@ -197,16 +201,18 @@ class ExecutorServer:
                 identity, header, future = self._completions.get_nowait()
             except queue.Empty:
                 return
-            client = self.clients.get(header["client"])
-            if client is None:
-                continue  # the client left (or died) while its call ran: nobody to answer
+            self._finish(identity, header, future)
+
+    def _finish(self, identity: bytes, header: dict, future: Future) -> None:
+        client = self.clients.get(header["client"])
+        if client is not None:  # else the client left (or died) while its call ran: nobody to answer
             try:
                 result = future.result()
                 reply = {"id": header.get("id"), "ok": True, "tensor": wire.describe(result)}
                 if header.get("shm"):
                     client.buffer.view(result.dtype, list(result.shape)).copy_(result)
-                    if result.is_cuda:
-                        torch.cuda.current_stream(result.device).synchronize()
+                    if client.buffer.tensor.is_cuda:
+                        torch.cuda.current_stream(client.buffer.tensor.device).synchronize()
                     self._reply(identity, {**reply, "shm": True})
                 else:
                     self._reply(identity, reply, result.cpu())

@@ -1,0 +1,170 @@
+"""Shared pieces of the benchmarks: real model configs with random weights, LoRA configs, timing, output.
+
+Every benchmark prints one JSON line per result (and appends it to $OUT/results.jsonl when OUT is set),
+and runs its baseline (plain transformers + PEFT, one job per tenant) in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+from transformers import LlamaConfig, LlamaForCausalLM
+
+ROOT = Path(__file__).resolve().parent.parent
+# Shapes of the real models (random weights: no hub access; the work done is the same).
+CONFIGS = {
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                         rope_theta=500000.0, max_position_embeddings=131072),
+    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072),
+    "llama-2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                        num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096),
+}
+LORAS = {  # paper Table 2
+    "lora1_r8_q": (8, ["q_proj"]),
+    "lora2_r64_q": (64, ["q_proj"]),
+    "lora3_r8_qkvo": (8, ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "lora4_r64_qkvo": (64, ["q_proj", "k_proj", "v_proj", "o_proj"]),
+}
+
+
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def dtype() -> torch.dtype:
+    return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+
+
+def checkpoint(name: str, root: Path | None = None) -> Path:
+    """A saved random-weight checkpoint with the shapes of `name` (made once, then reused)."""
+    root = root or Path(os.environ.get("SYMBIOSIS_BENCH_MODELS", "/tmp/symbiosis-bench-models"))
+    path = root / name
+    if (path / "config.json").is_file():
+        return path
+    torch.manual_seed(0)
+    with torch.device(device()):
+        model = LlamaForCausalLM(LlamaConfig(**CONFIGS[name], dtype=dtype())).to(dtype())
+    model.save_pretrained(path)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return path
+
+
+def lora(name: str) -> LoraConfig:
+    r, targets = LORAS[name]
+    return LoraConfig(task_type="CAUSAL_LM", r=r, lora_alpha=2 * r, target_modules=targets)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def train_step(model, optimizer, batch_size: int, seq_len: int, vocab: int) -> None:
+    ids = torch.randint(0, vocab, (batch_size, seq_len), device=model.device)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def time_training(model, batch_size=2, seq_len=512, warmup=3, iters=10) -> float:
+    """Median seconds per fine-tuning iteration (forward, backward, AdamW step)."""
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    vocab = model.config.vocab_size
+    times = []
+    for i in range(warmup + iters):
+        sync()
+        start = time.perf_counter()
+        train_step(model, optimizer, batch_size, seq_len, vocab)
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def emit(**record) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    if os.environ.get("OUT"):
+        with open(Path(os.environ["OUT"]) / "results.jsonl", "a") as f:
+            f.write(line + "\n")
+
+
+class GpuMemorySampler:
+    """Peak device memory in use (all processes), sampled with nvidia-smi while a run goes on."""
+
+    def __init__(self, interval: float = 0.2):
+        self.interval, self.peak_mib, self._stop = interval, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _read(self) -> int:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=5).stdout
+            return int(out.split()[0])
+        except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+            return 0
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_mib = max(self.peak_mib, self._read())
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        self.idle_mib = self._read()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def used_gib(self) -> float:
+        return max(0, self.peak_mib - self.idle_mib) / 1024
+
+
+def start_executor(model_dir: Path, url: str, policy: str = "opportunistic", extra: list[str] = ()) -> subprocess.Popen:
+    """A `symbiosis executor` process, returned once it answers."""
+    import symbiosis
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    process = subprocess.Popen([sys.executable, "-m", "symbiosis.cli", "executor", "--model", str(model_dir),
+                                "--listen", url, "--device", device(), "--dtype", str(dtype()).removeprefix("torch."),
+                                "--policy", policy, *extra], env=env, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError("executor exited during start-up")
+        try:
+            symbiosis.connect(url, timeout=1.0).stats()
+            return process
+        except symbiosis.ExecutorUnavailable:
+            time.sleep(0.5)
+    process.kill()
+    raise RuntimeError("executor did not start")
