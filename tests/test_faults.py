@@ -24,11 +24,12 @@ HERE = Path(__file__).parent
 TOKEN = "fault-test-token"
 
 
-def start_executor(model_dir, url, tmp_path, policy="opportunistic", client_timeout=2.0) -> subprocess.Popen:
+def start_executor(model_dir, url, tmp_path, policy="opportunistic", client_timeout=2.0, device="cpu",
+                   dtype="float64") -> subprocess.Popen:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     process = subprocess.Popen([sys.executable, "-m", "symbiosis.cli", "executor", "--model", str(model_dir),
-                                "--listen", url, "--device", "cpu", "--dtype", "float64", "--policy", policy,
+                                "--listen", url, "--device", device, "--dtype", dtype, "--policy", policy,
                                 "--max-wait-ms", "50", "--client-timeout", str(client_timeout),
                                 "--token-file", str(token_file)])
     deadline = time.time() + 90

@@ -1,0 +1,61 @@
+"""CUDA placements (run on the device machine; skipped on CPU): executor on the GPU with the client in-process,
+in another process on the same GPU (CUDA IPC buffer), and on the CPU (shared host buffer, and tcp frames)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import get_peft_model
+
+import symbiosis
+from test_exactness import batch, peft_config
+from test_faults import TOKEN, start_executor
+
+pytestmark = pytest.mark.gpu
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _train_step(path, executor, device, dtype=None, privacy=None):
+    torch.manual_seed(0)
+    model = get_peft_model(symbiosis.from_pretrained(path, executor, device=device, dtype=dtype, privacy=privacy),
+                           peft_config("lora", "llama"))
+    inputs = {k: v.to(device) for k, v in batch("llama").items()}
+    out = model(**inputs)
+    out.loss.backward()
+    grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    return out.logits.detach().float().cpu(), grads
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path, _ = checkpoints("llama")
+    executor = symbiosis.Executor.from_pretrained(path, device="cuda", dtype=torch.float32)
+    return _train_step(path, executor, "cuda")
+
+
+@pytest.mark.parametrize("client_device,scheme", [("cuda", "ipc"), ("cpu", "ipc"), ("cpu", "tcp")])
+def test_placements_match_in_process(client_device, scheme, checkpoints, tmp_path, reference):
+    path, _ = checkpoints("llama")
+    url = f"ipc://{tmp_path}/x.sock" if scheme == "ipc" else "tcp://127.0.0.1:46999"
+    process = start_executor(path, url, tmp_path, device="cuda:0", dtype="float32")
+    try:
+        logits, grads = _train_step(path, symbiosis.connect(url, token=TOKEN, timeout=60), client_device)
+    finally:
+        process.terminate()
+        process.wait()
+    ref_logits, ref_grads = reference
+    assert _rel(logits, ref_logits) < 1e-5
+    for name, grad in ref_grads.items():
+        assert _rel(grads[name], grad) < 1e-4, name
+
+
+def test_bf16_masking_stays_within_rounding(checkpoints):
+    path, _ = checkpoints("llama")
+    executor = symbiosis.Executor.from_pretrained(path, device="cuda", dtype=torch.bfloat16)
+    clear, _ = _train_step(path, executor, "cuda")
+    masked, _ = _train_step(path, executor, "cuda", privacy=symbiosis.NoiseMasking(scale=0.5))
+    assert _rel(masked, clear) < 3e-2
