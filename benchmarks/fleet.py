@@ -19,7 +19,7 @@ def run_fleet(tenants: list[dict], duration: float) -> tuple[list[dict], float]:
     """tenants: keyword arguments of tenant.py per process. Returns (results, GiB of GPU memory in use at
     peak by everything started, measured from before the tenants started)."""
     go_file = Path(tempfile.mkdtemp()) / "go"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{HERE}"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(HERE), os.environ.get("PYTHONPATH", "")])}
     with GpuMemorySampler() as memory:
         processes = []
         for spec in tenants:
