@@ -75,6 +75,9 @@ def executors(checkpoints):
         if arch not in made:
             path, _ = checkpoints(arch)
             made[arch] = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
+            # A second attached client: every call then takes the executor path (autograd Function, batcher),
+            # not the single-client direct path, which test_single_client_direct_path covers.
+            made[arch].attach(made[arch].fingerprint, "bystander")
         return made[arch]
 
     return get
@@ -161,3 +164,29 @@ def test_dora_is_refused_with_an_explanation(checkpoints, executors):
     split = symbiosis.from_pretrained(path, executors("llama"), auto_class=auto_class, dtype=torch.float64)
     with pytest.raises(symbiosis.UnsupportedAdapter, match="DoRA"):
         get_peft_model(split, peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+
+
+def test_single_client_direct_path(checkpoints):
+    """Alone on an in-process executor, a client runs the executor's GEMMs itself with native autograd; the
+    numbers are the same, and no activation is saved for base layers."""
+    path, auto_class = checkpoints("llama")
+    executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
+    model = symbiosis.from_pretrained(path, executor, auto_class=auto_class)
+    torch.manual_seed(1234)
+    split = get_peft_model(model, peft_config("lora", "llama"))
+    layer = split.base_model.model.model.layers[0].mlp.up_proj
+    assert layer.session.direct(layer.layer_id, torch.zeros(1, 64, dtype=torch.float64)) is not None
+    reference = auto_class.from_pretrained(path, dtype=torch.float64)
+    torch.manual_seed(1234)
+    reference = get_peft_model(reference, peft_config("lora", "llama"))
+    calls = lambda: executor.stats_snapshot()["per_layer"]["model.layers.0.mlp.up_proj:forward"]["calls"]  # noqa: E731
+    before = calls()
+    ours, theirs = train_step(split, "llama", 0), train_step(reference, "llama", 0)
+    assert calls() == before + 1  # counted by the executor
+    assert_close(ours.logits, theirs.logits, "logits")
+    reference_params = dict(reference.named_parameters())
+    for name, param in split.named_parameters():
+        if param.requires_grad:
+            assert_close(param.grad, reference_params[name].grad, name)
+    up = executor.weights.layers["model.layers.0.mlp.up_proj"].weight
+    assert not up.requires_grad and up.grad is None

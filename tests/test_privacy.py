@@ -83,6 +83,7 @@ def test_executor_sees_no_adapter_and_no_clear_activation(checkpoints):
     path, auto_class = checkpoints("llama")
     masked_executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
     clear_executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
+    clear_executor.attach(clear_executor.fingerprint, "bystander")  # no direct path: every call is recorded
     received, clear_calls = _record(masked_executor), _record(clear_executor)
     masked = _model(path, masked_executor, "llama", "lora", auto_class, privacy=NoiseMasking(pool=2, rows=64))
     pool_calls = len(received)  # noise effects, computed at attach: the executor sees every pool value

@@ -89,6 +89,9 @@ class MaskedSession:
             order = torch.randint(rows, (tokens,), generator=self.generator, device=self.device)
         return pool.noise[value, order], pool.effect[value, order]
 
+    def direct(self, layer_id: str, x: torch.Tensor) -> None:
+        return None  # every masked call goes through the executor's masked path
+
     def forward(self, layer_id: str, x: torch.Tensor, inference: bool = False) -> torch.Tensor:
         # x: [T, in];  returns (x + n) W^T + b - n W^T
         noise, effect = self._draw(layer_id, "forward", x.shape[0])

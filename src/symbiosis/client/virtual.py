@@ -81,7 +81,11 @@ def _executor_call(layer: nn.Module, x: torch.Tensor, out_features: int) -> torc
     # x: [..., in] -> tokens: [T, in] -> [T, out] -> [..., out]
     leading = x.shape[:-1]
     tokens = x.reshape(-1, x.shape[-1])
-    out = _BaseLayerCall.apply(tokens, layer.session, layer.layer_id, not torch.is_grad_enabled())
+    direct = layer.session.direct(layer.layer_id, tokens)
+    if direct is not None:  # in-process executor, nobody to batch with: its GEMM on this thread
+        out = direct.forward(tokens)
+    else:
+        out = _BaseLayerCall.apply(tokens, layer.session, layer.layer_id, not torch.is_grad_enabled())
     return out.view(*leading, out_features)
 
 

@@ -144,8 +144,8 @@ class Executor:
         layer = self._layer_for(client_id, layer_id)
         width = layer.spec.out_features if op == "backward" else layer.spec.in_features
         self._check(layer, tensor, width, op)
-        return self.batcher.submit(client_id, (layer_id, op), tensor.to(self.device), inference and op != "backward",
-                                   inline)
+        tensor = tensor if tensor.device == self.device else tensor.to(self.device)
+        return self.batcher.submit(client_id, (layer_id, op), tensor, inference and op != "backward", inline)
 
     def forward(self, client_id: str, layer_id: str, x: torch.Tensor, inference: bool = False,
                 with_bias: bool = True) -> torch.Tensor:
@@ -179,18 +179,36 @@ class InProcessSession:
         self.client_id = client_id
         self.layer_specs = executor.layer_specs
         self.dtype = executor.dtype
+        self._layers = executor.weights.layers
+
+    def direct(self, layer_id: str, x: torch.Tensor) -> BaseLayer | None:
+        """The executor's own layer, for the client to run on its thread, when nobody else is attached to
+        batch with and the client computes on the executor's device in its dtype. Native autograd then
+        does backward: W does not require grad, so grad_x = g W is all it computes, and it saves no
+        activation (only a reference to W). The call is counted in the executor's stats."""
+        executor = self.executor
+        if len(executor.clients) != 1 or x.device != executor.device or x.dtype != self.dtype:
+            return None
+        layer = self._layers.get(layer_id)
+        if layer is not None:
+            executor.stats.count_direct((layer_id, "forward"), x.shape[0])
+        return layer
+
+    def _cast(self, result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        same = result.device == like.device and result.dtype == like.dtype
+        return result if same else result.to(like.device, like.dtype)
 
     def forward(self, layer_id: str, x: torch.Tensor, inference: bool = False) -> torch.Tensor:
-        y = self.executor.forward(self.client_id, layer_id, x.to(self.dtype), inference=inference)
-        return y.to(x.device, x.dtype)
+        sent = x if x.dtype == self.dtype else x.to(self.dtype)
+        return self._cast(self.executor.forward(self.client_id, layer_id, sent, inference=inference), x)
 
     def forward_nobias(self, layer_id: str, x: torch.Tensor, inference: bool = False) -> torch.Tensor:
-        y = self.executor.forward(self.client_id, layer_id, x.to(self.dtype), inference=inference, with_bias=False)
-        return y.to(x.device, x.dtype)
+        sent = x if x.dtype == self.dtype else x.to(self.dtype)
+        return self._cast(self.executor.forward(self.client_id, layer_id, sent, inference, with_bias=False), x)
 
     def backward(self, layer_id: str, grad_out: torch.Tensor) -> torch.Tensor:
-        g = self.executor.backward(self.client_id, layer_id, grad_out.to(self.dtype))
-        return g.to(grad_out.device, grad_out.dtype)
+        sent = grad_out if grad_out.dtype == self.dtype else grad_out.to(self.dtype)
+        return self._cast(self.executor.backward(self.client_id, layer_id, sent), grad_out)
 
     def fetch(self, layer_id: str):
         return self.executor.fetch(self.client_id, layer_id)

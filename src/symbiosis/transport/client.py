@@ -21,7 +21,7 @@ import zmq
 from symbiosis.errors import ExecutorUnavailable, SymbiosisError, UnknownClient
 from symbiosis.model.partition import BaseLayerSpec
 from symbiosis.transport import wire
-from symbiosis.transport.shm import SharedBuffer
+from symbiosis.transport.shm import SharedBuffer, open_ipc_event
 
 INITIAL_BUFFER_BYTES = 8 << 20
 
@@ -111,6 +111,9 @@ class RemoteSession:
         self.executor_device = reply["device"]
         self.heartbeat_s = float(reply["heartbeat_s"])
         self.layer_specs = {d["layer_id"]: BaseLayerSpec(**d) for d in reply["layers"]}
+        self._executor_done = None  # CUDA buffers: the executor's event, recorded once a result is written
+        if reply.get("done_event"):
+            self._executor_done = open_ipc_event(self.buffer.tensor.device, reply["done_event"])
         self._heartbeat_stop.clear()
         threading.Thread(target=self._heartbeat, args=(self.client_id,), name="symbiosis-heartbeat", daemon=True).start()
 
@@ -143,6 +146,8 @@ class RemoteSession:
         if nbytes <= self.buffer.nbytes:
             return
         old = self.buffer
+        if old.ready is not None:
+            torch.cuda.current_stream(old.tensor.device).synchronize()  # nothing may still use the old one
         self.buffer = SharedBuffer.create(max(nbytes, old.nbytes * 3 // 2), old.tensor.device)
         self._request({"op": "buffer", "buffer": self.buffer.description})
         old.close()
@@ -154,10 +159,12 @@ class RemoteSession:
         if self.buffer is not None:
             self._ensure_capacity(sent.shape[0] * max(sent.shape[1], out_width) * self.dtype.itemsize)
             self.buffer.view(self.dtype, list(sent.shape)).copy_(sent)
-            if self.buffer.tensor.is_cuda:
-                torch.cuda.current_stream(self.buffer.tensor.device).synchronize()
+            if self.buffer.ready is not None:
+                self.buffer.ready.record()  # the executor's stream waits on this: no CPU synchronisation
             reply, _ = self._request({**header, "shm": True})
             spec = reply["tensor"]
+            if self._executor_done is not None:
+                torch.cuda.current_stream(self.buffer.tensor.device).wait_event(self._executor_done)
             result = self.buffer.view(wire.parse_dtype(spec["dtype"]), spec["shape"]).clone()
         else:
             reply, frames = self._request(header, sent.cpu())
@@ -167,6 +174,9 @@ class RemoteSession:
     def _spec(self, layer_id: str) -> BaseLayerSpec:
         spec = self.layer_specs.get(layer_id)
         return spec or BaseLayerSpec(layer_id, "linear", 0, 0, "", None)  # the executor answers UnknownLayer
+
+    def direct(self, layer_id: str, x: torch.Tensor) -> None:
+        return None  # the weights are in another process
 
     def forward(self, layer_id: str, x: torch.Tensor, inference: bool = False) -> torch.Tensor:
         return self._call("forward", layer_id, x, self._spec(layer_id).out_features, inference)

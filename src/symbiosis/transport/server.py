@@ -25,7 +25,7 @@ import zmq
 from symbiosis.errors import BadCall, SymbiosisError, UnknownClient, Unauthorized
 from symbiosis.executor.executor import Executor
 from symbiosis.transport import wire
-from symbiosis.transport.shm import SharedBuffer
+from symbiosis.transport.shm import SharedBuffer, ipc_event
 
 log = logging.getLogger("symbiosis.executor")
 CALL_OPS = ("forward", "forward_nobias", "backward")
@@ -37,6 +37,7 @@ class RemoteClient:
     name: str
     buffer: SharedBuffer | None
     last_seen: float
+    done: torch.cuda.Event | None = None  # CUDA buffers: recorded here once a result is in the buffer
 
 
 class ExecutorServer:
@@ -136,6 +137,8 @@ class ExecutorServer:
                                           "tensors": [wire.describe(t) for t in tensors]}, *tensors)
         if op == "buffer":
             new = SharedBuffer.open(header.get("buffer") or {})
+            if new.tensor.is_cuda and client.done is None:
+                raise BadCall("a client attached with a host buffer cannot switch to a CUDA buffer")
             if client.buffer is not None:
                 client.buffer.close()
             client.buffer = new
@@ -157,9 +160,11 @@ class ExecutorServer:
         name = str(header.get("name", "client"))[:64]
         buffer = SharedBuffer.open(header["buffer"]) if header.get("buffer") else None
         client_id = self.executor.register(str(header.get("fingerprint")), f"{name}-{secrets.token_hex(4)}")
-        self.clients[client_id] = RemoteClient(identity, name, buffer, time.monotonic())
-        log.info("attached %s (%s)", client_id, "shared buffer" if buffer else "frames")
+        done, done_handle = ipc_event() if buffer is not None and buffer.tensor.is_cuda else (None, None)
+        self.clients[client_id] = RemoteClient(identity, name, buffer, time.monotonic(), done)
+        log.info("attached %s (%s)", client_id, f"{buffer.description['kind']} shared buffer" if buffer else "frames")
         self._reply(identity, {
+            "done_event": done_handle,
             "id": header.get("id"), "ok": True, "client": client_id, "fingerprint": self.executor.fingerprint,
             "dtype": wire.dtype_name(self.executor.dtype), "device": str(self.executor.device),
             "heartbeat_s": self.client_timeout / 4, "max_call_tokens": self.executor.max_call_tokens,
@@ -172,6 +177,8 @@ class ExecutorServer:
             if client.buffer is None:
                 raise BadCall("call refers to a shared buffer, but this client registered none")
             tensor = client.buffer.view(wire.parse_dtype(spec.get("dtype")), [int(n) for n in spec.get("shape", [])])
+            if client.buffer.ready is not None:  # the client's copy into the buffer comes first, on the GPU
+                torch.cuda.current_stream(tensor.device).wait_event(client.buffer.ready)
         elif len(frames) == 1:
             tensor = wire.frame_tensor(frames[0], spec)
         else:
@@ -211,8 +218,8 @@ class ExecutorServer:
                 reply = {"id": header.get("id"), "ok": True, "tensor": wire.describe(result)}
                 if header.get("shm"):
                     client.buffer.view(result.dtype, list(result.shape)).copy_(result)
-                    if client.buffer.tensor.is_cuda:
-                        torch.cuda.current_stream(client.buffer.tensor.device).synchronize()
+                    if client.done is not None:
+                        client.done.record()  # the client's stream waits on this, no CPU waits
                     self._reply(identity, {**reply, "shm": True})
                 else:
                     self._reply(identity, reply, result.cpu())

@@ -8,6 +8,11 @@ processes map, and only a small header crosses the socket.
 A buffer is allocated once at attach (capacity: tokens x widest layer x element size) and replaced by a
 larger one only when a call does not fit. Every call uses it from offset 0: the client writes its input,
 the executor reads it, computes, and writes the output back in its place.
+
+CUDA buffers are ordered with interprocess CUDA events instead of synchronising either CPU: the client
+records `ready` after writing its input and the executor's stream waits on it; the executor records
+`done` after writing the output and the client's stream waits on that. Each side records only events it
+created, and waits on the other's through an IPC handle.
 """
 
 from __future__ import annotations
@@ -26,6 +31,17 @@ SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gette
 PREFIX = "symbiosis-"
 
 
+def ipc_event() -> tuple[torch.cuda.Event, str]:
+    """A CUDA event this process records, and the handle another process opens it with."""
+    event = torch.cuda.Event(interprocess=True)
+    event.record()  # an IPC handle needs an event that exists on the device
+    return event, base64.b64encode(event.ipc_handle()).decode()
+
+
+def open_ipc_event(device: torch.device, handle: str) -> torch.cuda.Event:
+    return torch.cuda.Event.from_ipc_handle(device, base64.b64decode(handle))
+
+
 class SharedBuffer:
     """A flat uint8 buffer shared by client and executor."""
 
@@ -34,6 +50,7 @@ class SharedBuffer:
         self.description = description
         self.path = path
         self.owner = owner
+        self.ready: torch.cuda.Event | None = None  # CUDA: recorded by the client, waited on by the executor
 
     @property
     def nbytes(self) -> int:
@@ -54,6 +71,7 @@ class SharedBuffer:
         from torch.multiprocessing.reductions import reduce_tensor
 
         tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        ready, ready_handle = ipc_event()
         _, args = reduce_tensor(tensor)
         (_, size, stride, offset, _, _, dev, handle, storage_bytes, storage_offset, _, ref_handle, ref_offset,
          event_handle, event_sync) = args
@@ -61,8 +79,10 @@ class SharedBuffer:
         description = {"kind": "cuda", "nbytes": nbytes, "size": list(size), "stride": list(stride),
                        "offset": offset, "device": dev, "handle": b64(handle), "storage_bytes": storage_bytes,
                        "storage_offset": storage_offset, "ref_handle": b64(ref_handle), "ref_offset": ref_offset,
-                       "event_handle": b64(event_handle), "event_sync": event_sync}
-        return cls(tensor, description)
+                       "event_handle": b64(event_handle), "event_sync": event_sync, "ready": ready_handle}
+        buffer = cls(tensor, description)
+        buffer.ready = ready
+        return buffer
 
     @classmethod
     def open(cls, description: dict) -> "SharedBuffer":
@@ -77,7 +97,9 @@ class SharedBuffer:
                 tensor = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
                 return cls(tensor, description, path)
             if kind == "cuda":
-                return cls(_open_cuda(description), description)
+                buffer = cls(_open_cuda(description), description)
+                buffer.ready = open_ipc_event(buffer.tensor.device, description["ready"])
+                return buffer
         except (KeyError, TypeError, ValueError, OSError, RuntimeError) as e:
             raise BadCall(f"cannot map the client's shared buffer: {e}") from e
         raise BadCall(f"unknown shared buffer kind {kind!r}")
