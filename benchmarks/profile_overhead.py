@@ -19,7 +19,7 @@ from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
 import symbiosis
-from common import checkpoint, device, dtype, emit, lora, sync, time_training, train_step
+from common import checkpoint, device, dtype, emit, lora, start_executor, sync, train_step
 
 
 def per_call_us(fn, n=2000) -> float:
@@ -59,6 +59,7 @@ def profile(model, label: str, out_dir: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama-3.2-1b")
+    parser.add_argument("--remote", action="store_true", help="only the per-call latency over ipc://")
     args = parser.parse_args()
     out_dir = os.environ.get("OUT", "/tmp")
     path = checkpoint(args.model)
@@ -69,6 +70,21 @@ def main() -> None:
     x = torch.randn(1024, weight.shape[1], device=device(), dtype=dtype())
     emit(bench="per_call_overhead", raw_linear_us=round(per_call_us(lambda: F.linear(x, weight)), 1),
          session_forward_us=round(per_call_us(lambda: session.forward(layer_id, x)), 1))
+    if args.remote:
+        url = "ipc:///tmp/symbiosis-profile.sock"
+        process = start_executor(path, url)
+        try:
+            for client_device in ("cuda", "cpu"):
+                remote = symbiosis.connect(url, timeout=60).attach(executor.fingerprint, "probe", torch.device(client_device))
+                xs = x.to(client_device)
+                emit(bench="per_call_overhead", transport="ipc", client_device=client_device,
+                     mps=bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
+                     remote_forward_us=round(per_call_us(lambda: remote.forward(layer_id, xs), n=300), 1))
+                remote.close()
+        finally:
+            process.terminate()
+            process.wait()
+        return
     split = get_peft_model(symbiosis.from_pretrained(path, executor, device=device()), lora("lora3_r8_qkvo"))
     profile(split, "symbiosis_in_process", out_dir)
     del split

@@ -72,6 +72,8 @@ class Executor:
         specs = list(plan_base_layers(skeleton, checkpoint).values())
         fingerprint = checkpoint.fingerprint()
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # compare equal to tensors' devices
         weights = BaseWeights(checkpoint, specs, device, dtype)
         return cls(checkpoint, weights, fingerprint, device, dtype, max_call_tokens, policy)
 
