@@ -76,10 +76,11 @@ def main() -> None:
         try:
             for client_device in ("cuda", "cpu"):
                 remote = symbiosis.connect(url, timeout=60).attach(executor.fingerprint, "probe", torch.device(client_device))
-                xs = x.to(client_device)
-                emit(bench="per_call_overhead", transport="ipc", client_device=client_device,
-                     mps=bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
-                     remote_forward_us=round(per_call_us(lambda: remote.forward(layer_id, xs), n=300), 1))
+                for tokens in (1, 1024):
+                    xs = x[:tokens].to(client_device)
+                    emit(bench="per_call_overhead", transport="ipc", client_device=client_device, tokens=tokens,
+                         mps=bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
+                         remote_forward_us=round(per_call_us(lambda: remote.forward(layer_id, xs), n=300), 1))
                 remote.close()
         finally:
             process.terminate()

@@ -47,12 +47,12 @@ class _Channel:
 
     def send(self, header: dict, *tensors: torch.Tensor) -> None:
         with self._lock:
-            self.socket.send_multipart(wire.encode(header, *tensors), copy=False)
+            wire.send(self.socket, wire.encode(header, *tensors))
 
     def request(self, header: dict, *tensors: torch.Tensor) -> tuple[dict, list]:
         with self._lock:
             header = {**header, "id": next(self._ids)}
-            self.socket.send_multipart(wire.encode(header, *tensors), copy=False)
+            wire.send(self.socket, wire.encode(header, *tensors))
             deadline_ms = int(self.timeout * 1000)
             while self.socket.poll(deadline_ms, zmq.POLLIN):
                 frames = self.socket.recv_multipart(copy=False)

@@ -228,7 +228,7 @@ class ExecutorServer:
 
     def _reply(self, identity: bytes, header: dict, *tensors: torch.Tensor) -> None:
         try:
-            self._socket.send_multipart([identity, *wire.encode(header, *tensors)], copy=False)
+            wire.send(self._socket, [identity, *wire.encode(header, *tensors)])
         except zmq.ZMQError as e:
             log.warning("could not answer %r: %s", identity, e)
 

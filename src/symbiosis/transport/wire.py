@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 import torch
+import zmq
 
 from symbiosis import errors
 
@@ -58,8 +59,19 @@ def frame_tensor(frame, spec: dict) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
+ZERO_COPY_MIN_BYTES = 64 * 1024  # below this, pyzmq's zero-copy bookkeeping costs more than a copy
+
+
 def encode(header: dict, *tensors: torch.Tensor) -> list:
     return [json.dumps(header).encode(), *(tensor_frame(t) for t in tensors)]
+
+
+def send(socket, frames: list) -> None:
+    """Send a multipart message, copying small frames and handing large ones to ZeroMQ without a copy."""
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        big = isinstance(frame, memoryview) and frame.nbytes >= ZERO_COPY_MIN_BYTES
+        socket.send(frame, flags=zmq.SNDMORE if i < last else 0, copy=not big)
 
 
 def decode_header(frame) -> dict:
