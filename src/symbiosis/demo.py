@@ -192,8 +192,8 @@ def run_demo(workdir: Path, steps: int = 60) -> int:
                    for role in ("poet", "counter", "writer")}
         failed = [role for role, p in tenants.items() if p.wait() != 0]
         stats = symbiosis_stats(url, token)
-        print(f"[demo  ] executor served {stats['calls']} calls in {stats['batches']} batches "
-              f"(up to {stats['max_batch_calls']} clients' calls in one GEMM); tenants ended "
+        print(f"[demo  ] executor served {stats['calls']} calls in {stats['batches']} GEMMs "
+              f"(the largest merged {stats['max_batch_calls']} calls); tenants ended "
               f"{'with failures: ' + ', '.join(failed) if failed else 'cleanly'}; {time.time() - start:.0f} s in all",
               flush=True)
         return 1 if failed else 0
