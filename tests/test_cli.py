@@ -1,0 +1,44 @@
+"""The command line: the demo end to end (short), and `symbiosis executor --stats`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import symbiosis
+from symbiosis.cli import main
+from symbiosis.transport.server import ExecutorServer
+
+
+@pytest.mark.slow
+def test_demo_runs_end_to_end(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "symbiosis.cli", "demo", "--workdir", str(tmp_path), "--steps", "3"],
+                            capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    for tenant in ("poet", "counter"):
+        assert f"[{tenant:6s}] step   3/3" in out and (tmp_path / "adapters" / tenant / "adapter_model.safetensors").is_file()
+    assert out.count("[writer] ") == 6 and "tenants ended cleanly" in out
+
+
+def test_stats_command(checkpoints, tmp_path, capsys):
+    path, _ = checkpoints("llama")
+    executor = symbiosis.Executor.from_pretrained(path)
+    server = ExecutorServer(executor, "tcp://127.0.0.1:46871", token="s").start()
+    (tmp_path / "token").write_text("s\n")
+    try:
+        model = symbiosis.from_pretrained(path, symbiosis.connect("tcp://127.0.0.1:46871", token="s"), name="probe")
+        model(torch.randint(0, 128, (1, 4)))
+        capsys.readouterr()
+        assert main(["executor", "--stats", "tcp://127.0.0.1:46871", "--token-file", str(tmp_path / "token")]) == 0
+        stats = json.loads(capsys.readouterr().out)
+        assert any(c.startswith("probe") for c in stats["attached_clients"])
+        assert stats["overall"]["calls"] == len(executor.layer_specs)  # one forward call per base layer
+        assert stats["per_layer"]["lm_head:forward"]["tokens"] == 4
+    finally:
+        server.stop()
