@@ -25,6 +25,7 @@ def main() -> None:
     path = checkpoint(args.model)
     total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0.0
     url = "ipc:///tmp/symbiosis-multi.sock"
+    memory: dict[int, tuple[float, float]] = {}  # tenants -> (plain GiB, symbiosis GiB)
     for n in [int(x) for x in args.tenants.split(",")]:
         common = dict(model_dir=path, lora=args.lora, batch_size=2, seq_len=512)
         plain, plain_gib = run_fleet([dict(common, mode="plain", name=f"peft{i}") for i in range(n)], args.duration)
@@ -42,19 +43,19 @@ def main() -> None:
              symbiosis_gpu_gib=round(ours_gib, 1), memory_ratio=round(ours_gib / plain_gib, 3) if plain_gib else None,
              plain_median_iter_s=round(max(r["median_s"] for r in plain), 4),
              symbiosis_median_iter_s=round(max(r["median_s"] for r in ours), 4))
-        if n == max(int(x) for x in args.tenants.split(",")) and total_gib:
-            # Capacity from measured footprints: the executor's share is what 1 symbiosis tenant adds beyond
-            # the per-tenant growth; each PEFT job needs its whole footprint.
-            per_job = plain_gib / n
-            per_client = (ours_gib - ours_single) / (n - 1) if n > 1 else ours_gib
-            shared = ours_single - per_client
-            emit(bench="capacity_estimate", model=args.model, gpu_gib=round(total_gib, 1),
-                 gib_per_peft_job=round(per_job, 2), gib_per_symbiosis_client=round(per_client, 2),
-                 gib_executor=round(shared, 2), peft_jobs_fit=int(total_gib // per_job),
-                 symbiosis_clients_fit=int((total_gib - shared) // per_client),
-                 ratio=round(((total_gib - shared) // per_client) / max(1, total_gib // per_job), 2))
-        if n == 1:
-            ours_single = ours_gib
+        memory[n] = (plain_gib, ours_gib)
+    largest = max(memory)
+    if total_gib and 1 in memory and largest > 1:
+        # Capacity from measured footprints: each PEFT job needs its whole footprint; each more symbiosis
+        # client adds its own growth, on top of what the executor (and the first client) hold.
+        per_job = memory[largest][0] / largest
+        per_client = (memory[largest][1] - memory[1][1]) / (largest - 1)
+        shared = memory[1][1] - per_client
+        peft_fit, ours_fit = int(total_gib // per_job), int((total_gib - shared) // per_client)
+        emit(bench="capacity_estimate", model=args.model, gpu_gib=round(total_gib, 1),
+             gib_per_peft_job=round(per_job, 2), gib_per_symbiosis_client=round(per_client, 2),
+             gib_executor=round(shared, 2), peft_jobs_fit=peft_fit, symbiosis_clients_fit=ours_fit,
+             ratio=round(ours_fit / max(1, peft_fit), 2))
 
 
 if __name__ == "__main__":

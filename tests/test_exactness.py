@@ -9,7 +9,7 @@ import torch
 from peft import get_peft_model, get_peft_model_state_dict
 
 import symbiosis
-from conftest import ARCHITECTURES, VOCAB
+from conftest import VOCAB
 
 RTOL = 1e-9
 SEQ_CLS = {"bert"}

@@ -5,14 +5,13 @@ from __future__ import annotations
 import itertools
 import json
 
-import peft
 import pytest
 import torch
 import zmq
 from peft import get_peft_model
 
 import symbiosis
-from symbiosis.errors import BadCall, UnknownClient, UnknownLayer, Unauthorized
+from symbiosis.errors import BadCall, UnknownLayer, Unauthorized
 from symbiosis.transport.server import ExecutorServer
 from test_exactness import assert_close, batch, peft_config
 
