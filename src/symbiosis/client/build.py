@@ -12,12 +12,14 @@ and `generate()` use it unchanged.
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from symbiosis.client.privacy import MaskedSession, NoiseMasking
-from symbiosis.client.virtual import make_virtual
+from symbiosis.client.grouping import CallGrouper
+from symbiosis.client.virtual import call_executor, make_virtual
 from symbiosis.errors import CheckpointError, VirtualWeightAccess
 from symbiosis.model.checkpoint import Checkpoint
 from symbiosis.model.partition import build_skeleton, checkpoint_name, load_config, plan_base_layers
@@ -77,8 +79,9 @@ def from_pretrained(path: str | os.PathLike, executor, auto_class=AutoModelForCa
                                   f"(executor: {served}, client: {spec})")
     if privacy is not None:
         session = MaskedSession(session, privacy, sorted({s.layer_id for s in plan.values()}), device, dtype)
+    grouper = CallGrouper(session, partial(call_executor, session)) if session.supports_groups else None
     for module_name, spec in plan.items():
-        virtual = make_virtual(spec, session, device, dtype)
+        virtual = make_virtual(spec, session, grouper, device, dtype)
         virtual._is_hf_initialized = True
         for tensor in virtual.parameters():
             tensor._is_hf_initialized = True

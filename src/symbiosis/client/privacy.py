@@ -52,6 +52,8 @@ class _Pool:
 class MaskedSession:
     """Wraps any session (in-process or remote) with noise masking; same interface."""
 
+    supports_groups = False  # one noise value per layer: grouped layers would need a shared one
+
     def __init__(self, inner, masking: NoiseMasking, layer_ids: list[str], device: torch.device,
                  dtype: torch.dtype):
         self.inner, self.masking, self.device, self.dtype = inner, masking, device, dtype

@@ -77,22 +77,31 @@ class _BaseLayerCall(torch.autograd.Function):
         return ctx.session.backward(ctx.layer_id, grad_out), None, None, None
 
 
+def call_executor(session, tokens: torch.Tensor, layer_id: str, inference: bool) -> torch.Tensor:
+    """One executor call with autograd: tokens [T, in] -> [T, out] (layer_id may name a group)."""
+    return _BaseLayerCall.apply(tokens, session, layer_id, inference)
+
+
 def _executor_call(layer: nn.Module, x: torch.Tensor, out_features: int) -> torch.Tensor:
     # x: [..., in] -> tokens: [T, in] -> [T, out] -> [..., out]
     leading = x.shape[:-1]
     tokens = x.reshape(-1, x.shape[-1])
     direct = layer.session.direct(layer.layer_id, tokens)
+    inference = not torch.is_grad_enabled()
     if direct is not None:  # in-process executor, nobody to batch with: its GEMM on this thread
         out = direct.forward(tokens)
+    elif layer.grouper is not None:
+        out = layer.grouper.call(layer.layer_id, x, tokens, inference)
     else:
-        out = _BaseLayerCall.apply(tokens, layer.session, layer.layer_id, not torch.is_grad_enabled())
+        out = call_executor(layer.session, tokens, layer.layer_id, inference)
     return out.view(*leading, out_features)
 
 
-def _init_virtual(layer: nn.Module, spec: BaseLayerSpec, session, device, dtype) -> None:
+def _init_virtual(layer: nn.Module, spec: BaseLayerSpec, session, grouper, device, dtype) -> None:
     nn.Module.__init__(layer)
     layer.layer_id = spec.layer_id
     layer.session = session
+    layer.grouper = grouper
     shape = (spec.out_features, spec.in_features) if spec.kind == "linear" else (spec.in_features, spec.out_features)
     layer.weight = nn.Parameter(VirtualWeight(shape, dtype, device, spec.layer_id), requires_grad=False)
     bias = VirtualWeight((spec.out_features,), dtype, device, spec.layer_id) if spec.bias_key else None
@@ -113,8 +122,8 @@ def _materialize(layer: nn.Module, real: nn.Module, memo) -> nn.Module:
 class VirtualLinear(nn.Linear):
     """An `nn.Linear` whose y = x W^T + b runs in the executor."""
 
-    def __init__(self, spec: BaseLayerSpec, session, device=None, dtype=None):
-        _init_virtual(self, spec, session, device, dtype)
+    def __init__(self, spec: BaseLayerSpec, session, grouper=None, device=None, dtype=None):
+        _init_virtual(self, spec, session, grouper, device, dtype)
         self.in_features, self.out_features = spec.in_features, spec.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,8 +140,8 @@ class VirtualLinear(nn.Linear):
 class VirtualConv1D(Conv1D):
     """A transformers `Conv1D` (GPT-2 style, W: [in, out]) whose y = x W + b runs in the executor."""
 
-    def __init__(self, spec: BaseLayerSpec, session, device=None, dtype=None):
-        _init_virtual(self, spec, session, device, dtype)
+    def __init__(self, spec: BaseLayerSpec, session, grouper=None, device=None, dtype=None):
+        _init_virtual(self, spec, session, grouper, device, dtype)
         self.nx, self.nf = spec.in_features, spec.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,6 +156,6 @@ class VirtualConv1D(Conv1D):
         return f"VirtualConv1D(layer_id={self.layer_id!r}, nf={self.nf}, nx={self.nx})"
 
 
-def make_virtual(spec: BaseLayerSpec, session, device, dtype) -> nn.Module:
+def make_virtual(spec: BaseLayerSpec, session, grouper, device, dtype) -> nn.Module:
     cls = VirtualLinear if spec.kind == "linear" else VirtualConv1D
-    return cls(spec, session, device=device, dtype=dtype)
+    return cls(spec, session, grouper, device=device, dtype=dtype)

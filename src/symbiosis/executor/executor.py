@@ -117,7 +117,7 @@ class Executor:
     def _layer_for(self, client_id: str, layer_id: str) -> BaseLayer:
         if client_id not in self.clients:
             raise UnknownClient(f"client {client_id!r} is not attached to this executor")
-        layer = self.weights.layers.get(layer_id)
+        layer = self.weights.get(layer_id)
         if layer is None:
             raise UnknownLayer(f"this executor serves no base layer {layer_id!r}")
         return layer
@@ -159,7 +159,7 @@ class Executor:
 
     def _run_batch(self, key: tuple[str, str], tensor: torch.Tensor) -> torch.Tensor:
         layer_id, op = key
-        layer = self.weights.layers[layer_id]
+        layer = self.weights.get(layer_id)
         with torch.no_grad():
             return layer.backward(tensor) if op == "backward" else layer.forward(tensor, op == "forward")
 
@@ -171,6 +171,7 @@ class Executor:
 
 class InProcessSession:
     """A client's handle on an executor in the same process: plain calls, tensors passed by reference.
+    Group ids ("a+b+c", see `BaseWeights`) are accepted wherever a layer id is.
 
     Casts at the boundary: activations go in the executor's dtype and device, results come back in the
     client's (a float32 CPU client may use a bfloat16 GPU executor).
@@ -182,6 +183,7 @@ class InProcessSession:
         self.layer_specs = executor.layer_specs
         self.dtype = executor.dtype
         self._layers = executor.weights.layers
+        self.supports_groups = True
 
     def direct(self, layer_id: str, x: torch.Tensor) -> BaseLayer | None:
         """The executor's own layer, for the client to run on its thread, when nobody else is attached to

@@ -8,13 +8,14 @@ No gradient is computed for W or b: base layers are frozen.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from symbiosis.model.checkpoint import Checkpoint
-from symbiosis.model.partition import BaseLayerSpec
+from symbiosis.model.partition import GROUP_SEPARATOR, BaseLayerSpec
 
 
 @dataclass
@@ -38,7 +39,10 @@ class BaseLayer:
 class BaseWeights:
     """layer id -> BaseLayer, read from the checkpoint (base tensors only) onto `device` in `dtype`.
 
-    A tensor shared by several layers (tied weights) is read and held once.
+    A tensor shared by several layers (tied weights) is read and held once. A *group* id, layer ids joined
+    by "+" ("...q_proj+...k_proj+...v_proj"), names the layers that take one input, run as one GEMM:
+    y = x [W_q; W_k; W_v]^T. Its fused weight is made on first use, and the members' weights become views
+    of it, so memory stays as it was.
     """
 
     def __init__(self, checkpoint: Checkpoint, specs: list[BaseLayerSpec], device: torch.device, dtype: torch.dtype):
@@ -53,3 +57,36 @@ class BaseWeights:
             s.layer_id: BaseLayer(s, tensor(s.weight_key), tensor(s.bias_key) if s.bias_key else None) for s in specs
         }
         self.nbytes = sum(t.numel() * t.element_size() for t in loaded.values())
+        self.groups: dict[str, BaseLayer | None] = {}
+        self._lock = threading.Lock()
+
+    def get(self, layer_id: str) -> BaseLayer | None:
+        """A layer or group by id; None if there is no such layer, or the group cannot be fused."""
+        layer = self.layers.get(layer_id)
+        if layer is not None or GROUP_SEPARATOR not in layer_id:
+            return layer
+        with self._lock:
+            if layer_id not in self.groups:
+                self.groups[layer_id] = self._fuse(layer_id.split(GROUP_SEPARATOR))
+            return self.groups[layer_id]
+
+    def _fuse(self, ids: list[str]) -> BaseLayer | None:
+        members = [self.layers.get(i) for i in ids]
+        if len(set(ids)) < 2 or len(set(ids)) != len(ids) or any(m is None for m in members):
+            return None
+        first = members[0]
+        if any(m.spec.kind != first.spec.kind or m.spec.in_features != first.spec.in_features
+               or (m.bias is None) != (first.bias is None) for m in members):
+            return None
+        out_dim = 0 if first.spec.kind == "linear" else 1  # linear W: [out, in]; conv1d W: [in, out]
+        weight = torch.cat([m.weight for m in members], dim=out_dim)
+        bias = None if first.bias is None else torch.cat([m.bias for m in members])
+        offset = 0
+        for m in members:  # members now view the fused tensors
+            width = m.spec.out_features
+            m.weight = weight.narrow(out_dim, offset, width)
+            m.bias = None if bias is None else bias.narrow(0, offset, width)
+            offset += width
+        spec = BaseLayerSpec(GROUP_SEPARATOR.join(ids), first.spec.kind, first.spec.in_features, offset, "",
+                             None if bias is None else "")
+        return BaseLayer(spec, weight, bias)

@@ -29,6 +29,7 @@ from symbiosis.errors import CheckpointError
 from symbiosis.model.checkpoint import Checkpoint
 
 LayerKind = Literal["linear", "conv1d"]
+GROUP_SEPARATOR = "+"  # "a+b+c": layers a, b, c that take one input, run as one GEMM
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,17 @@ class BaseLayerSpec:
     out_features: int
     weight_key: str
     bias_key: str | None
+
+
+def group_spec(specs: dict[str, BaseLayerSpec], layer_id: str) -> BaseLayerSpec | None:
+    """The spec of a layer, or of a group of layers sharing an input (outputs side by side)."""
+    if GROUP_SEPARATOR not in layer_id:
+        return specs.get(layer_id)
+    members = [specs.get(i) for i in layer_id.split(GROUP_SEPARATOR)]
+    if any(m is None for m in members):
+        return None
+    return BaseLayerSpec(layer_id, members[0].kind, members[0].in_features, sum(m.out_features for m in members),
+                         "", None)
 
 
 def is_base_module(module: nn.Module) -> bool:

@@ -19,7 +19,7 @@ import torch
 import zmq
 
 from symbiosis.errors import ExecutorUnavailable, SymbiosisError, UnknownClient
-from symbiosis.model.partition import BaseLayerSpec
+from symbiosis.model.partition import BaseLayerSpec, group_spec
 from symbiosis.transport import wire
 from symbiosis.transport.shm import SharedBuffer, open_ipc_event
 
@@ -92,6 +92,8 @@ class RemoteExecutor:
 
 class RemoteSession:
     """A client's handle on a remote executor: same interface as the in-process session."""
+
+    supports_groups = True
 
     def __init__(self, executor: RemoteExecutor, fingerprint: str, name: str, device: torch.device):
         self.executor, self.fingerprint, self.name, self.device = executor, fingerprint, name, device
@@ -172,7 +174,7 @@ class RemoteSession:
         return result.to(tensor.device, tensor.dtype)
 
     def _spec(self, layer_id: str) -> BaseLayerSpec:
-        spec = self.layer_specs.get(layer_id)
+        spec = group_spec(self.layer_specs, layer_id)
         return spec or BaseLayerSpec(layer_id, "linear", 0, 0, "", None)  # the executor answers UnknownLayer
 
     def direct(self, layer_id: str, x: torch.Tensor) -> None:
