@@ -1,6 +1,5 @@
 """Mixed work: decode latency of an inference tenant alone vs while 4 tenants fine-tune, for plain PEFT
-processes and for symbiosis (inference calls overtake queued training calls at the executor). Also the
-cost of noise masking (docs/PRIVACY.md): masked vs unmasked, 1 and 4 fine-tuning tenants, and decode.
+processes and for symbiosis (inference calls overtake queued training calls at the executor).
 
     python benchmarks/mixed_work.py --model llama-3.2-1b
 """
@@ -17,7 +16,6 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama-3.2-1b")
     parser.add_argument("--duration", type=float, default=15.0)
-    parser.add_argument("--skip-privacy", action="store_true")
     args = parser.parse_args()
     path = checkpoint(args.model)
     decoder = dict(model_dir=path, work="decode", batch_size=1, seq_len=128, name="chat")
@@ -39,22 +37,6 @@ def main() -> None:
              slowdown=round(loaded[0]["median_s"] / alone[0]["median_s"], 3),
              finetune_tokens_per_s=round(sum(r["tokens_per_s"] for r in loaded[1:])))
 
-    if args.skip_privacy:
-        return
-    url = "ipc:///tmp/symbiosis-privacy.sock"
-    executor = start_executor(path, url)
-    try:
-        for privacy in (False, True):
-            one, _ = run_fleet([dict(trainers[0], mode="symbiosis", url=url, privacy=privacy)], args.duration)
-            four, _ = run_fleet([dict(t, mode="symbiosis", url=url, privacy=privacy) for t in trainers], args.duration)
-            chat, _ = run_fleet([dict(decoder, mode="symbiosis", url=url, privacy=privacy)], args.duration)
-            emit(bench="privacy", model=args.model, masked=privacy, iter_s_1_tenant=round(one[0]["median_s"], 4),
-                 iter_s_4_tenants=round(max(r["median_s"] for r in four), 4),
-                 tokens_per_s_4_tenants=round(sum(r["tokens_per_s"] for r in four)),
-                 decode_ms=round(1e3 * chat[0]["median_s"], 2))
-    finally:
-        executor.terminate()
-        executor.wait()
 
 
 if __name__ == "__main__":

@@ -37,6 +37,9 @@ def test_masked_equals_unmasked(arch, method, checkpoints):
     executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
     clear = _model(path, executor, arch, method, auto_class)
     masked = _model(path, executor, arch, method, auto_class, privacy=MASK)
+    _step(masked, arch), _step(clear, arch)  # the first pass learns call groups; the second uses them
+    for model in (masked, clear):
+        model.zero_grad()
     ours, theirs = _step(masked, arch), _step(clear, arch)
     assert_close(ours.logits, theirs.logits, "logits")
     assert_close(ours.loss, theirs.loss, "loss")
@@ -60,13 +63,14 @@ def test_masking_over_transports(scheme, checkpoints, tmp_path):
         server.stop()
 
 
-def _record(executor) -> list[tuple[str, str, torch.Tensor]]:
-    """Every tensor the executor receives: (op, layer, tensor)."""
+def _record(executor, making_pool: list | None = None) -> list[tuple[str, str, torch.Tensor]]:
+    """Every tensor the executor receives: (op, layer, tensor); calls made while `making_pool` is non-empty
+    (noise-effect computations) are recorded with op "pool"."""
     received = []
     submit = executor.submit
 
     def recording_submit(client_id, op, layer_id, tensor, inference=False, inline=False):
-        received.append((op, layer_id, tensor.detach().clone()))
+        received.append(("pool" if making_pool else op, layer_id, tensor.detach().clone()))
         return submit(client_id, op, layer_id, tensor, inference, inline)
 
     executor.submit = recording_submit
@@ -84,9 +88,21 @@ def test_executor_sees_no_adapter_and_no_clear_activation(checkpoints):
     masked_executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
     clear_executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
     clear_executor.attach(clear_executor.fingerprint, "bystander")  # no direct path: every call is recorded
-    received, clear_calls = _record(masked_executor), _record(clear_executor)
+    making_pool = []
+    received, clear_calls = _record(masked_executor, making_pool), _record(clear_executor)
     masked = _model(path, masked_executor, "llama", "lora", auto_class, privacy=NoiseMasking(pool=2, rows=64))
-    pool_calls = len(received)  # noise effects, computed at attach: the executor sees every pool value
+    received[:] = [("pool", layer, tensor) for _, layer, tensor in received]  # made at attach: all pools
+    session = masked.get_base_model().symbiosis_session
+    make_pool = session._make_pool
+
+    def tracked_make_pool(*args):  # noise effects: the executor sees every pool value, by design
+        making_pool.append(True)
+        try:
+            return make_pool(*args)
+        finally:
+            making_pool.pop()
+
+    session._make_pool = tracked_make_pool
     clear = _model(path, clear_executor, "llama", "lora", auto_class)
     adapter_snapshots = []
     for model in (masked, clear):
@@ -97,42 +113,57 @@ def test_executor_sees_no_adapter_and_no_clear_activation(checkpoints):
             optimizer.zero_grad()
             if model is masked:
                 adapter_snapshots += [p.detach().clone() for p in model.parameters() if p.requires_grad]
-    calls = received[pool_calls:]
-    # What the clear twin sent, per (op, layer); its grouped calls ("q+k+v") are split back per layer.
-    clear: dict[tuple[str, str], list[torch.Tensor]] = {}
     specs = masked_executor.layer_specs
-    for op, layer_id, tensor in clear_calls:
-        members = layer_id.split("+")
-        if op == "backward" and len(members) > 1:
-            pieces = torch.split(tensor, [specs[m].out_features for m in members], dim=1)
-        else:
+
+    def per_layer(calls) -> dict[tuple[str, str], list[torch.Tensor]]:
+        """Calls split back per layer: grouped calls ("q+k+v") share their input, and their gradients are
+        the members' side by side."""
+        split = {}
+        for op, layer_id, tensor in calls:
+            members = layer_id.split("+")
             pieces = [tensor] * len(members)
-        for member, piece in zip(members, pieces):
-            clear.setdefault((op, member), []).append(piece)
-    assert sorted((op, layer) for op, layer, _ in calls) == sorted(
-        key for key, tensors in clear.items() for _ in tensors)  # the same calls, masked
+            if op == "backward" and len(members) > 1:
+                pieces = torch.split(tensor, [specs[m].out_features for m in members], dim=1)
+            for member, piece in zip(members, pieces):
+                split.setdefault((op, member), []).append(piece)
+        return split
+
+    seen_per_layer = per_layer([c for c in received if c[0] != "pool"])
+    clear = per_layer(clear_calls)
+    assert {k: len(v) for k, v in seen_per_layer.items()} == {k: len(v) for k, v in clear.items()}  # same calls
     for op, layer, tensor in received:
         for adapter in adapter_snapshots:
             assert not _rows_shared(tensor, adapter) and not _rows_shared(tensor, adapter.t()), \
                 f"an adapter tensor reached the executor in a {op} call to {layer}"
-    for op, layer, seen in calls:
-        for plain in clear[(op, layer)]:
-            assert not _rows_shared(seen, plain), f"a clear activation reached the executor ({op} {layer})"
+    for (op, layer), seen_tensors in seen_per_layer.items():
+        for seen in seen_tensors:
+            for plain in clear[(op, layer)]:
+                assert not _rows_shared(seen, plain), f"a clear activation reached the executor ({op} {layer})"
 
 
 def test_pool_refresh_recomputes_effects(checkpoints):
+    from symbiosis.client.privacy import MaskedSession
+
     path, auto_class = checkpoints("llama")
     executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
     received = _record(executor)
-    model = _model(path, executor, "llama", "lora", auto_class,
-                   privacy=NoiseMasking(pool=2, rows=32, refresh_every=2, mask_backward=False, seed=1))
-    attach_effects = sum(op == "forward_nobias" for op, _, _ in received)
-    assert attach_effects == len(executor.layer_specs)  # one pool per layer, computed at attach
+    layer = "model.layers.0.mlp.up_proj"
+    masking = NoiseMasking(pool=2, rows=32, refresh_every=2, mask_backward=False, seed=1)
+    session = MaskedSession(executor.attach(executor.fingerprint), masking, [layer], torch.device("cpu"),
+                            torch.float64)
+    assert [op for op, _, _ in received] == ["forward_nobias"]  # the pool's effects, computed at attach
+    x = torch.randn(5, 64, dtype=torch.float64)
+    expected = x @ executor.weights.layers[layer].weight.T
+    for _ in range(5):
+        assert_close(session.forward(layer, x), expected, "masked forward")
+    # 5 calls with a refresh every 2: new pools before the 3rd and the 5th call.
+    assert [op for op, _, _ in received].count("forward_nobias") == 3
+    # And through a whole model, across refreshes and call groups, results stay exact.
+    model = _model(path, executor, "llama", "lora", auto_class, privacy=NoiseMasking(pool=2, rows=32,
+                                                                                     refresh_every=2, seed=1))
     clear = _model(path, symbiosis.Executor.from_pretrained(path, dtype=torch.float64), "llama", "lora", auto_class)
-    for step in range(3):
+    for step in range(4):
         assert_close(_step(model, "llama", step).logits, _step(clear, "llama", step).logits, f"logits {step}")
-    # 3 forward calls per layer with refresh every 2: one refresh each.
-    assert sum(op == "forward_nobias" for op, _, _ in received) == 2 * attach_effects
 
 
 def test_masked_calls_batch_with_other_clients(checkpoints):

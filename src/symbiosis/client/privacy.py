@@ -10,7 +10,8 @@ and for gradients (masked the same way, with noise m):
     executor returns  (g + m) W  =  g W + m W;   client subtracts  m W  (computed in advance)
 
 Per layer and direction the client keeps a pool of `pool` noise values, each `rows` x width, whose effects
-were computed when the model was built (and again every `refresh_every` calls of that layer). Each call
+were computed when the model was built (and again every `refresh_every` calls of that layer; a group of
+layers sharing an input, see client/grouping.py, gets its own pool before its first call). Each call
 draws one value and a random order of its rows, so two tokens of one call never share a noise row. What
 this does and does not hide is written down in docs/PRIVACY.md.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from symbiosis.model.partition import BaseLayerSpec
+from symbiosis.model.partition import BaseLayerSpec, group_spec
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class _Pool:
 class MaskedSession:
     """Wraps any session (in-process or remote) with noise masking; same interface."""
 
-    supports_groups = False  # one noise value per layer: grouped layers would need a shared one
+    supports_groups = True  # a group ("q+k+v") gets its own pool, made when the group is first used
 
     def __init__(self, inner, masking: NoiseMasking, layer_ids: list[str], device: torch.device,
                  dtype: torch.dtype):
@@ -67,7 +68,7 @@ class MaskedSession:
         return getattr(self.inner, name)
 
     def _make_pool(self, layer_id: str, direction: str) -> _Pool:
-        spec = self.layer_specs[layer_id]
+        spec = group_spec(self.layer_specs, layer_id)
         width = spec.in_features if direction == "forward" else spec.out_features
         m = self.masking
         noise = torch.randn(m.pool * m.rows, width, generator=self.generator, device=self.device, dtype=self.dtype)
@@ -79,7 +80,9 @@ class MaskedSession:
 
     def _draw(self, layer_id: str, direction: str, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         key = (layer_id, direction)
-        pool = self.pools[key]
+        pool = self.pools.get(key)
+        if pool is None:  # a call group learned after attach: its pool is made before its first call
+            pool = self.pools[key] = self._make_pool(layer_id, direction)
         if self.masking.refresh_every and pool.calls >= self.masking.refresh_every:
             pool = self.pools[key] = self._make_pool(layer_id, direction)
         pool.calls += 1

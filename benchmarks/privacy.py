@@ -1,0 +1,47 @@
+"""Cost of noise masking (docs/PRIVACY.md): masked vs unmasked symbiosis clients, with the plain PEFT
+iteration time of the same job as the baseline: 1 and 4 fine-tuning tenants, and decode latency.
+
+    python benchmarks/privacy.py --model llama-3.2-1b
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from common import checkpoint, emit, start_executor
+from fleet import run_fleet
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama-3.2-1b")
+    parser.add_argument("--duration", type=float, default=8.0)
+    args = parser.parse_args()
+    path = checkpoint(args.model)
+    trainers = [dict(model_dir=path, name=f"ft{i}") for i in range(4)]
+    decoder = dict(model_dir=path, work="decode", batch_size=1, seq_len=128, name="chat")
+    plain, _ = run_fleet([dict(trainers[0], mode="plain")], args.duration)
+    emit(bench="privacy", model=args.model, setup="plain_peft", iter_s_1_tenant=round(plain[0]["median_s"], 4))
+    url = "ipc:///tmp/symbiosis-privacy.sock"
+    executor = start_executor(path, url)
+    try:
+        runs = {}
+        for masked in (False, True):
+            extra = dict(mode="symbiosis", url=url, privacy=masked)
+            one, _ = run_fleet([dict(trainers[0], **extra)], args.duration)
+            four, _ = run_fleet([dict(t, **extra) for t in trainers], args.duration)
+            chat, _ = run_fleet([dict(decoder, **extra)], args.duration)
+            runs[masked] = (one[0]["median_s"], max(r["median_s"] for r in four), chat[0]["median_s"])
+            emit(bench="privacy", model=args.model, setup="symbiosis", masked=masked,
+                 iter_s_1_tenant=round(runs[masked][0], 4), iter_s_4_tenants=round(runs[masked][1], 4),
+                 decode_ms=round(1e3 * runs[masked][2], 2))
+        emit(bench="privacy", model=args.model, setup="masked_over_unmasked",
+             **{k: round(runs[True][i] / runs[False][i], 3)
+                for i, k in enumerate(("iter_1_tenant", "iter_4_tenants", "decode"))})
+    finally:
+        executor.terminate()
+        executor.wait()
+
+
+if __name__ == "__main__":
+    main()
