@@ -42,3 +42,9 @@ def test_stats_command(checkpoints, tmp_path, capsys):
         assert stats["per_layer"]["lm_head:forward"]["tokens"] == 4
     finally:
         server.stop()
+
+
+def test_executor_command_names_a_bad_model_directory(tmp_path):
+    with pytest.raises(SystemExit, match=f"symbiosis executor: {tmp_path}/missing: not a directory"):
+        main(["executor", "--model", str(tmp_path / "missing"), "--listen", f"ipc://{tmp_path}/x.sock",
+              "--device", "cpu"])

@@ -24,6 +24,8 @@ def _read_token(token_file: str | None) -> str | None:
 
 def executor_command(args: argparse.Namespace) -> int:
     """Serve the base layers of --model on --listen until SIGTERM / Ctrl-C, or print --stats of a running one."""
+    import zmq
+
     import symbiosis
     from symbiosis.executor.policy import make_policy
     from symbiosis.transport.server import ExecutorServer
@@ -37,9 +39,14 @@ def executor_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="[executor] %(message)s", stream=sys.stderr)
     sys.setswitchinterval(5e-4)  # hand the GIL between the I/O and batching threads within 0.5 ms, not 5
     policy = make_policy(args.policy, None if args.max_wait_ms is None else args.max_wait_ms / 1e3)
-    executor = symbiosis.Executor.from_pretrained(args.model, device=args.device, dtype=args.dtype, policy=policy,
-                                                  max_call_tokens=args.max_call_tokens)
-    server = ExecutorServer(executor, args.listen, token=token, client_timeout=args.client_timeout)
+    try:
+        executor = symbiosis.Executor.from_pretrained(args.model, device=args.device, dtype=args.dtype,
+                                                      policy=policy, max_call_tokens=args.max_call_tokens)
+        server = ExecutorServer(executor, args.listen, token=token, client_timeout=args.client_timeout)
+    except (symbiosis.SymbiosisError, ValueError) as e:
+        raise SystemExit(f"symbiosis executor: {e}") from None
+    except zmq.ZMQError as e:
+        raise SystemExit(f"symbiosis executor: cannot listen on {args.listen}: {e}") from None
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
