@@ -149,7 +149,7 @@ class RemoteSession:
             return
         old = self.buffer
         if old.ready is not None:
-            torch.cuda.current_stream(old.tensor.device).synchronize()  # nothing may still use the old one
+            old.stream.synchronize()  # nothing may still use the old one
         self.buffer = SharedBuffer.create(max(nbytes, old.nbytes * 3 // 2), old.tensor.device)
         self._request({"op": "buffer", "buffer": self.buffer.description})
         old.close()
@@ -162,11 +162,11 @@ class RemoteSession:
             self._ensure_capacity(sent.shape[0] * max(sent.shape[1], out_width) * self.dtype.itemsize)
             self.buffer.view(self.dtype, list(sent.shape)).copy_(sent)
             if self.buffer.ready is not None:
-                self.buffer.ready.record()  # the executor's stream waits on this: no CPU synchronisation
+                self.buffer.ready.record(self.buffer.stream)  # the executor's stream waits on this: no CPU sync
             reply, _ = self._request({**header, "shm": True})
             spec = reply["tensor"]
             if self._executor_done is not None:
-                torch.cuda.current_stream(self.buffer.tensor.device).wait_event(self._executor_done)
+                self.buffer.stream.wait_event(self._executor_done)
             result = self.buffer.view(wire.parse_dtype(spec["dtype"]), spec["shape"]).clone()
         else:
             reply, frames = self._request(header, sent.cpu())

@@ -178,7 +178,7 @@ class ExecutorServer:
                 raise BadCall("call refers to a shared buffer, but this client registered none")
             tensor = client.buffer.view(wire.parse_dtype(spec.get("dtype")), [int(n) for n in spec.get("shape", [])])
             if client.buffer.ready is not None:  # the client's copy into the buffer comes first, on the GPU
-                torch.cuda.current_stream(tensor.device).wait_event(client.buffer.ready)
+                client.buffer.stream.wait_event(client.buffer.ready)
         elif len(frames) == 1:
             tensor = wire.frame_tensor(frames[0], spec)
         else:
@@ -219,7 +219,7 @@ class ExecutorServer:
                 if header.get("shm"):
                     client.buffer.view(result.dtype, list(result.shape)).copy_(result)
                     if client.done is not None:
-                        client.done.record()  # the client's stream waits on this, no CPU waits
+                        client.done.record(client.buffer.stream)  # the client's stream waits on this
                     self._reply(identity, {**reply, "shm": True})
                 else:
                     self._reply(identity, reply, result.cpu())
