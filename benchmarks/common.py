@@ -6,6 +6,7 @@ and runs its baseline (plain transformers + PEFT, one job per tenant) in the sam
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -38,6 +39,14 @@ LORAS = {  # paper Table 2
     "lora3_r8_qkvo": (8, ["q_proj", "k_proj", "v_proj", "o_proj"]),
     "lora4_r64_qkvo": (64, ["q_proj", "k_proj", "v_proj", "o_proj"]),
 }
+
+
+def fleet_args(duration: float = 15.0) -> argparse.Namespace:
+    """--model (a CONFIGS name) and --duration (seconds each fleet of tenant processes works)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama-3.2-1b", choices=sorted(CONFIGS))
+    parser.add_argument("--duration", type=float, default=duration)
+    return parser.parse_args()
 
 
 def device() -> str:

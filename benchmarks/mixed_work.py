@@ -6,17 +6,12 @@ processes and for symbiosis (inference calls overtake queued training calls at t
 
 from __future__ import annotations
 
-import argparse
-
-from common import checkpoint, emit, start_executor
+from common import checkpoint, emit, fleet_args, start_executor
 from fleet import run_fleet
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="llama-3.2-1b")
-    parser.add_argument("--duration", type=float, default=15.0)
-    args = parser.parse_args()
+    args = fleet_args()
     path = checkpoint(args.model)
     decoder = dict(model_dir=path, work="decode", batch_size=1, seq_len=128, name="chat")
     trainers = [dict(model_dir=path, name=f"ft{i}") for i in range(4)]

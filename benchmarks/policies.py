@@ -6,9 +6,8 @@ opportunistic, lockstep and none; plain PEFT processes with the same tenants as 
 
 from __future__ import annotations
 
-import argparse
-
-from common import checkpoint, emit, start_executor
+import symbiosis
+from common import checkpoint, emit, fleet_args, start_executor
 from fleet import run_fleet
 
 # (batch size, sequence length, client-side pause per iteration in ms)
@@ -21,10 +20,7 @@ def summarize(results: list[dict]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="llama-3.2-1b")
-    parser.add_argument("--duration", type=float, default=15.0)
-    args = parser.parse_args()
+    args = fleet_args()
     path = checkpoint(args.model)
     tenants = [dict(model_dir=path, batch_size=bs, seq_len=sl, pace_ms=pace, name=f"t{i}")
                for i, (bs, sl, pace) in enumerate(MIXED)]
@@ -35,8 +31,6 @@ def main() -> None:
         executor = start_executor(path, url, policy)
         try:
             ours, _ = run_fleet([dict(t, mode="symbiosis", url=url) for t in tenants], args.duration)
-            import symbiosis
-
             stats = symbiosis.connect(url, timeout=30).stats()["overall"]
         finally:
             executor.terminate()
