@@ -77,22 +77,11 @@ class Batcher:
         """Forget a departed client's queued calls (their futures fail; nobody waits on them)."""
         with self._cond:
             self.last_call.pop(client_id, None)
-            for key in list(self.queues.by_key):
-                kept = []
-                for call in self.queues.by_key[key]:
+            for key, queued in list(self.queues.by_key.items()):
+                for call in queued:
                     if call.client_id == client_id:
                         call.future.set_exception(UnknownClient(f"client {client_id!r} detached"))
-                    else:
-                        kept.append(call)
-                if kept:
-                    self.queues.by_key[key] = kept
-                else:
-                    del self.queues.by_key[key]
-            self._cond.notify()
-
-    def notify(self) -> None:
-        """Re-run the policy (the set of attached clients changed)."""
-        with self._cond:
+                self._requeue(key, [c for c in queued if c.client_id != client_id])
             self._cond.notify()
 
     def close(self) -> None:
@@ -115,11 +104,15 @@ class Batcher:
             taken, kept = [c for c in queued if c.inference], [c for c in queued if not c.inference]
         else:
             taken, kept = queued, []
-        if kept:
-            self.queues.by_key[decision.key] = kept
-        else:
-            del self.queues.by_key[decision.key]
+        self._requeue(decision.key, kept)
         return decision.key, taken
+
+    def _requeue(self, key: QueueKey, kept: list[PendingCall]) -> None:
+        """What stays queued under `key`; an empty queue is removed (the policy sees only live keys)."""
+        if kept:
+            self.queues.by_key[key] = kept
+        else:
+            del self.queues.by_key[key]
 
     def _next_batch(self) -> tuple[QueueKey, list[PendingCall]] | None:
         with self._cond:
