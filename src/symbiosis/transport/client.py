@@ -167,11 +167,12 @@ class RemoteSession:
             spec = reply["tensor"]
             if self._executor_done is not None:
                 self.buffer.stream.wait_event(self._executor_done)
-            result = self.buffer.view(wire.parse_dtype(spec["dtype"]), spec["shape"]).clone()
+            result = self.buffer.view(wire.parse_dtype(spec["dtype"]), spec["shape"])
         else:
             reply, frames = self._request(header, sent.cpu())
-            result = wire.frame_tensor(frames[0], reply["tensor"]).clone()
-        return result.to(tensor.device, tensor.dtype)
+            result = wire.frame_tensor(frames[0], reply["tensor"])
+        # One copy out of the buffer / frame (the next call reuses it), cast on the way if need be.
+        return result.to(tensor.device, tensor.dtype, copy=True)
 
     def _spec(self, layer_id: str) -> BaseLayerSpec:
         spec = group_spec(self.layer_specs, layer_id)
