@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--model", default="llama-3-8b")
     parser.add_argument("--contexts", default="8192,16384,32768,65536")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--decode-dtype", default="float32", help="dtype of the CPU client in (a)")
+    parser.add_argument("--decode-dtypes", default="bfloat16,float32", help="dtypes of the CPU client in (a)")
     args = parser.parse_args()
     path = checkpoint(args.model)
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -74,23 +74,23 @@ def main() -> None:
     torch.cuda.empty_cache()
 
     executor = symbiosis.Executor.from_pretrained(path, device="cuda", dtype=dtype())
-    decode_dtype = getattr(torch, args.decode_dtype)
     for context in contexts:
-        model = symbiosis.from_pretrained(path, executor, device="cuda").eval()
-        cache = DynamicCache(config=model.config)
-        token = prefill(model, context, cache, vocab, "cuda")
-        start = time.perf_counter()
-        move_client(model, cache, "cpu", decode_dtype)
-        moved_s = time.perf_counter() - start
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        rate = decode_rate(model, cache, token.cpu(), args.steps)
-        emit(**record, setup=f"symbiosis_cpu_decode_{args.decode_dtype}", context=context,
-             decode_tokens_per_s=round(rate, 3), kv_move_s=round(moved_s, 2),
-             gpu_peak_during_decode_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
-        model.symbiosis_session.close()
-        del model, cache
-        gc.collect()
+        for decode_dtype in args.decode_dtypes.split(","):
+            model = symbiosis.from_pretrained(path, executor, device="cuda").eval()
+            cache = DynamicCache(config=model.config)
+            token = prefill(model, context, cache, vocab, "cuda")
+            start = time.perf_counter()
+            move_client(model, cache, "cpu", getattr(torch, decode_dtype), headroom=args.steps + 1)
+            moved_s = time.perf_counter() - start
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            rate = decode_rate(model, cache, token.cpu(), args.steps)
+            emit(**record, setup=f"symbiosis_cpu_decode_{decode_dtype}", context=context,
+                 decode_tokens_per_s=round(rate, 3), kv_move_s=round(moved_s, 2),
+                 gpu_peak_during_decode_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
+            model.symbiosis_session.close()
+            del model, cache
+            gc.collect()
 
 
 if __name__ == "__main__":

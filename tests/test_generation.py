@@ -117,3 +117,31 @@ def test_prefill_then_decode_elsewhere_matches_plain_greedy(lm):
     model.to(torch.float32)  # "prefill device": float32 client (the executor serves float64, cast at the boundary)
     tokens = prefill_then_decode(split, ids, 10, decode_device="cpu", decode_dtype=torch.float64)
     assert torch.equal(tokens, expected)
+
+
+def test_moved_cache_appends_in_place_and_grows(lm):
+    """After move_client the cache is preallocated: a decoded token is written into spare room (no copy of the
+    cache), the buffer grows when full, and the logits equal plain transformers' throughout."""
+    from transformers import DynamicCache
+
+    from symbiosis.client.offload import move_client
+
+    path, executor, tokenizer = lm
+    split, plain = _pair(lm)
+    ids = tokenizer(["<s> the teacher"], return_tensors="pt")["input_ids"]
+    caches = [DynamicCache(config=plain.config), DynamicCache(config=plain.config)]
+    with torch.no_grad():
+        split(input_ids=ids, past_key_values=caches[0], use_cache=True)
+        token = plain(input_ids=ids, past_key_values=caches[1], use_cache=True).logits[:, -1:].argmax(-1)
+        move_client(split.get_base_model(), caches[0], "cpu", headroom=2)
+        layer = caches[0].layers[0]
+        first_buffer = layer.keys.data_ptr()
+        for step in range(5):
+            ours = split(input_ids=token, past_key_values=caches[0], use_cache=True).logits
+            theirs = plain(input_ids=token, past_key_values=caches[1], use_cache=True).logits
+            torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9)
+            if step < 2:
+                assert layer.keys.data_ptr() == first_buffer  # appended into the headroom
+            token = theirs[:, -1:].argmax(-1)
+        assert layer.keys.data_ptr() != first_buffer  # grew once the headroom was used up
+        assert caches[0].get_seq_length() == caches[1].get_seq_length() == ids.shape[1] + 5

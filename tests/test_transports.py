@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 
 import pytest
 import torch
@@ -28,11 +29,11 @@ def served(checkpoints, tmp_path):
     """(executor, url-maker) with servers stopped at teardown."""
     servers = []
 
-    def serve(arch: str, scheme: str, **kwargs):
+    def serve(arch: str, scheme: str, client_timeout: float = 5, **kwargs):
         path, _ = checkpoints(arch)
         executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64, **kwargs)
         url = _url(scheme, tmp_path)
-        servers.append(ExecutorServer(executor, url, token=TOKEN, client_timeout=5).start())
+        servers.append(ExecutorServer(executor, url, token=TOKEN, client_timeout=client_timeout).start())
         return executor, url
 
     yield serve
@@ -64,6 +65,21 @@ def test_remote_equals_in_process(arch, scheme, served, checkpoints):
     for name, grad in local_grads.items():
         assert_close(remote_grads[name], grad, f"grad of {name}")
     models[1].base_model.model.symbiosis_session.close()
+
+
+@pytest.mark.parametrize("scheme", ["ipc", "tcp"])
+def test_heartbeats_keep_an_idle_client_attached(scheme, served, checkpoints):
+    """A client that makes no calls for longer than the executor's client timeout (say, it is busy on its
+    own side) stays attached as long as its heartbeat thread runs."""
+    path, _ = checkpoints("llama")
+    executor, url = served("llama", scheme, client_timeout=0.6)
+    session = symbiosis.connect(url, token=TOKEN, timeout=10).attach(executor.fingerprint, "idle")
+    time.sleep(2.0)
+    layer = "model.layers.0.mlp.up_proj"
+    x = torch.randn(3, executor.layer_specs[layer].in_features, dtype=torch.float64)
+    assert_close(session.forward(layer, x), executor.weights.layers[layer].forward(x, True), "after idling")
+    assert len(executor.clients) == 1
+    session.close()
 
 
 def test_wrong_or_missing_token_is_refused(served, checkpoints):

@@ -3,8 +3,9 @@
     executor = symbiosis.connect("ipc:///tmp/symbiosis.sock", token=token)
     model = symbiosis.from_pretrained(path, executor, auto_class=AutoModelForCausalLM)
 
-Calls are synchronous request/replies on a ZeroMQ DEALER socket, each with a timeout: an executor that
-is gone or hung raises `ExecutorUnavailable` instead of hanging the client. A heartbeat thread (its own
+Requests are synchronous request/replies on a ZeroMQ DEALER socket, each with a timeout: an executor that
+is gone or hung raises `ExecutorUnavailable` instead of hanging the client. On `ipc://` the layer calls
+themselves take the doorbell path (`doorbell.py`), with the same timeout. A heartbeat thread (its own
 socket) keeps the executor from reaping a client that is busy computing on its side.
 """
 
@@ -21,6 +22,7 @@ import zmq
 from symbiosis.errors import ExecutorUnavailable, SymbiosisError, UnknownClient
 from symbiosis.model.partition import BaseLayerSpec, group_spec
 from symbiosis.transport import wire
+from symbiosis.transport.doorbell import CHECK_EVERY, Doorbell
 from symbiosis.transport.shm import SharedBuffer, open_ipc_event
 
 INITIAL_BUFFER_BYTES = 8 << 20
@@ -99,15 +101,19 @@ class RemoteSession:
         self.executor, self.fingerprint, self.name, self.device = executor, fingerprint, name, device
         self.channel = _Channel(executor.url, executor.timeout)
         self.buffer: SharedBuffer | None = None
+        self.doorbell: Doorbell | None = None
         if executor.shared_buffers:
             self.buffer = SharedBuffer.create(INITIAL_BUFFER_BYTES, device if device.type == "cuda" else torch.device("cpu"))
+            self.doorbell = Doorbell.create()
+        self._call_lock = threading.Lock()  # one call at a time uses the buffer
         self._heartbeat_stop = threading.Event()
         self._attach()
 
     def _attach(self) -> None:
         reply, _ = self.channel.request({"op": "attach", "token": self.executor.token, "fingerprint": self.fingerprint,
                                          "name": self.name,
-                                         "buffer": self.buffer.description if self.buffer else None})
+                                         "buffer": self.buffer.description if self.buffer else None,
+                                         "doorbell": self.doorbell.description if self.doorbell else None})
         self.client_id = reply["client"]
         self.dtype = wire.parse_dtype(reply["dtype"])
         self.executor_device = reply["device"]
@@ -135,14 +141,28 @@ class RemoteSession:
         finally:
             channel.close()
 
-    def _request(self, header: dict, *tensors: torch.Tensor) -> tuple[dict, list]:
-        if self._heartbeat_stop.is_set():
-            raise SymbiosisError(f"this session is closed (client {self.client_id!r}); attach a new one")
+    def _request(self, header: dict, *tensors: torch.Tensor, channel: _Channel | None = None) -> tuple[dict, list]:
+        self._check_open()
         try:
-            return self.channel.request({**header, "client": self.client_id}, *tensors)
+            return (channel or self.channel).request({**header, "client": self.client_id}, *tensors)
         except UnknownClient as e:
             raise ExecutorUnavailable(f"{e}. The executor at {self.executor.url} no longer knows this client; "
                                       "call reconnect() on the session to attach again") from e
+
+    def _still_attached(self) -> None:
+        """Raise if the executor answers that it does not know this client; no answer in time proves nothing."""
+        probe = _Channel(self.executor.url, min(self.executor.timeout, CHECK_EVERY))
+        try:
+            self._request({"op": "ping"}, channel=probe)
+        except ExecutorUnavailable as e:
+            if isinstance(e.__cause__, UnknownClient):
+                raise
+        finally:
+            probe.close()
+
+    def _check_open(self) -> None:
+        if self._heartbeat_stop.is_set():
+            raise SymbiosisError(f"this session is closed (client {self.client_id!r}); attach a new one")
 
     def _ensure_capacity(self, nbytes: int) -> None:
         if nbytes <= self.buffer.nbytes:
@@ -157,22 +177,22 @@ class RemoteSession:
     def _call(self, op: str, layer_id: str, tensor: torch.Tensor, out_width: int, inference: bool) -> torch.Tensor:
         # tensor: [T, d_in] in the client's dtype/device -> [T, d_out] likewise
         sent = tensor.detach().to(self.dtype)
-        header = {"op": op, "layer": layer_id, "inference": inference, "tensor": wire.describe(sent)}
-        if self.buffer is not None:
+        if self.buffer is None:
+            header = {"op": op, "layer": layer_id, "inference": inference, "tensor": wire.describe(sent)}
+            reply, frames = self._request(header, sent.cpu())
+            return wire.frame_tensor(frames[0], reply["tensor"]).to(tensor.device, tensor.dtype, copy=True)
+        self._check_open()
+        with self._call_lock:
             self._ensure_capacity(sent.shape[0] * max(sent.shape[1], out_width) * self.dtype.itemsize)
             self.buffer.view(self.dtype, list(sent.shape)).copy_(sent)
             if self.buffer.ready is not None:
                 self.buffer.ready.record(self.buffer.stream)  # the executor's stream waits on this: no CPU sync
-            reply, _ = self._request({**header, "shm": True})
-            spec = reply["tensor"]
+            dtype, shape = self.doorbell.call(op, layer_id, inference, sent, self.executor.timeout,
+                                              self._still_attached)
             if self._executor_done is not None:
                 self.buffer.stream.wait_event(self._executor_done)
-            result = self.buffer.view(wire.parse_dtype(spec["dtype"]), spec["shape"])
-        else:
-            reply, frames = self._request(header, sent.cpu())
-            result = wire.frame_tensor(frames[0], reply["tensor"])
-        # One copy out of the buffer / frame (the next call reuses it), cast on the way if need be.
-        return result.to(tensor.device, tensor.dtype, copy=True)
+            # One copy out of the buffer (the next call reuses it), cast on the way if need be.
+            return self.buffer.view(dtype, shape).to(tensor.device, tensor.dtype, copy=True)
 
     def _spec(self, layer_id: str) -> BaseLayerSpec:
         spec = group_spec(self.layer_specs, layer_id)
@@ -207,6 +227,7 @@ class RemoteSession:
             self.channel.close()
             if self.buffer is not None:
                 self.buffer.close()
+                self.doorbell.close()
 
 
 def connect(url: str, token: str | None = None, timeout: float = 60.0) -> RemoteExecutor:

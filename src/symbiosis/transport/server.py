@@ -1,6 +1,7 @@
 """The executor as a service: a ZeroMQ ROUTER socket in front of an `Executor`.
 
-One I/O thread owns the socket. Requests are decoded and submitted to the executor's batcher; when a
+One I/O thread owns the socket and the clients' doorbells (`doorbell.py`: on `ipc://`, layer calls come
+through a shared control block and a FIFO byte instead of the socket). Requests are decoded and submitted to the executor's batcher; when a
 call's future resolves (on the batcher thread) it is queued here and the I/O thread is woken through a
 pipe, so only the I/O thread ever touches the socket. A client that stops sending anything (calls or
 heartbeats) for `client_timeout` seconds is detached: its queued calls are dropped, its shared buffer
@@ -25,6 +26,7 @@ import zmq
 from symbiosis.errors import BadCall, SymbiosisError, UnknownClient, Unauthorized
 from symbiosis.executor.executor import Executor
 from symbiosis.transport import wire
+from symbiosis.transport.doorbell import Doorbell
 from symbiosis.transport.shm import SharedBuffer, ipc_event
 
 log = logging.getLogger("symbiosis.executor")
@@ -38,6 +40,7 @@ class RemoteClient:
     buffer: SharedBuffer | None
     last_seen: float
     done: torch.cuda.Event | None = None  # CUDA buffers: recorded here once a result is in the buffer
+    doorbell: Doorbell | None = None  # ipc://: the call path that bypasses the socket
 
 
 class ExecutorServer:
@@ -56,6 +59,8 @@ class ExecutorServer:
         os.set_blocking(self._wake_read, False)
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._poller = zmq.Poller()
+        self._doorbells: dict[int, str] = {}  # request FIFO fd -> client id
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -71,13 +76,16 @@ class ExecutorServer:
             self._thread.join(timeout=5)
 
     def serve_forever(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
         next_reap = time.monotonic()
         try:
             while not self._stopping.is_set():
                 events = dict(poller.poll(timeout=200))
+                for fd in events:
+                    if fd in self._doorbells:
+                        self._take_doorbell_call(self._doorbells[fd])
                 if self._socket in events:
                     self._drain_requests()
                 if self._wake_read in events:
@@ -122,12 +130,15 @@ class ExecutorServer:
                                           "stats": self.executor.stats_snapshot()})
         client_id = header.get("client")
         client = self.clients.get(client_id)
-        if client is None or client.identity != identity:
+        # Heartbeats and pings come from the client's side sockets; everything else from its call socket.
+        if client is None or (client.identity != identity and op not in ("heartbeat", "ping")):
             raise UnknownClient(f"client {client_id!r} is not attached to this executor (restarted, or timed out "
                                 "without heartbeats); attach again")
         client.last_seen = time.monotonic()
         if op == "heartbeat":
             return None
+        if op == "ping":
+            return self._reply(identity, {"id": header.get("id"), "ok": True})
         if op in CALL_OPS:
             return self._call(identity, client, header, frames)
         if op == "fetch":
@@ -159,9 +170,13 @@ class ExecutorServer:
         self._authorize(header)
         name = str(header.get("name", "client"))[:64]
         buffer = SharedBuffer.open(header["buffer"]) if header.get("buffer") else None
+        doorbell = Doorbell.open(header["doorbell"]) if buffer is not None and header.get("doorbell") else None
         client_id = self.executor.register(str(header.get("fingerprint")), f"{name}-{secrets.token_hex(4)}")
         done, done_handle = ipc_event() if buffer is not None and buffer.tensor.is_cuda else (None, None)
-        self.clients[client_id] = RemoteClient(identity, name, buffer, time.monotonic(), done)
+        self.clients[client_id] = RemoteClient(identity, name, buffer, time.monotonic(), done, doorbell)
+        if doorbell is not None:
+            self._doorbells[doorbell.request_fd] = client_id
+            self._poller.register(doorbell.request_fd, zmq.POLLIN)
         log.info("attached %s (%s)", client_id, f"{buffer.description['kind']} shared buffer" if buffer else "frames")
         self._reply(identity, {
             "done_event": done_handle,
@@ -191,6 +206,24 @@ class ExecutorServer:
         else:
             future.add_done_callback(lambda f: self._complete(identity, header, f))
 
+    def _take_doorbell_call(self, client_id: str) -> None:
+        client = self.clients[client_id]
+        seq = None
+        try:
+            request = client.doorbell.take_request()
+            if request is None:
+                return
+            seq = request.seq
+            client.last_seen = time.monotonic()
+            header = {"op": request.op, "layer": request.layer, "inference": request.inference, "shm": True,
+                      "tensor": {"dtype": wire.dtype_name(request.dtype), "shape": request.shape},
+                      "client": client_id, "seq": seq}
+            self._call(client.identity, client, header, [])
+        except Exception as error:
+            if not isinstance(error, SymbiosisError):
+                log.exception("doorbell call of %s failed", client_id)
+            client.doorbell.answer(seq or client.doorbell.seq, wire.error_reply(None, error))
+
     # --- completions ---------------------------------------------------------------------------------
 
     def _complete(self, identity: bytes, header: dict, future: Future) -> None:
@@ -212,19 +245,25 @@ class ExecutorServer:
 
     def _finish(self, identity: bytes, header: dict, future: Future) -> None:
         client = self.clients.get(header["client"])
-        if client is not None:  # else the client left (or died) while its call ran: nobody to answer
-            try:
-                result = future.result()
-                reply = {"id": header.get("id"), "ok": True, "tensor": wire.describe(result)}
-                if header.get("shm"):
-                    client.buffer.view(result.dtype, list(result.shape)).copy_(result)
-                    if client.done is not None:
-                        client.done.record(client.buffer.stream)  # the client's stream waits on this
-                    self._reply(identity, {**reply, "shm": True})
-                else:
-                    self._reply(identity, reply, result.cpu())
-            except Exception as error:
-                self._reply(identity, wire.error_reply(header.get("id"), error))
+        if client is None:
+            return  # the client left (or died) while its call ran: nobody to answer
+        try:
+            result = future.result()
+            reply = {"id": header.get("id"), "ok": True, "tensor": wire.describe(result)}
+            if header.get("shm"):
+                client.buffer.view(result.dtype, list(result.shape)).copy_(result)
+                if client.done is not None:
+                    client.done.record(client.buffer.stream)  # the client's stream waits on this
+                reply["shm"] = True
+                if "seq" in header:
+                    return client.doorbell.answer(header["seq"], reply)
+                return self._reply(identity, reply)
+            self._reply(identity, reply, result.cpu())
+        except Exception as error:
+            reply = wire.error_reply(header.get("id"), error)
+            if "seq" in header:
+                return client.doorbell.answer(header["seq"], reply)
+            self._reply(identity, reply)
 
     def _reply(self, identity: bytes, header: dict, *tensors: torch.Tensor) -> None:
         try:
@@ -244,7 +283,13 @@ class ExecutorServer:
     def _drop(self, client_id: str, unlink: bool) -> None:
         client = self.clients.pop(client_id, None)
         self.executor.detach(client_id)
-        if client is not None and client.buffer is not None:
+        if client is None:
+            return
+        if client.buffer is not None:
             if unlink:
                 client.buffer.unlink()
             client.buffer.close()
+        if client.doorbell is not None:
+            self._doorbells.pop(client.doorbell.request_fd, None)
+            self._poller.unregister(client.doorbell.request_fd)
+            client.doorbell.close(unlink=unlink)

@@ -50,6 +50,7 @@ class SharedBuffer:
         self.description = description
         self.path = path
         self.owner = owner
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
         self.ready: torch.cuda.Event | None = None  # CUDA: recorded by the client, waited on by the executor
         # The stream this process orders buffer work on, looked up once (current_stream() costs ~20 us a call).
         self.stream = torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
@@ -111,16 +112,19 @@ class SharedBuffer:
         numel = 1
         for n in shape:
             numel *= n
-        nbytes = numel * dtype.itemsize
-        if nbytes > self.nbytes:
-            raise BadCall(f"a {list(shape)} {dtype} tensor ({nbytes} bytes) does not fit the shared buffer "
-                          f"({self.nbytes} bytes)")
-        return self.tensor[:nbytes].view(dtype).view(shape)
+        typed = self._typed.get(dtype)
+        if typed is None:  # one flat view per dtype, made once: a call then costs one slice and one view
+            typed = self._typed[dtype] = self.tensor[:self.nbytes // dtype.itemsize * dtype.itemsize].view(dtype)
+        if numel > typed.numel():
+            raise BadCall(f"a {list(shape)} {dtype} tensor ({numel * dtype.itemsize} bytes) does not fit the "
+                          f"shared buffer ({self.nbytes} bytes)")
+        return typed[:numel].view(shape)
 
     def close(self) -> None:
         """Drop the mapping; the owner (the client) also removes the file. The executor removes a dead
         client's file too (`unlink=True`), since that client cannot."""
         self.tensor = None
+        self._typed.clear()
         if self.owner and self.path is not None:
             self.path.unlink(missing_ok=True)
 
