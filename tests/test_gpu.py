@@ -59,3 +59,24 @@ def test_bf16_masking_stays_within_rounding(checkpoints):
     clear, _ = _train_step(path, executor, "cuda")
     masked, _ = _train_step(path, executor, "cuda", privacy=symbiosis.NoiseMasking(scale=0.5))
     assert _rel(masked, clear) < 3e-2
+
+
+def test_cpu_client_buffer_is_pinned_by_a_cuda_executor(checkpoints, tmp_path):
+    """A CPU client's shared host buffer is page-locked in the executor's process (DMA both ways); results
+    still equal the executor's own layer."""
+    from symbiosis.transport.server import ExecutorServer
+
+    path, _ = checkpoints("llama")
+    executor = symbiosis.Executor.from_pretrained(path, device="cuda", dtype=torch.float32)
+    server = ExecutorServer(executor, f"ipc://{tmp_path}/pin.sock").start()
+    try:
+        session = symbiosis.connect(f"ipc://{tmp_path}/pin.sock").attach(executor.fingerprint, "cpu-client", "cpu")
+        (client,) = server.clients.values()
+        assert client.buffer.pinned
+        layer = "model.layers.0.mlp.down_proj"
+        x = torch.randn(7, executor.layer_specs[layer].in_features)
+        expected = executor.weights.layers[layer].forward(x.cuda(), True).cpu()
+        assert _rel(session.forward(layer, x), expected) < 1e-6
+        session.close()
+    finally:
+        server.stop()

@@ -146,7 +146,9 @@ class Executor:
         layer = self._layer_for(client_id, layer_id)
         width = layer.spec.out_features if op == "backward" else layer.spec.in_features
         self._check(layer, tensor, width, op)
-        tensor = tensor if tensor.device == self.device else tensor.to(self.device)
+        # non_blocking: from page-locked memory (a pinned transport buffer) the copy is queued on the stream
+        # that computes with it; from pageable memory it is synchronous either way.
+        tensor = tensor if tensor.device == self.device else tensor.to(self.device, non_blocking=True)
         return self.batcher.submit(client_id, (layer_id, op), tensor, inference and op != "backward", inline)
 
     def forward(self, client_id: str, layer_id: str, x: torch.Tensor, inference: bool = False,

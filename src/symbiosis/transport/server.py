@@ -147,7 +147,7 @@ class ExecutorServer:
             return self._reply(identity, {"id": header.get("id"), "ok": True,
                                           "tensors": [wire.describe(t) for t in tensors]}, *tensors)
         if op == "buffer":
-            new = SharedBuffer.open(header.get("buffer") or {})
+            new = self._open_buffer(header.get("buffer") or {})
             if new.tensor.is_cuda and client.done is None:
                 raise BadCall("a client attached with a host buffer cannot switch to a CUDA buffer")
             if client.buffer is not None:
@@ -166,10 +166,16 @@ class ExecutorServer:
         if not isinstance(given, str) or not hmac.compare_digest(given.encode(), self.token.encode()):
             raise Unauthorized("executor refused the client: missing or wrong token")
 
+    def _open_buffer(self, description: dict) -> SharedBuffer:
+        buffer = SharedBuffer.open(description)
+        if self.executor.device.type == "cuda":
+            buffer.pin()  # a host buffer of a CPU client: DMA to and from the GPU
+        return buffer
+
     def _attach(self, identity: bytes, header: dict) -> None:
         self._authorize(header)
         name = str(header.get("name", "client"))[:64]
-        buffer = SharedBuffer.open(header["buffer"]) if header.get("buffer") else None
+        buffer = self._open_buffer(header["buffer"]) if header.get("buffer") else None
         doorbell = Doorbell.open(header["doorbell"]) if buffer is not None and header.get("doorbell") else None
         client_id = self.executor.register(str(header.get("fingerprint")), f"{name}-{secrets.token_hex(4)}")
         done, done_handle = ipc_event() if buffer is not None and buffer.tensor.is_cuda else (None, None)

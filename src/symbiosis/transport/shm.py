@@ -51,6 +51,7 @@ class SharedBuffer:
         self.path = path
         self.owner = owner
         self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self.pinned = False
         self.ready: torch.cuda.Event | None = None  # CUDA: recorded by the client, waited on by the executor
         # The stream this process orders buffer work on, looked up once (current_stream() costs ~20 us a call).
         self.stream = torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
@@ -107,6 +108,13 @@ class SharedBuffer:
             raise BadCall(f"cannot map the client's shared buffer: {e}") from e
         raise BadCall(f"unknown shared buffer kind {kind!r}")
 
+    def pin(self) -> None:
+        """Page-lock a host buffer in this process (the executor's, when it computes on a GPU): copies between
+        it and the GPU then run as DMA instead of through a staging copy. Left pageable if the driver refuses."""
+        if self.tensor.is_cuda or self.pinned:
+            return
+        self.pinned = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)) == 0
+
     def view(self, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
         """[T, d] of `dtype` at offset 0."""
         numel = 1
@@ -123,6 +131,9 @@ class SharedBuffer:
     def close(self) -> None:
         """Drop the mapping; the owner (the client) also removes the file. The executor removes a dead
         client's file too (`unlink=True`), since that client cannot."""
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
         self.tensor = None
         self._typed.clear()
         if self.owner and self.path is not None:
