@@ -30,6 +30,7 @@ from symbiosis.transport.doorbell import Doorbell
 from symbiosis.transport.shm import SharedBuffer, ipc_event
 
 log = logging.getLogger("symbiosis.executor")
+HOT_S = 2e-3  # for this long after a doorbell call the I/O thread polls without sleeping (next call comes soon)
 CALL_OPS = ("forward", "forward_nobias", "backward")
 
 
@@ -79,13 +80,16 @@ class ExecutorServer:
         poller = self._poller
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
-        next_reap = time.monotonic()
+        next_reap = last_call = time.monotonic()
         try:
             while not self._stopping.is_set():
-                events = dict(poller.poll(timeout=200))
+                # Polling with timeout 0 releases the GIL during each syscall, so the batcher thread still runs.
+                hot = time.monotonic() - last_call < HOT_S
+                events = dict(poller.poll(timeout=0 if hot else 200))
                 for fd in events:
                     if fd in self._doorbells:
                         self._take_doorbell_call(self._doorbells[fd])
+                        last_call = time.monotonic()
                 if self._socket in events:
                     self._drain_requests()
                 if self._wake_read in events:
