@@ -59,8 +59,11 @@ class MaskedSession:
                  dtype: torch.dtype):
         self.inner, self.masking, self.device, self.dtype = inner, masking, device, dtype
         self.layer_specs: dict[str, BaseLayerSpec] = inner.layer_specs
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(masking.seed if masking.seed is not None else int.from_bytes(os.urandom(8), "little"))
+        seed = masking.seed if masking.seed is not None else int.from_bytes(os.urandom(8), "little")
+        self.generator = torch.Generator(device=device)  # noise values and row orders, made where they are used
+        self.generator.manual_seed(seed)
+        self.host_generator = torch.Generator()  # which pool value a call uses: read on the CPU, so no GPU sync
+        self.host_generator.manual_seed(seed + 1)
         directions = ("forward", "backward") if masking.mask_backward else ("forward",)
         self.pools = {(layer_id, d): self._make_pool(layer_id, d) for layer_id in layer_ids for d in directions}
 
@@ -86,7 +89,7 @@ class MaskedSession:
         if self.masking.refresh_every and pool.calls >= self.masking.refresh_every:
             pool = self.pools[key] = self._make_pool(layer_id, direction)
         pool.calls += 1
-        value = int(torch.randint(self.masking.pool, (1,), generator=self.generator, device=self.device))
+        value = int(torch.randint(self.masking.pool, (1,), generator=self.host_generator))
         rows = self.masking.rows
         if tokens <= rows:
             order = torch.randperm(rows, generator=self.generator, device=self.device)[:tokens]

@@ -41,7 +41,10 @@ REPLY = struct.Struct("<QBBxxIII")
 SEQ = struct.Struct("<Q")
 MAX_LAYER_ID = REPLY_AT - REQUEST.size
 MAX_MESSAGE = CONTROL_BYTES - REPLY_AT - REPLY.size
-SPIN_S = 300e-6  # a reply is awaited this long by spinning on the control block before sleeping in poll()
+# Waiting without sleeping (spinning) pays only with cores to spare: with fewer, the spinners would take
+# the CPU from the very processes they wait for.
+SPARE_CORES = len(os.sched_getaffinity(0)) >= 8
+SPIN_S = 300e-6 if SPARE_CORES else 0.0  # a reply is awaited this long by spinning before sleeping in poll()
 CHECK_EVERY = 1.0  # seconds of waiting on a reply between checks that the executor still knows the client
 OPS = ("forward", "forward_nobias", "backward")
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)

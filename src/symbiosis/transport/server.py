@@ -26,11 +26,12 @@ import zmq
 from symbiosis.errors import BadCall, SymbiosisError, UnknownClient, Unauthorized
 from symbiosis.executor.executor import Executor
 from symbiosis.transport import wire
-from symbiosis.transport.doorbell import Doorbell
+from symbiosis.transport.doorbell import SPARE_CORES, Doorbell
 from symbiosis.transport.shm import SharedBuffer, ipc_event
 
 log = logging.getLogger("symbiosis.executor")
-HOT_S = 2e-3  # for this long after a doorbell call the I/O thread polls without sleeping (next call comes soon)
+# For this long after a doorbell call the I/O thread polls without sleeping (the next call comes soon).
+HOT_S = 2e-3 if SPARE_CORES else 0.0
 CALL_OPS = ("forward", "forward_nobias", "backward")
 
 
