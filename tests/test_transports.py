@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import time
 
 import pytest
@@ -164,3 +165,47 @@ def test_frames_that_do_not_match_their_description(served, checkpoints):
     session.close()
     with pytest.raises(symbiosis.SymbiosisError, match="session is closed"):
         session.forward("model.layers.0.self_attn.q_proj", torch.zeros(2, 64))
+
+
+def test_doorbell_requests_that_are_malformed_stale_or_orphaned(served, checkpoints):
+    """The ipc:// call path: a malformed request gets an error in the reply block and the client keeps
+    working; a wake-up without a new request is ignored; a bogus doorbell is refused at attach; a client the
+    executor forgot learns so within about a second instead of waiting out its timeout."""
+    from symbiosis.transport.doorbell import REPLY, REPLY_AT, REQUEST, SHM_DIR
+
+    path, _ = checkpoints("llama")
+    executor, url = served("llama", "ipc")
+    session = symbiosis.connect(url, token=TOKEN, timeout=30).attach(executor.fingerprint, "raw")
+    layer = "model.layers.0.self_attn.q_proj"
+    x = torch.randn(2, 64, dtype=torch.float64)
+    expected = executor.weights.layers[layer].forward(x, True)
+    bell = session.doorbell
+
+    bell.seq += 1
+    REQUEST.pack_into(bell.control, 0, bell.seq, 99, 0, 0, 2, 64, 0)  # op code 99
+    os.write(bell.request_fd, b"\0")
+    assert bell._reply_poll.poll(5000)
+    seq, ok, *_, message_len = REPLY.unpack_from(bell.control, REPLY_AT)
+    start = REPLY_AT + REPLY.size
+    assert seq == bell.seq and not ok
+    assert "malformed doorbell request" in json.loads(bell.control[start:start + message_len])["message"]
+
+    os.write(bell.request_fd, b"\0")  # a stale wake-up: same sequence number, nothing to answer
+    assert_close(session.forward(layer, x), expected, "after a malformed and a stale request")
+    with pytest.raises(BadCall, match="longer than"):
+        session.forward("x" * 5000, x)
+
+    buffer = session.buffer.description
+    refused = _raw(url, json.dumps({"op": "attach", "token": TOKEN, "fingerprint": executor.fingerprint,
+                                    "buffer": buffer, "doorbell": {"control": "/etc/passwd",
+                                                                   "request": str(SHM_DIR / "x"),
+                                                                   "reply": str(SHM_DIR / "y")}}).encode())
+    assert refused["error"] == "BadCall" and "doorbell" in refused["message"]
+    assert len(executor.clients) == 1
+
+    session._request({"op": "detach"})  # e.g. the executor reaped it, or restarted
+    started = time.monotonic()
+    with pytest.raises(symbiosis.ExecutorUnavailable, match="no longer knows this client"):
+        session.forward(layer, x)
+    assert time.monotonic() - started < 5
+    session.close()

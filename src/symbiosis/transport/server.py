@@ -180,9 +180,16 @@ class ExecutorServer:
     def _attach(self, identity: bytes, header: dict) -> None:
         self._authorize(header)
         name = str(header.get("name", "client"))[:64]
-        buffer = self._open_buffer(header["buffer"]) if header.get("buffer") else None
-        doorbell = Doorbell.open(header["doorbell"]) if buffer is not None and header.get("doorbell") else None
-        client_id = self.executor.register(str(header.get("fingerprint")), f"{name}-{secrets.token_hex(4)}")
+        buffer = doorbell = None
+        try:  # a refused attach leaves nothing mapped or open
+            buffer = self._open_buffer(header["buffer"]) if header.get("buffer") else None
+            doorbell = Doorbell.open(header["doorbell"]) if buffer is not None and header.get("doorbell") else None
+            client_id = self.executor.register(str(header.get("fingerprint")), f"{name}-{secrets.token_hex(4)}")
+        except Exception:
+            for opened in (buffer, doorbell):
+                if opened is not None:
+                    opened.close()
+            raise
         done, done_handle = ipc_event() if buffer is not None and buffer.tensor.is_cuda else (None, None)
         self.clients[client_id] = RemoteClient(identity, name, buffer, time.monotonic(), done, doorbell)
         if doorbell is not None:
