@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Every GPU benchmark of docs/PERFORMANCE.md, in one go, each under its own time limit so that one slow
+# benchmark cannot starve the rest; logs and JSON lines go to $OUT (default ./bench-out).
+#
+#   bash benchmarks/run_all.sh                        # everything, in the order below
+#   bash benchmarks/run_all.sh privacy single_13b     # only these
+#
+# PYTHON=.venv/bin/python picks the interpreter. Names: gpu_tests rtt single_1b single_13b multi_1b policies mixed privacy long_context
+set -u
+cd "$(dirname "$0")/.."
+export OUT="${OUT:-$PWD/bench-out}" PYTHONUNBUFFERED=1
+PY="${PYTHON:-python}"  # the interpreter that has symbiosis (or PYTHONPATH=src) and its dependencies
+mkdir -p "$OUT"
+
+declare -A LIMIT_S=(
+  [gpu_tests]=120 [rtt]=90 [single_1b]=150 [single_13b]=330 [multi_1b]=330
+  [policies]=200 [mixed]=200 [privacy]=240 [long_context]=330
+)
+declare -A COMMAND=(
+  [gpu_tests]="$PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider"
+  [rtt]="$PY benchmarks/profile_overhead.py --remote"
+  [single_1b]="$PY benchmarks/single_tenant.py --models llama-3.2-1b"
+  [single_13b]="$PY benchmarks/single_tenant.py --models llama-2-13b --loras lora3_r8_qkvo"
+  [multi_1b]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,2,4,8 --duration 8"
+  [policies]="$PY benchmarks/policies.py --model llama-3.2-1b --duration 8"
+  [mixed]="$PY benchmarks/mixed_work.py --model llama-3.2-1b --duration 8"
+  [privacy]="$PY benchmarks/privacy.py --model llama-3.2-1b --duration 5"
+  [long_context]="$PY benchmarks/long_context.py --model llama-3-8b --steps 4 --decode-dtypes bfloat16"
+)
+ORDER=(gpu_tests rtt single_1b multi_1b privacy policies mixed long_context single_13b)
+
+for name in "${@:-${ORDER[@]}}"; do
+  if [[ -z "${COMMAND[$name]:-}" ]]; then
+    echo "unknown benchmark '$name' (choose from: ${ORDER[*]})" >&2
+    exit 2
+  fi
+  echo "== $name: ${COMMAND[$name]} (limit ${LIMIT_S[$name]} s)"
+  start=$SECONDS
+  timeout "${LIMIT_S[$name]}" ${COMMAND[$name]} > "$OUT/$name.log" 2>&1
+  status=$?
+  grep -E '^\{' "$OUT/$name.log" | cut -c1-400
+  [[ $status -eq 124 ]] && echo "!! $name cut by its time limit"
+  [[ $status -ne 0 && $status -ne 124 ]] && { echo "!! $name failed ($status):"; tail -5 "$OUT/$name.log"; }
+  echo "== $name: $((SECONDS - start)) s"
+done
