@@ -29,13 +29,13 @@ def test_demo_runs_end_to_end(tmp_path):
 def test_stats_command(checkpoints, tmp_path, capsys):
     path, _ = checkpoints("llama")
     executor = symbiosis.Executor.from_pretrained(path)
-    server = ExecutorServer(executor, "tcp://127.0.0.1:46871", token="s").start()
+    server = ExecutorServer(executor, "tcp://127.0.0.1:*", token="s").start()
     (tmp_path / "token").write_text("s\n")
     try:
-        model = symbiosis.from_pretrained(path, symbiosis.connect("tcp://127.0.0.1:46871", token="s"), name="probe")
+        model = symbiosis.from_pretrained(path, symbiosis.connect(server.url, token="s"), name="probe")
         model(torch.randint(0, 128, (1, 4)))
         capsys.readouterr()
-        assert main(["executor", "--stats", "tcp://127.0.0.1:46871", "--token-file", str(tmp_path / "token")]) == 0
+        assert main(["executor", "--stats", server.url, "--token-file", str(tmp_path / "token")]) == 0
         stats = json.loads(capsys.readouterr().out)
         assert any(c.startswith("probe") for c in stats["attached_clients"])
         assert stats["overall"]["calls"] == len(executor.layer_specs)  # one forward call per base layer

@@ -88,16 +88,16 @@ def test_generate_command_streams(lm, tmp_path, capsys):
     split, _ = _pair(lm)
     save_adapter(split, tmp_path / "adapter")
     expected = generate_text(split, tokenizer, "<s> a dog", max_new_tokens=8)
-    server = ExecutorServer(executor, "tcp://127.0.0.1:46811", token="t").start()
+    server = ExecutorServer(executor, "tcp://127.0.0.1:*", token="t").start()
     (tmp_path / "token").write_text("t")
     try:
         capsys.readouterr()
-        code = main(["generate", "--executor", "tcp://127.0.0.1:46811", "--token-file", str(tmp_path / "token"),
+        code = main(["generate", "--executor", server.url, "--token-file", str(tmp_path / "token"),
                      "--model", str(path), "--adapter", str(tmp_path / "adapter"), "--prompt", "<s> a dog",
                      "--max-new-tokens", "8"])
         assert code == 0
         assert capsys.readouterr().out.strip() == expected.strip()
-        code = main(["generate", "--executor", "tcp://127.0.0.1:46811", "--token-file", str(tmp_path / "token"),
+        code = main(["generate", "--executor", server.url, "--token-file", str(tmp_path / "token"),
                      "--model", str(path), "--prompt", "<s> a dog", "--max-new-tokens", "-1"])
         assert code == 2 and "max_new_tokens must be positive" in capsys.readouterr().err
     finally:

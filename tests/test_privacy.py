@@ -53,10 +53,9 @@ def test_masked_equals_unmasked(arch, method, checkpoints):
 def test_masking_over_transports(scheme, checkpoints, tmp_path):
     path, auto_class = checkpoints("llama")
     executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
-    url = f"ipc://{tmp_path}/x.sock" if scheme == "ipc" else "tcp://127.0.0.1:46901"
-    server = ExecutorServer(executor, url).start()
+    server = ExecutorServer(executor, f"ipc://{tmp_path}/x.sock" if scheme == "ipc" else "tcp://127.0.0.1:*").start()
     try:
-        remote = _model(path, symbiosis.connect(url, timeout=10), "llama", "lora", auto_class, privacy=MASK)
+        remote = _model(path, symbiosis.connect(server.url, timeout=10), "llama", "lora", auto_class, privacy=MASK)
         clear = _model(path, executor, "llama", "lora", auto_class)
         assert_close(_step(remote, "llama").logits, _step(clear, "llama").logits, "logits")
     finally:

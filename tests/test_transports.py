@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import time
@@ -18,11 +17,10 @@ from symbiosis.transport.server import ExecutorServer
 from test_exactness import assert_close, batch, peft_config
 
 TOKEN = "correct horse battery staple"
-_ports = itertools.count(46100)
 
 
 def _url(scheme: str, tmp_path) -> str:
-    return f"ipc://{tmp_path}/executor.sock" if scheme == "ipc" else f"tcp://127.0.0.1:{next(_ports)}"
+    return f"ipc://{tmp_path}/executor.sock" if scheme == "ipc" else "tcp://127.0.0.1:*"  # a free port
 
 
 @pytest.fixture
@@ -33,9 +31,9 @@ def served(checkpoints, tmp_path):
     def serve(arch: str, scheme: str, client_timeout: float = 5, **kwargs):
         path, _ = checkpoints(arch)
         executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64, **kwargs)
-        url = _url(scheme, tmp_path)
-        servers.append(ExecutorServer(executor, url, token=TOKEN, client_timeout=client_timeout).start())
-        return executor, url
+        servers.append(ExecutorServer(executor, _url(scheme, tmp_path), token=TOKEN,
+                                      client_timeout=client_timeout).start())
+        return executor, servers[-1].url
 
     yield serve
     for server in servers:
@@ -172,6 +170,7 @@ def test_doorbell_requests_that_are_malformed_stale_or_orphaned(served, checkpoi
     working; a wake-up without a new request is ignored; a bogus doorbell is refused at attach; a client the
     executor forgot learns so within about a second instead of waiting out its timeout."""
     from symbiosis.transport.doorbell import REPLY, REPLY_AT, REQUEST, SHM_DIR
+    from symbiosis.transport.shm import SharedBuffer
 
     path, _ = checkpoints("llama")
     executor, url = served("llama", "ipc")
@@ -195,11 +194,12 @@ def test_doorbell_requests_that_are_malformed_stale_or_orphaned(served, checkpoi
     with pytest.raises(BadCall, match="longer than"):
         session.forward("x" * 5000, x)
 
-    buffer = session.buffer.description
+    buffer = SharedBuffer.create(4096, torch.device("cpu"))
     refused = _raw(url, json.dumps({"op": "attach", "token": TOKEN, "fingerprint": executor.fingerprint,
-                                    "buffer": buffer, "doorbell": {"control": "/etc/passwd",
-                                                                   "request": str(SHM_DIR / "x"),
-                                                                   "reply": str(SHM_DIR / "y")}}).encode())
+                                    "buffer": buffer.description, "doorbell": {"control": "/etc/passwd",
+                                                                               "request": str(SHM_DIR / "x"),
+                                                                               "reply": str(SHM_DIR / "y")}}).encode())
+    buffer.close()
     assert refused["error"] == "BadCall" and "doorbell" in refused["message"]
     assert len(executor.clients) == 1
 
@@ -208,4 +208,23 @@ def test_doorbell_requests_that_are_malformed_stale_or_orphaned(served, checkpoi
     with pytest.raises(symbiosis.ExecutorUnavailable, match="no longer knows this client"):
         session.forward(layer, x)
     assert time.monotonic() - started < 5
+    session.close()
+
+
+def test_ipc_leaves_no_files_behind(served, checkpoints):
+    """The shared buffer and doorbell files are unlinked as soon as the executor has opened them (both
+    sides keep their mappings), also when the buffer grows, so a process that dies leaves nothing behind."""
+    from symbiosis.transport.shm import SHM_DIR
+
+    executor, url = served("llama", "ipc")
+    ours = lambda: set(SHM_DIR.glob(f"symbiosis-{os.getpid()}-*"))  # noqa: E731
+    before = ours()
+    session = symbiosis.connect(url, token=TOKEN, timeout=10).attach(executor.fingerprint, "tidy")
+    assert ours() == before
+    layer = "model.layers.0.mlp.up_proj"
+    weights = executor.weights.layers[layer]
+    for tokens in (3, 20_000):  # 20,000 x 128 float64 outgrow the initial 8 MiB buffer
+        x = torch.randn(tokens, weights.spec.in_features, dtype=torch.float64)
+        assert_close(session.forward(layer, x), weights.forward(x, True), f"{tokens} tokens")
+        assert ours() == before
     session.close()

@@ -53,7 +53,7 @@ def executor_command(args: argparse.Namespace) -> int:
     server.start()
     mib = executor.weights.nbytes / 2**20
     print(f"[executor] serving {len(executor.weights.layers)} base layers ({mib:.1f} MiB) of {args.model} on "
-          f"{args.listen} ({executor.device}, {executor.dtype}, policy {policy.name})", file=sys.stderr, flush=True)
+          f"{server.url} ({executor.device}, {executor.dtype}, policy {policy.name})", file=sys.stderr, flush=True)
     stop.wait()
     server.stop()
     executor.close()

@@ -102,18 +102,27 @@ class RemoteSession:
         self.channel = _Channel(executor.url, executor.timeout)
         self.buffer: SharedBuffer | None = None
         self.doorbell: Doorbell | None = None
-        if executor.shared_buffers:
-            self.buffer = SharedBuffer.create(INITIAL_BUFFER_BYTES, device if device.type == "cuda" else torch.device("cpu"))
-            self.doorbell = Doorbell.create()
         self._call_lock = threading.Lock()  # one call at a time uses the buffer
         self._heartbeat_stop = threading.Event()
-        self._attach()
+        self._attach(INITIAL_BUFFER_BYTES)
 
-    def _attach(self) -> None:
-        reply, _ = self.channel.request({"op": "attach", "token": self.executor.token, "fingerprint": self.fingerprint,
-                                         "name": self.name,
-                                         "buffer": self.buffer.description if self.buffer else None,
-                                         "doorbell": self.doorbell.description if self.doorbell else None})
+    def _attach(self, buffer_bytes: int) -> None:
+        """Attach with a new shared buffer and doorbell (ipc://). Their files are unlinked as soon as the
+        executor has opened them: both sides keep their mappings and FIFO descriptors, and nothing is left
+        in /dev/shm whichever process dies first."""
+        if self.executor.shared_buffers:
+            self.buffer = SharedBuffer.create(buffer_bytes, self.device if self.device.type == "cuda"
+                                              else torch.device("cpu"))
+            self.doorbell = Doorbell.create()
+        try:
+            reply, _ = self.channel.request({
+                "op": "attach", "token": self.executor.token, "fingerprint": self.fingerprint, "name": self.name,
+                "buffer": self.buffer.description if self.buffer else None,
+                "doorbell": self.doorbell.description if self.doorbell else None})
+        finally:
+            if self.buffer is not None:
+                self.buffer.unlink()
+                self.doorbell.unlink()
         self.client_id = reply["client"]
         self.dtype = wire.parse_dtype(reply["dtype"])
         self.executor_device = reply["device"]
@@ -130,7 +139,11 @@ class RemoteSession:
         self._heartbeat_stop.set()  # the old heartbeat thread ends; _attach starts one for the new id
         self.channel.close()
         self.channel = _Channel(self.executor.url, self.executor.timeout)
-        self._attach()
+        old_buffer, old_doorbell = self.buffer, self.doorbell
+        self._attach(old_buffer.nbytes if old_buffer is not None else 0)
+        if old_buffer is not None:
+            old_buffer.close()
+            old_doorbell.close()
 
     def _heartbeat(self, client_id: str) -> None:
         channel = _Channel(self.executor.url, self.executor.timeout)
@@ -170,8 +183,15 @@ class RemoteSession:
         old = self.buffer
         if old.ready is not None:
             old.stream.synchronize()  # nothing may still use the old one
-        self.buffer = SharedBuffer.create(max(nbytes, old.nbytes * 3 // 2), old.tensor.device)
-        self._request({"op": "buffer", "buffer": self.buffer.description})
+        new = SharedBuffer.create(max(nbytes, old.nbytes * 3 // 2), old.tensor.device)
+        try:
+            self._request({"op": "buffer", "buffer": new.description})
+        except BaseException:
+            new.close()  # the executor still uses the old one
+            raise
+        finally:
+            new.unlink()
+        self.buffer = new
         old.close()
 
     def _call(self, op: str, layer_id: str, tensor: torch.Tensor, out_width: int, inference: bool) -> torch.Tensor:

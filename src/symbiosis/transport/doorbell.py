@@ -174,14 +174,18 @@ class Doorbell:
             REPLY.pack_into(self.control, REPLY_AT, seq, False, 0, 0, 0, len(message))
         _ring(self.reply_fd)
 
+    def unlink(self) -> None:
+        """Remove the files; the mapping and the FIFO descriptors stay usable by whoever has them open."""
+        for path in self.paths.values():
+            if path.name.startswith(PREFIX):
+                path.unlink(missing_ok=True)
+
     def close(self, unlink: bool = False) -> None:
         for fd in (self.request_fd, self.reply_fd):
             os.close(fd)
         self.control.close()
         if self.owner or unlink:
-            for path in self.paths.values():
-                if path.name.startswith(PREFIX):
-                    path.unlink(missing_ok=True)
+            self.unlink()
 
 
 def _ring(fd: int) -> None:

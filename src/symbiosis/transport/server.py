@@ -56,6 +56,8 @@ class ExecutorServer:
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(url)
+        # The bound endpoint: `tcp://host:*` binds a free port, and this says which.
+        self.url = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._completions: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
