@@ -133,3 +133,45 @@ def test_inference_calls_overtake_a_queued_training_burst():
         f.result(timeout=5)
     batcher.close()
     assert order.index("infer") <= 1, order
+
+
+def test_out_of_memory_fails_only_the_call_that_does_not_fit(checkpoints, tmp_path, monkeypatch):
+    """A full device: the batch that runs out of memory is retried call by call, so only the call too
+    large to fit fails, with an error that names it; the other client's call in that batch succeeds, and
+    the executor keeps serving (in-process and over ipc://)."""
+    from symbiosis.executor.store import BaseLayer
+    from symbiosis.transport.server import ExecutorServer
+
+    path, _ = checkpoints("llama")
+    executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64, policy="lockstep")
+    layer_id = "model.layers.0.mlp.up_proj"
+    layer = executor.weights.layers[layer_id]
+    real_forward = BaseLayer.forward
+
+    def forward_with_a_small_device(self, x, with_bias=True):
+        if x.shape[0] > 100:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_forward(self, x, with_bias)
+
+    monkeypatch.setattr(BaseLayer, "forward", forward_with_a_small_device)
+    big_client, small_client = (executor.attach(executor.fingerprint, name) for name in ("big", "small"))
+    big, small = torch.randn(90, 64, dtype=torch.float64), torch.randn(20, 64, dtype=torch.float64)
+    # Lockstep batches the two calls (110 tokens: does not fit); alone, 90 and 20 would.
+    futures = [executor.submit(big_client.client_id, "forward", layer_id, torch.cat([big, big])),
+               executor.submit(small_client.client_id, "forward", layer_id, small)]
+    with pytest.raises(symbiosis.ExecutorOutOfMemory, match=r"180 tokens of forward on 'model.layers.0.mlp.up_proj'"):
+        futures[0].result(timeout=10)
+    assert_close(futures[1].result(timeout=10), real_forward(layer, small), "the other client's call")
+    assert_close(big_client.forward(layer_id, big), real_forward(layer, big), "a call that fits, afterwards")
+    small_client.close()
+
+    server = ExecutorServer(executor, f"ipc://{tmp_path}/oom.sock").start()
+    try:
+        remote = symbiosis.connect(server.url, timeout=10).attach(executor.fingerprint, "remote")
+        big_client.close()  # lockstep would wait for it
+        with pytest.raises(symbiosis.ExecutorOutOfMemory, match="send fewer tokens per call"):
+            remote.forward(layer_id, torch.cat([big, big]))
+        assert_close(remote.forward(layer_id, big), real_forward(layer, big), "remote call that fits")
+        remote.close()
+    finally:
+        server.stop()

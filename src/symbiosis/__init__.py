@@ -6,6 +6,7 @@ from symbiosis.client.privacy import NoiseMasking
 from symbiosis.errors import (
     BadCall,
     CheckpointError,
+    ExecutorOutOfMemory,
     ExecutorUnavailable,
     FingerprintMismatch,
     SymbiosisError,
@@ -22,6 +23,7 @@ __all__ = [
     "BadCall",
     "CheckpointError",
     "Executor",
+    "ExecutorOutOfMemory",
     "ExecutorUnavailable",
     "FingerprintMismatch",
     "NoiseMasking",

@@ -37,6 +37,10 @@ class VirtualWeightAccess(UnsupportedAdapter):
     """Client code tried to read the values of a base weight, which only the executor holds."""
 
 
+class ExecutorOutOfMemory(SymbiosisError):
+    """The executor's device had no memory left for a call; that call fails, everything else carries on."""
+
+
 class ExecutorUnavailable(SymbiosisError):
     """The executor cannot be reached, or stopped answering within the configured timeout."""
 

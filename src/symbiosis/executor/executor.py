@@ -13,7 +13,7 @@ from concurrent.futures import Future
 
 import torch
 
-from symbiosis.errors import BadCall, FingerprintMismatch, UnknownClient, UnknownLayer
+from symbiosis.errors import BadCall, ExecutorOutOfMemory, FingerprintMismatch, UnknownClient, UnknownLayer
 from symbiosis.executor.batcher import Batcher
 from symbiosis.executor.policy import Policy, make_policy
 from symbiosis.executor.stats import ExecutorStats
@@ -162,8 +162,14 @@ class Executor:
     def _run_batch(self, key: tuple[str, str], tensor: torch.Tensor) -> torch.Tensor:
         layer_id, op = key
         layer = self.weights.get(layer_id)
-        with torch.no_grad():
-            return layer.backward(tensor) if op == "backward" else layer.forward(tensor, op == "forward")
+        try:
+            with torch.no_grad():
+                return layer.backward(tensor) if op == "backward" else layer.forward(tensor, op == "forward")
+        except torch.OutOfMemoryError as e:  # the batcher then retries each call of a batch alone
+            reason = str(e).splitlines()[0] if str(e) else "out of memory"
+            raise ExecutorOutOfMemory(
+                f"the executor's {self.device} has no memory for {tensor.shape[0]} tokens of {op} on {layer_id!r} "
+                f"({reason}); send fewer tokens per call (a smaller batch) or free memory on the executor") from e
 
     def fetch(self, client_id: str, layer_id: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A copy of a base layer's weight and bias (public base weights; for PEFT's `modules_to_save`)."""
