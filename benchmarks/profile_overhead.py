@@ -74,7 +74,7 @@ def main() -> None:
         url = "ipc:///tmp/symbiosis-profile.sock"
         process = start_executor(path, url)
         try:
-            for client_device in ("cuda", "cpu"):
+            for client_device in ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",):
                 remote = symbiosis.connect(url, timeout=60).attach(executor.fingerprint, "probe", torch.device(client_device))
                 for tokens in (1, 1024):
                     xs = x[:tokens].to(client_device)

@@ -1,9 +1,17 @@
 """symbiosis: one frozen base model served to many tenants, each fine-tuning or generating with its own
-PEFT adapters, through split execution (the base layers run in a shared executor)."""
+PEFT adapters, through split execution (the base layers run in a shared executor).
 
-from symbiosis.client.build import from_pretrained
-from symbiosis.client.privacy import NoiseMasking
+The public names load on first use, so `import symbiosis` (and the `symbiosis` command) does not import
+torch: the command sets process-wide defaults (OpenMP's wait policy) that torch reads when it loads.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from symbiosis.errors import (
+    AdapterError,
     BadCall,
     CheckpointError,
     ExecutorOutOfMemory,
@@ -16,10 +24,22 @@ from symbiosis.errors import (
     UnsupportedAdapter,
     VirtualWeightAccess,
 )
-from symbiosis.executor.executor import Executor
-from symbiosis.transport.client import connect
+
+if TYPE_CHECKING:
+    from symbiosis.client.build import from_pretrained
+    from symbiosis.client.privacy import NoiseMasking
+    from symbiosis.executor.executor import Executor
+    from symbiosis.transport.client import connect
+
+_LAZY = {
+    "from_pretrained": "symbiosis.client.build",
+    "NoiseMasking": "symbiosis.client.privacy",
+    "Executor": "symbiosis.executor.executor",
+    "connect": "symbiosis.transport.client",
+}
 
 __all__ = [
+    "AdapterError",
     "BadCall",
     "CheckpointError",
     "Executor",
@@ -36,3 +56,15 @@ __all__ = [
     "connect",
     "from_pretrained",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'symbiosis' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

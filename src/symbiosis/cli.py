@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
-
-import torch
 
 
 def _read_token(token_file: str | None) -> str | None:
@@ -24,6 +23,7 @@ def _read_token(token_file: str | None) -> str | None:
 
 def executor_command(args: argparse.Namespace) -> int:
     """Serve the base layers of --model on --listen until SIGTERM / Ctrl-C, or print --stats of a running one."""
+    import torch
     import zmq
 
     import symbiosis
@@ -40,7 +40,8 @@ def executor_command(args: argparse.Namespace) -> int:
     sys.setswitchinterval(5e-4)  # hand the GIL between the I/O and batching threads within 0.5 ms, not 5
     policy = make_policy(args.policy, None if args.max_wait_ms is None else args.max_wait_ms / 1e3)
     try:
-        executor = symbiosis.Executor.from_pretrained(args.model, device=args.device, dtype=args.dtype,
+        device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+        executor = symbiosis.Executor.from_pretrained(args.model, device=device, dtype=args.dtype,
                                                       policy=policy, max_call_tokens=args.max_call_tokens)
         server = ExecutorServer(executor, args.listen, token=token, client_timeout=args.client_timeout)
     except (symbiosis.SymbiosisError, ValueError) as e:
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     executor = commands.add_parser("executor", help=executor_command.__doc__)
     executor.add_argument("--model", help="Hugging Face model directory (config.json + safetensors)")
     executor.add_argument("--listen", help="ipc:///path/to/socket or tcp://host:port")
-    executor.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    executor.add_argument("--device", default=None, help="cuda:0, cpu, ... (default: cuda:0 if there is a GPU)")
     executor.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
     executor.add_argument("--policy", default="opportunistic", choices=["opportunistic", "lockstep", "none"])
     executor.add_argument("--max-wait-ms", type=float, default=None, help="batching wait budget per call")
@@ -137,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     executor.set_defaults(run=executor_command)
 
     args = parser.parse_args(argv)
+    # Before torch loads (this module does not import it): PyTorch's OpenMP threads otherwise keep spinning
+    # after each operation, taking the cores that the other processes of a deployment (executor, clients,
+    # demo tenants, all inheriting this) are waiting for; ~10x per call on a 2-core host (README).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return args.run(args)
 
 
