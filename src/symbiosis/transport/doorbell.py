@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import platform
 import secrets
 import select
 import stat
@@ -44,7 +45,9 @@ MAX_MESSAGE = CONTROL_BYTES - REPLY_AT - REPLY.size
 # Waiting without sleeping (spinning) pays only with cores to spare: with fewer, the spinners would take
 # the CPU from the very processes they wait for.
 SPARE_CORES = len(os.sched_getaffinity(0)) >= 8
-SPIN_S = 300e-6 if SPARE_CORES else 0.0  # a reply is awaited this long by spinning before sleeping in poll()
+# A reply is awaited this long by spinning on its sequence number before sleeping in poll(). Spinning relies
+# on x86's in-order visibility of stores (the reply's fields are written before its sequence number).
+SPIN_S = 300e-6 if SPARE_CORES and platform.machine() in ("x86_64", "AMD64") else 0.0
 CHECK_EVERY = 1.0  # seconds of waiting on a reply between checks that the executor still knows the client
 OPS = ("forward", "forward_nobias", "backward")
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -163,15 +166,19 @@ class Doorbell:
 
     def answer(self, seq: int, reply: dict) -> None:
         """`reply`: the socket path's reply, {"ok": True, "tensor": {"dtype", "shape"}} or an error reply."""
+        # The sequence number goes last: a client spinning on it must find the rest already written (x86
+        # makes stores visible in program order, and only there do clients spin; elsewhere they wait for
+        # the FIFO byte, whose syscall orders them)..
         if reply.get("ok"):
             spec = reply["tensor"]
-            REPLY.pack_into(self.control, REPLY_AT, seq, True, DTYPES.index(wire.parse_dtype(spec["dtype"])),
+            REPLY.pack_into(self.control, REPLY_AT, 0, True, DTYPES.index(wire.parse_dtype(spec["dtype"])),
                             *spec["shape"], 0)
         else:
             reply = {**reply, "message": str(reply.get("message"))[:MAX_MESSAGE // 8]}  # fits in UTF-8 JSON
             message = json.dumps(reply).encode()
             self.control[REPLY_AT + REPLY.size:REPLY_AT + REPLY.size + len(message)] = message
-            REPLY.pack_into(self.control, REPLY_AT, seq, False, 0, 0, 0, len(message))
+            REPLY.pack_into(self.control, REPLY_AT, 0, False, 0, 0, 0, len(message))
+        SEQ.pack_into(self.control, REPLY_AT, seq)
         _ring(self.reply_fd)
 
     def unlink(self) -> None:
