@@ -168,7 +168,7 @@ class Doorbell:
         """`reply`: the socket path's reply, {"ok": True, "tensor": {"dtype", "shape"}} or an error reply."""
         # The sequence number goes last: a client spinning on it must find the rest already written (x86
         # makes stores visible in program order, and only there do clients spin; elsewhere they wait for
-        # the FIFO byte, whose syscall orders them)..
+        # the FIFO byte, whose syscall orders them).
         if reply.get("ok"):
             spec = reply["tensor"]
             REPLY.pack_into(self.control, REPLY_AT, 0, True, DTYPES.index(wire.parse_dtype(spec["dtype"])),
