@@ -91,7 +91,9 @@ class MaskedSession:
         pool.calls += 1
         value = int(torch.randint(self.masking.pool, (1,), generator=self.host_generator))
         rows = self.masking.rows
-        if tokens <= rows:
+        if tokens == 1:  # decoding: one row, without a permutation (on a GPU, a sort of `rows` keys)
+            order = torch.randint(rows, (1,), generator=self.generator, device=self.device)
+        elif tokens <= rows:
             order = torch.randperm(rows, generator=self.generator, device=self.device)[:tokens]
         else:  # more tokens than rows: rows must repeat (documented: repeats leak differences)
             order = torch.randint(rows, (tokens,), generator=self.generator, device=self.device)
