@@ -49,6 +49,23 @@ def test_masked_equals_unmasked(arch, method, checkpoints):
             assert_close(param.grad, reference[name].grad, f"grad of {name}")
 
 
+def test_masked_decoding_equals_unmasked(checkpoints):
+    """Decoding with a KV cache makes one-token calls, which draw their noise row without a permutation:
+    the logits of every step still equal the unmasked model's."""
+    path, auto_class = checkpoints("llama")
+    executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
+    clear = _model(path, executor, "llama", "lora", auto_class).eval()
+    masked = _model(path, executor, "llama", "lora", auto_class, privacy=MASK).eval()
+    ids = torch.randint(2, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        outs = [model(input_ids=ids, use_cache=True) for model in (masked, clear)]
+        for step in range(4):
+            assert_close(outs[0].logits, outs[1].logits, f"logits at step {step}")
+            token = outs[1].logits[:, -1:].argmax(-1)
+            outs = [model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+                    for model, out in zip((masked, clear), outs)]
+
+
 @pytest.mark.parametrize("scheme", ["ipc", "tcp"])
 def test_masking_over_transports(scheme, checkpoints, tmp_path):
     path, auto_class = checkpoints("llama")
