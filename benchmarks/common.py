@@ -117,6 +117,7 @@ def reset_peak() -> None:
 
 
 def emit(**record) -> None:
+    record["mps"] = bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY"))  # run under MPS (run_all.sh MPS=1)?
     line = json.dumps(record)
     print(line, flush=True)
     if os.environ.get("OUT"):

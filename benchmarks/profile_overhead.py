@@ -79,7 +79,6 @@ def main() -> None:
                 for tokens in (1, 1024):
                     xs = x[:tokens].to(client_device)
                     emit(bench="per_call_overhead", transport="ipc", client_device=client_device, tokens=tokens,
-                         mps=bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
                          remote_forward_us=round(per_call_us(lambda: remote.forward(layer_id, xs), n=300), 1))
                 remote.close()
         finally:

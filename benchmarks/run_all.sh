@@ -5,12 +5,21 @@
 #   bash benchmarks/run_all.sh                        # everything, in the order below
 #   bash benchmarks/run_all.sh privacy single_13b     # only these
 #
+# MPS=1 runs them under an NVIDIA MPS control daemon started here (private pipe and log directories, quit
+# on exit): client and executor processes then share one GPU context instead of being time-sliced.
 # PYTHON=.venv/bin/python picks the interpreter. Names: gpu_tests rtt single_1b single_13b multi_1b policies mixed privacy long_context
 set -u
 cd "$(dirname "$0")/.."
 export OUT="${OUT:-$PWD/bench-out}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python}"  # the interpreter that has symbiosis (or PYTHONPATH=src) and its dependencies
 mkdir -p "$OUT"
+if [[ "${MPS:-0}" == 1 ]]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/symbiosis-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/symbiosis-mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "could not start the MPS control daemon" >&2; exit 1; }
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  echo "== MPS control daemon started"
+fi
 
 declare -A LIMIT_S=(
   [gpu_tests]=120 [rtt]=90 [single_1b]=150 [single_13b]=330 [multi_1b]=330
