@@ -90,20 +90,24 @@ def train_step(model, optimizer, batch_size: int, seq_len: int, vocab: int) -> N
     optimizer.zero_grad(set_to_none=True)
 
 
-def time_training(model, batch_size=2, seq_len=512, warmup=3, iters=10) -> float:
-    """Median seconds per fine-tuning iteration (forward, backward, AdamW step)."""
-    model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    vocab = model.config.vocab_size
-    times = []
+def time_interleaved(models: dict, batch_size=2, seq_len=512, warmup=3, iters=10) -> dict[str, float]:
+    """Median seconds per fine-tuning iteration (forward, backward, AdamW step) of each model, their
+    iterations taken in turn (a, b, c, a, b, c, ...): a drift of the machine's speed, which on a CPU-bound
+    step moves a baseline by up to 20% between runs, then falls on every model alike."""
+    optimizers = {name: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
+                  for name, m in models.items()}
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for model in models.values():
+        model.train()
     for i in range(warmup + iters):
-        sync()
-        start = time.perf_counter()
-        train_step(model, optimizer, batch_size, seq_len, vocab)
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, model in models.items():
+            sync()
+            start = time.perf_counter()
+            train_step(model, optimizers[name], batch_size, seq_len, model.config.vocab_size)
+            sync()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def peak_gib() -> float:
