@@ -54,6 +54,7 @@ class Batcher:
         self.last_call: dict[str, float] = {}  # client id -> arrival time of its latest call
         self._cond = threading.Condition()
         self._closed = False
+        self._worker_running = False  # a batch is being computed on the worker thread
         self._worker = threading.Thread(target=self._serve, name="symbiosis-batcher", daemon=True)
         self._worker.start()
 
@@ -72,6 +73,12 @@ class Batcher:
         if batch is not None:
             self._run(*batch)
         return call.future
+
+    @property
+    def busy(self) -> bool:
+        """Work is queued, or the worker is computing: a thread that would otherwise spin should sleep and
+        leave the GIL to the worker. (Read without the lock: a stale answer only costs one poll.)"""
+        return bool(self.queues.by_key) or self._worker_running
 
     def drop_client(self, client_id: str) -> None:
         """Forget a departed client's queued calls (their futures fail; nobody waits on them)."""
@@ -130,7 +137,11 @@ class Batcher:
     def _serve(self) -> None:
         while (batch := self._next_batch()) is not None:
             key, calls = batch
-            self._run(key, calls)
+            self._worker_running = True
+            try:
+                self._run(key, calls)
+            finally:
+                self._worker_running = False
 
     def _run(self, key: QueueKey, calls: list[PendingCall]) -> None:
         now = time.perf_counter()

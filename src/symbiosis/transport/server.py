@@ -86,8 +86,9 @@ class ExecutorServer:
         next_reap = last_call = time.monotonic()
         try:
             while not self._stopping.is_set():
-                # Polling with timeout 0 releases the GIL during each syscall, so the batcher thread still runs.
-                hot = time.monotonic() - last_call < HOT_S
+                # Spinning (polling with timeout 0) while the batcher has work would keep the GIL from its
+                # thread for up to the switch interval each time; then sleep in poll() instead.
+                hot = time.monotonic() - last_call < HOT_S and not self.executor.batcher.busy
                 events = dict(poller.poll(timeout=0 if hot else 200))
                 for fd in events:
                     if fd in self._doorbells:
