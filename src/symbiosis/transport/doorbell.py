@@ -44,7 +44,7 @@ MAX_LAYER_ID = REPLY_AT - REQUEST.size
 MAX_MESSAGE = CONTROL_BYTES - REPLY_AT - REPLY.size
 # Waiting without sleeping (spinning) pays only with cores to spare: with fewer, the spinners would take
 # the CPU from the very processes they wait for.
-SPARE_CORES = len(os.sched_getaffinity(0)) >= 8
+SPARE_CORES = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) >= 8
 # A reply is awaited this long by spinning on its sequence number before sleeping in poll(). Spinning relies
 # on x86's in-order visibility of stores (the reply's fields are written before its sequence number).
 SPIN_S = 300e-6 if SPARE_CORES and platform.machine() in ("x86_64", "AMD64") else 0.0
