@@ -228,3 +228,24 @@ def test_ipc_leaves_no_files_behind(served, checkpoints):
         assert_close(session.forward(layer, x), weights.forward(x, True), f"{tokens} tokens")
         assert ours() == before
     session.close()
+
+
+def test_spinning_waits_give_the_same_results(served, checkpoints, monkeypatch):
+    """The spin-then-sleep waits used on hosts with cores to spare (switched on here regardless of the
+    core count): a fine-tuning step over ipc:// still equals the in-process one."""
+    from symbiosis.transport import doorbell, server
+
+    monkeypatch.setattr(doorbell, "SPIN_S", 0.002)
+    monkeypatch.setattr(server, "HOT_S", 0.002)
+    path, auto_class = checkpoints("llama")
+    executor, url = served("llama", "ipc")
+    models = []
+    for backend in (executor, symbiosis.connect(url, token=TOKEN, timeout=10)):
+        torch.manual_seed(3)
+        models.append(get_peft_model(symbiosis.from_pretrained(path, backend, auto_class=auto_class),
+                                     peft_config("lora", "llama")))
+    (local_out, local_grads), (remote_out, remote_grads) = (_train_once(m, "llama") for m in models)
+    assert_close(remote_out.logits, local_out.logits, "logits")
+    for name, grad in local_grads.items():
+        assert_close(remote_grads[name], grad, f"grad of {name}")
+    models[1].base_model.model.symbiosis_session.close()
