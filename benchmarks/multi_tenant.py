@@ -10,6 +10,7 @@ import argparse
 
 import torch
 
+import symbiosis
 from common import checkpoint, emit, start_executor
 from fleet import run_fleet
 
@@ -33,6 +34,7 @@ def main() -> None:
         try:
             ours, ours_gib = run_fleet([dict(common, mode="symbiosis", url=url, name=f"t{i}") for i in range(n)],
                                        args.duration)
+            batching = symbiosis.connect(url, timeout=30).stats()["overall"]  # did calls of clients meet?
         finally:
             executor.terminate()
             executor.wait()
@@ -42,7 +44,9 @@ def main() -> None:
              throughput_ratio=round(ours_tps / plain_tps, 3), plain_peft_gpu_gib=round(plain_gib, 1),
              symbiosis_gpu_gib=round(ours_gib, 1), memory_ratio=round(ours_gib / plain_gib, 3) if plain_gib else None,
              plain_median_iter_s=round(max(r["median_s"] for r in plain), 4),
-             symbiosis_median_iter_s=round(max(r["median_s"] for r in ours), 4))
+             symbiosis_median_iter_s=round(max(r["median_s"] for r in ours), 4),
+             mean_calls_per_gemm=round(batching["mean_batch_calls"], 3),
+             mean_queue_wait_ms=round(batching["mean_queue_wait_ms"], 3))
         memory[n] = (plain_gib, ours_gib)
     largest = max(memory)
     if total_gib and 1 in memory and largest > 1:
