@@ -1,5 +1,6 @@
 """Cost of noise masking (docs/PRIVACY.md): masked vs unmasked symbiosis clients, with the plain PEFT
-iteration time of the same job as the baseline: 1 and 4 fine-tuning tenants, and decode latency.
+iteration time of the same job as the baseline: 1 and 4 fine-tuning tenants, and decode latency; then the
+stronger options (a 4x larger pool; refreshing the pools every 50 calls of a layer) for one tenant.
 
     python benchmarks/privacy.py --model llama-3.2-1b
 """
@@ -22,10 +23,10 @@ def main() -> None:
     try:
         runs = {}
         for masked in (False, True):
-            extra = dict(mode="symbiosis", url=url, privacy=masked)
+            extra = dict(mode="symbiosis", url=url, privacy_pool=2 if masked else None)
             one, _ = run_fleet([dict(trainers[0], **extra)], args.duration)
-            emit(bench="privacy", model=args.model, setup="symbiosis", masked=masked,
-                 iter_s_1_tenant=round(one[0]["median_s"], 4))  # each figure as soon as it is measured
+            emit(bench="privacy", model=args.model, setup="symbiosis", masked=masked,  # each figure when measured
+                 iter_s_1_tenant=round(one[0]["median_s"], 4), build_s=round(one[0]["build_s"], 2))
             four, _ = run_fleet([dict(t, **extra) for t in trainers], args.duration)
             emit(bench="privacy", model=args.model, setup="symbiosis", masked=masked,
                  iter_s_4_tenants=round(max(r["median_s"] for r in four), 4))
@@ -36,6 +37,12 @@ def main() -> None:
         emit(bench="privacy", model=args.model, setup="masked_over_unmasked",
              **{k: round(runs[True][i] / runs[False][i], 3)
                 for i, k in enumerate(("iter_1_tenant", "iter_4_tenants", "decode"))})
+        for pool, refresh_every in ((8, 0), (2, 50)):
+            one, _ = run_fleet([dict(trainers[0], mode="symbiosis", url=url, privacy_pool=pool,
+                                     privacy_refresh_every=refresh_every)], args.duration)
+            emit(bench="privacy", model=args.model, setup="symbiosis_stronger", pool=pool,
+                 refresh_every=refresh_every, iter_s_1_tenant=round(one[0]["median_s"], 4),
+                 build_s=round(one[0]["build_s"], 2), over_unmasked=round(one[0]["median_s"] / runs[False][0], 3))
     finally:
         executor.terminate()
         executor.wait()

@@ -26,7 +26,8 @@ def build(args):
     if args.mode == "plain":
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype(), device_map=device())
     else:
-        privacy = symbiosis.NoiseMasking(pool=2, rows=1024) if args.privacy else None
+        privacy = symbiosis.NoiseMasking(pool=args.privacy_pool, rows=1024, refresh_every=args.privacy_refresh_every) \
+            if args.privacy_pool else None
         model = symbiosis.from_pretrained(args.model_dir, symbiosis.connect(args.url, timeout=300), device=device(),
                                           name=args.name, privacy=privacy)
     return get_peft_model(model, lora(args.lora))
@@ -79,11 +80,14 @@ def main() -> None:
     parser.add_argument("--pace-ms", type=float, default=0.0, help="client-side pause between iterations")
     parser.add_argument("--duration", type=float, default=15.0)
     parser.add_argument("--go-file", required=True)
-    parser.add_argument("--privacy", action="store_true")
+    parser.add_argument("--privacy-pool", type=int, default=0, help="NoiseMasking pool size (0: no masking)")
+    parser.add_argument("--privacy-refresh-every", type=int, default=0)
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.manual_seed(hash(args.name) % 1000)
+    started = time.perf_counter()
     model = build(args)
+    build_s = time.perf_counter() - started  # attach, load, and (masked) computing the noise pools
     loop = train_loop if args.work == "train" else decode_loop
     loop(model, args, until=None, max_iters=3)  # warm-up
     print(json.dumps({"ready": True}), flush=True)
@@ -94,7 +98,7 @@ def main() -> None:
     print(json.dumps({"name": args.name, "iters": len(times), "median_s": statistics.median(times),
                       "tokens_per_s": tokens * len(times) / sum(times) if times else 0.0,
                       "wall_tokens_per_s": tokens * len(times) / args.duration,
-                      "peak_gib": peak_gib()}), flush=True)
+                      "peak_gib": peak_gib(), "build_s": build_s}), flush=True)
 
 
 if __name__ == "__main__":
