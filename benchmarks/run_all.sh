@@ -7,7 +7,7 @@
 #
 # MPS=1 runs them under an NVIDIA MPS control daemon started here (private pipe and log directories, quit
 # on exit): client and executor processes then share one GPU context instead of being time-sliced.
-# PYTHON=.venv/bin/python picks the interpreter. Names: gpu_tests rtt single_1b single_13b multi_1b policies mixed privacy long_context
+# PYTHON=.venv/bin/python picks the interpreter. Names: see ORDER below.
 set -u
 cd "$(dirname "$0")/.."
 export OUT="${OUT:-$PWD/bench-out}" PYTHONUNBUFFERED=1
@@ -22,7 +22,7 @@ if [[ "${MPS:-0}" == 1 ]]; then
 fi
 
 declare -A LIMIT_S=(
-  [gpu_tests]=120 [rtt]=90 [single_1b]=150 [single_13b]=330 [multi_1b]=330
+  [gpu_tests]=120 [rtt]=90 [single_1b]=150 [single_13b]=330 [multi_1b]=330 [multi_13b]=420
   [policies]=200 [mixed]=200 [privacy]=320 [long_context]=330
 )
 declare -A COMMAND=(
@@ -31,12 +31,13 @@ declare -A COMMAND=(
   [single_1b]="$PY benchmarks/single_tenant.py --models llama-3.2-1b"
   [single_13b]="$PY benchmarks/single_tenant.py --models llama-2-13b --loras lora3_r8_qkvo --modes plain,separate"
   [multi_1b]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,2,4,8 --duration 8"
+  [multi_13b]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 1,2 --duration 8"
   [policies]="$PY benchmarks/policies.py --model llama-3.2-1b --duration 8"
   [mixed]="$PY benchmarks/mixed_work.py --model llama-3.2-1b --duration 8"
   [privacy]="$PY benchmarks/privacy.py --model llama-3.2-1b --duration 5"
   [long_context]="$PY benchmarks/long_context.py --model llama-3-8b --steps 4 --decode-dtypes bfloat16"
 )
-ORDER=(gpu_tests rtt single_1b multi_1b privacy policies mixed long_context single_13b)
+ORDER=(gpu_tests rtt single_1b multi_1b privacy policies mixed long_context single_13b multi_13b)
 
 for name in "${@:-${ORDER[@]}}"; do
   if [[ -z "${COMMAND[$name]:-}" ]]; then
