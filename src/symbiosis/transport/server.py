@@ -148,7 +148,9 @@ class ExecutorServer:
         if op == "ping":
             return self._reply(identity, {"id": header.get("id"), "ok": True})
         if op in CALL_OPS:
-            return self._call(identity, client, header, frames)
+            if len(frames) != 1:
+                raise BadCall(f"{op} call carries {len(frames)} tensor frames, expected 1")
+            return self._submit(identity, header, wire.frame_tensor(frames[0], header.get("tensor") or {}))
         if op == "fetch":
             weight, bias = self.executor.fetch(client_id, str(header.get("layer")))
             tensors = [weight.cpu()] + ([bias.cpu()] if bias is not None else [])
@@ -207,18 +209,8 @@ class ExecutorServer:
             "layers": [asdict(spec) for spec in self.executor.layer_specs.values()],
         })
 
-    def _call(self, identity: bytes, client: RemoteClient, header: dict, frames: list) -> None:
-        spec = header.get("tensor") or {}
-        if header.get("shm"):
-            if client.buffer is None:
-                raise BadCall("call refers to a shared buffer, but this client registered none")
-            tensor = client.buffer.view(wire.parse_dtype(spec.get("dtype")), [int(n) for n in spec.get("shape", [])])
-            if client.buffer.ready is not None:  # the client's copy into the buffer comes first, on the GPU
-                client.buffer.stream.wait_event(client.buffer.ready)
-        elif len(frames) == 1:
-            tensor = wire.frame_tensor(frames[0], spec)
-        else:
-            raise BadCall(f"{header['op']} call carries {len(frames)} tensor frames, expected 1")
+    def _submit(self, identity: bytes, header: dict, tensor: torch.Tensor) -> None:
+        """A layer call, from a socket frame (tcp://) or a doorbell (ipc://, `header` has its "seq")."""
         # inline: a call the policy runs at once is computed on this thread, and answered straight away.
         future = self.executor.submit(header["client"], header["op"], str(header.get("layer")), tensor,
                                       inference=bool(header.get("inference")), inline=True)
@@ -236,10 +228,12 @@ class ExecutorServer:
                 return
             seq = request.seq
             client.last_seen = time.monotonic()
-            header = {"op": request.op, "layer": request.layer, "inference": request.inference, "shm": True,
-                      "tensor": {"dtype": wire.dtype_name(request.dtype), "shape": request.shape},
+            tensor = client.buffer.view(request.dtype, request.shape)
+            if client.buffer.ready is not None:  # the client's copy into the buffer comes first, on the GPU
+                client.buffer.stream.wait_event(client.buffer.ready)
+            header = {"op": request.op, "layer": request.layer, "inference": request.inference,
                       "client": client_id, "seq": seq}
-            self._call(client.identity, client, header, [])
+            self._submit(client.identity, header, tensor)
         except Exception as error:
             if not isinstance(error, SymbiosisError):
                 log.exception("doorbell call of %s failed", client_id)
@@ -268,21 +262,19 @@ class ExecutorServer:
         client = self.clients.get(header["client"])
         if client is None:
             return  # the client left (or died) while its call ran: nobody to answer
+        doorbell = "seq" in header  # else a socket call: the result goes back as a frame
         try:
             result = future.result()
             reply = {"id": header.get("id"), "ok": True, "tensor": wire.describe(result)}
-            if header.get("shm"):
+            if doorbell:
                 client.buffer.view(result.dtype, list(result.shape)).copy_(result)
                 if client.done is not None:
                     client.done.record(client.buffer.stream)  # the client's stream waits on this
-                reply["shm"] = True
-                if "seq" in header:
-                    return client.doorbell.answer(header["seq"], reply)
-                return self._reply(identity, reply)
+                return client.doorbell.answer(header["seq"], reply)
             self._reply(identity, reply, result.cpu())
         except Exception as error:
             reply = wire.error_reply(header.get("id"), error)
-            if "seq" in header:
+            if doorbell:
                 return client.doorbell.answer(header["seq"], reply)
             self._reply(identity, reply)
 

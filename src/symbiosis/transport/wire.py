@@ -2,8 +2,8 @@
 
     frame 0: header, UTF-8 JSON: {"op", "id", "client", ...}; tensors are described as
              {"dtype": "float32", "shape": [T, d]}
-    frame 1..n: raw tensor bytes (tcp), sent and received without copies; none when the tensor travels
-             through the client's shared buffer (ipc)
+    frame 1..n: raw tensor bytes, sent and received without copies (on ipc://, layer calls do not use
+             the socket: see doorbell.py)
 
 Replies carry {"id", "ok": true, ...} or {"id", "ok": false, "error": ErrorClassName, "message": ...}.
 """
