@@ -206,21 +206,22 @@ class InProcessSession:
             executor.stats.count_direct((layer_id, "forward"), x.shape[0])
         return layer
 
+    def _send(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if tensor.dtype == self.dtype else tensor.to(self.dtype)
+
     def _cast(self, result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         same = result.device == like.device and result.dtype == like.dtype
         return result if same else result.to(like.device, like.dtype)
 
     def forward(self, layer_id: str, x: torch.Tensor, inference: bool = False) -> torch.Tensor:
-        sent = x if x.dtype == self.dtype else x.to(self.dtype)
-        return self._cast(self.executor.forward(self.client_id, layer_id, sent, inference=inference), x)
+        return self._cast(self.executor.forward(self.client_id, layer_id, self._send(x), inference=inference), x)
 
     def forward_nobias(self, layer_id: str, x: torch.Tensor, inference: bool = False) -> torch.Tensor:
-        sent = x if x.dtype == self.dtype else x.to(self.dtype)
-        return self._cast(self.executor.forward(self.client_id, layer_id, sent, inference, with_bias=False), x)
+        y = self.executor.forward(self.client_id, layer_id, self._send(x), inference, with_bias=False)
+        return self._cast(y, x)
 
     def backward(self, layer_id: str, grad_out: torch.Tensor) -> torch.Tensor:
-        sent = grad_out if grad_out.dtype == self.dtype else grad_out.to(self.dtype)
-        return self._cast(self.executor.backward(self.client_id, layer_id, sent), grad_out)
+        return self._cast(self.executor.backward(self.client_id, layer_id, self._send(grad_out)), grad_out)
 
     def fetch(self, layer_id: str):
         return self.executor.fetch(self.client_id, layer_id)
