@@ -299,9 +299,7 @@ class ExecutorServer:
         if client is None:
             return
         if client.buffer is not None:
-            if unlink:
-                client.buffer.unlink()
-            client.buffer.close()
+            client.buffer.close(unlink=unlink)
         if client.doorbell is not None:
             self._doorbells.pop(client.doorbell.request_fd, None)
             self._poller.unregister(client.doorbell.request_fd)

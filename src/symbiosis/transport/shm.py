@@ -128,7 +128,7 @@ class SharedBuffer:
                           f"shared buffer ({self.nbytes} bytes)")
         return typed[:numel].view(shape)
 
-    def close(self) -> None:
+    def close(self, unlink: bool = False) -> None:
         """Drop the mapping; the owner (the client) also removes the file. The executor removes a dead
         client's file too (`unlink=True`), since that client cannot."""
         if self.pinned:
@@ -136,8 +136,8 @@ class SharedBuffer:
             self.pinned = False
         self.tensor = None
         self._typed.clear()
-        if self.owner and self.path is not None:
-            self.path.unlink(missing_ok=True)
+        if self.owner or unlink:
+            self.unlink()
 
     def unlink(self) -> None:
         if self.path is not None and self.path.name.startswith(PREFIX):
