@@ -129,28 +129,39 @@ def emit(**record) -> None:
             f.write(line + "\n")
 
 
-class GpuMemorySampler:
-    """Peak device memory in use (all processes), sampled with nvidia-smi while a run goes on."""
+class GpuSampler:
+    """Peak device memory in use (all processes) and the GPU's utilisation (the share of time a kernel ran,
+    as nvidia-smi reports it), sampled while a run goes on."""
 
     def __init__(self, interval: float = 0.2):
         self.interval, self.peak_mib, self._stop = interval, 0, threading.Event()
+        self.utilisation: list[tuple[float, int]] = []  # (time.time(), percent), one sample per interval
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _read(self) -> int:
+    def _read(self) -> tuple[int, int]:
+        """(MiB in use, utilisation %)"""
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=5).stdout
-            return int(out.split()[0])
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,utilization.gpu",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=5).stdout
+            used, busy = out.splitlines()[0].split(",")
+            return int(used), int(busy)
         except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-            return 0
+            return 0, 0
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak_mib = max(self.peak_mib, self._read())
+            used, busy = self._read()
+            self.peak_mib = max(self.peak_mib, used)
+            self.utilisation.append((time.time(), busy))
             time.sleep(self.interval)
 
+    def busy_share(self, since: float, until: float) -> float:
+        """Mean GPU utilisation (0-1) between two time.time() instants, say a fleet's working window."""
+        window = [busy for t, busy in self.utilisation if since <= t <= until]
+        return sum(window) / len(window) / 100 if window else 0.0
+
     def __enter__(self):
-        self.idle_mib = self._read()
+        self.idle_mib = self._read()[0]
         self._thread.start()
         return self
 

@@ -1,18 +1,22 @@
 """Multi-tenant scaling (paper Fig. 10-12) and capacity: N fine-tuning jobs as N plain PEFT processes vs N
-symbiosis client processes on one executor process; aggregate tokens/s and GPU memory of everything.
+symbiosis client processes on one executor process; aggregate tokens/s and GPU memory of everything, and
+where a symbiosis fleet's time went (executor threads, GEMMs on the GPU, clients waiting on calls). Plain
+fleets that cannot fit on the GPU (N footprints of the N=1 job) are not started; a symbiosis fleet of that
+size is compared with the largest plain fleet that fitted.
 
     python benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,2,4,8
+    python benchmarks/multi_tenant.py --model llama-2-13b --tenants 1,2,4,8   # 4 and 8 plain jobs do not fit
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 
-import symbiosis
 from common import checkpoint, emit, start_executor
-from fleet import run_fleet
+from fleet import ExecutorWindow, run_fleet
 
 
 def main() -> None:
@@ -26,33 +30,49 @@ def main() -> None:
     path = checkpoint(args.model)
     total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0.0
     url = "ipc:///tmp/symbiosis-multi.sock"
-    memory: dict[int, tuple[float, float]] = {}  # tenants -> (plain GiB, symbiosis GiB)
+    memory: dict[int, tuple[float | None, float]] = {}  # tenants -> (plain GiB or None: did not fit, symbiosis GiB)
+    best_plain: tuple[int, float] | None = None  # (jobs, tokens/s) of the largest plain fleet that fitted
     for n in [int(x) for x in args.tenants.split(",")]:
         common = dict(model_dir=path, lora=args.lora, batch_size=2, seq_len=512)
-        plain, plain_gib = run_fleet([dict(common, mode="plain", name=f"peft{i}") for i in range(n)], args.duration)
+        # N plain jobs need N footprints: past the GPU's memory (known from N=1) they are not started.
+        fits = not total_gib or 1 not in memory or n * memory[1][0] <= 0.97 * total_gib
+        plain, plain_gpu = run_fleet([dict(common, mode="plain", name=f"peft{i}") for i in range(n)],
+                                     args.duration) if fits else (None, None)
         executor = start_executor(path, url, args.policy)
         try:
-            ours, ours_gib = run_fleet([dict(common, mode="symbiosis", url=url, name=f"t{i}") for i in range(n)],
-                                       args.duration)
-            batching = symbiosis.connect(url, timeout=30).stats()["overall"]  # did calls of clients meet?
+            window = ExecutorWindow(url)
+            ours, ours_gpu = run_fleet([dict(common, mode="symbiosis", url=url, name=f"t{i}") for i in range(n)],
+                                       args.duration, on_go=window.start)
+            profile = window.shares()  # where the time went: executor threads, GEMMs; clients' waits below
         finally:
             executor.terminate()
             executor.wait()
-        plain_tps, ours_tps = sum(r["tokens_per_s"] for r in plain), sum(r["tokens_per_s"] for r in ours)
-        emit(bench="multi_tenant", model=args.model, tenants=n, policy=args.policy,
-             plain_peft_tokens_per_s=round(plain_tps), symbiosis_tokens_per_s=round(ours_tps),
-             throughput_ratio=round(ours_tps / plain_tps, 3), plain_peft_gpu_gib=round(plain_gib, 1),
-             symbiosis_gpu_gib=round(ours_gib, 1), memory_ratio=round(ours_gib / plain_gib, 3) if plain_gib else None,
-             plain_median_iter_s=round(max(r["median_s"] for r in plain), 4),
-             symbiosis_median_iter_s=round(max(r["median_s"] for r in ours), 4),
-             mean_calls_per_gemm=round(batching["mean_batch_calls"], 3),
-             mean_queue_wait_ms=round(batching["mean_queue_wait_ms"], 3))
-        memory[n] = (plain_gib, ours_gib)
+        ours_tps = sum(r["tokens_per_s"] for r in ours)
+        record = dict(bench="multi_tenant", model=args.model, tenants=n, policy=args.policy,
+                      symbiosis_tokens_per_s=round(ours_tps), symbiosis_gpu_gib=round(ours_gpu.used_gib, 1),
+                      symbiosis_median_iter_s=round(max(r["median_s"] for r in ours), 4),
+                      symbiosis_gpu_busy=round(ours_gpu.busy_share, 3),
+                      client_wait_share=round(statistics.mean(r["wait_share"] for r in ours), 3),
+                      client_calls_per_iter=round(ours[0]["calls_per_iter"], 1), **profile)
+        if plain is not None:
+            plain_tps = sum(r["tokens_per_s"] for r in plain)
+            best_plain = (n, plain_tps)
+            record.update(plain_peft_tokens_per_s=round(plain_tps), throughput_ratio=round(ours_tps / plain_tps, 3),
+                          plain_peft_gpu_gib=round(plain_gpu.used_gib, 1),
+                          memory_ratio=round(ours_gpu.used_gib / plain_gpu.used_gib, 3) if plain_gpu.used_gib else None,
+                          plain_median_iter_s=round(max(r["median_s"] for r in plain), 4),
+                          plain_gpu_busy=round(plain_gpu.busy_share, 3))
+        else:  # compare with what plain PEFT can do on this GPU: its largest fleet that fitted
+            record.update(plain_peft="does not fit", plain_peft_jobs_that_fit=best_plain[0],
+                          throughput_vs_plain_that_fit=round(ours_tps / best_plain[1], 3))
+        emit(**record)
+        memory[n] = (plain_gpu.used_gib if plain is not None else None, ours_gpu.used_gib)
     largest = max(memory)
     if total_gib and 1 in memory and largest > 1:
         # Capacity from measured footprints: each PEFT job needs its whole footprint; each more symbiosis
         # client adds its own growth, on top of what the executor (and the first client) hold.
-        per_job = memory[largest][0] / largest
+        plain_largest = max(n for n, (gib, _) in memory.items() if gib is not None)
+        per_job = memory[plain_largest][0] / plain_largest
         per_client = (memory[largest][1] - memory[1][1]) / (largest - 1)
         shared = memory[1][1] - per_client
         peft_fit, ours_fit = int(total_gib // per_job), int((total_gib - shared) // per_client)

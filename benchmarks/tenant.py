@@ -93,12 +93,18 @@ def main() -> None:
     print(json.dumps({"ready": True}), flush=True)
     while not os.path.exists(args.go_file):
         time.sleep(0.01)
+    session = getattr(model.get_base_model(), "symbiosis_session", None)
+    calls, waited = (session.calls, session.waited_s) if session is not None else (0, 0.0)
     times = loop(model, args, until=time.time() + args.duration)
     tokens = args.batch_size * (args.seq_len if args.work == "train" else 1)
-    print(json.dumps({"name": args.name, "iters": len(times), "median_s": statistics.median(times),
-                      "tokens_per_s": tokens * len(times) / sum(times) if times else 0.0,
-                      "wall_tokens_per_s": tokens * len(times) / args.duration,
-                      "peak_gib": peak_gib(), "build_s": build_s}), flush=True)
+    result = {"name": args.name, "iters": len(times), "median_s": statistics.median(times),
+              "tokens_per_s": tokens * len(times) / sum(times) if times else 0.0,
+              "wall_tokens_per_s": tokens * len(times) / args.duration,
+              "peak_gib": peak_gib(), "build_s": build_s}
+    if session is not None:  # the share of the working time this client spent waiting for the executor
+        result.update(calls_per_iter=(session.calls - calls) / max(1, len(times)),
+                      wait_share=(session.waited_s - waited) / sum(times) if times else 0.0)
+    print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -71,11 +71,13 @@ def test_concurrent_clients_get_their_solo_results(policy, checkpoints):
             assert_close(ours, theirs, f"{name} loss under {policy}")
         for key, value in params.items():
             assert_close(results[name][1][key], value, f"{name} {key} under {policy}")
-    stats = shared.stats_snapshot()["overall"]
+    snapshot = shared.stats_snapshot()
+    stats = snapshot["overall"]
     if policy == "none":
         assert stats["max_batch_calls"] == 1
     if policy == "lockstep":
         assert stats["max_batch_calls"] >= 2, stats  # concatenated calls of several clients into one GEMM
+        assert 0 < snapshot["busy_s"]["batcher"] < snapshot["uptime_s"]  # those ran on the batcher's thread
 
 
 def _queues(*calls: tuple[str, str, int, bool, float]) -> Queues:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -33,13 +34,18 @@ def test_stats_command(checkpoints, tmp_path, capsys):
     (tmp_path / "token").write_text("s\n")
     try:
         model = symbiosis.from_pretrained(path, symbiosis.connect(server.url, token="s"), name="probe")
+        started = time.perf_counter()
         model(torch.randint(0, 128, (1, 4)))
+        wall = time.perf_counter() - started
+        session = model.symbiosis_session  # what the executor cost this client: calls and time waiting on them
+        assert session.calls > 0 and 0 < session.waited_s < wall
         capsys.readouterr()
         assert main(["executor", "--stats", server.url, "--token-file", str(tmp_path / "token")]) == 0
         stats = json.loads(capsys.readouterr().out)
         assert any(c.startswith("probe") for c in stats["attached_clients"])
         assert stats["overall"]["calls"] == len(executor.layer_specs)  # one forward call per base layer
         assert stats["per_layer"]["lm_head:forward"]["tokens"] == 4
+        assert 0 < stats["busy_s"]["io"] < stats["uptime_s"]  # the I/O thread answered every call itself (inline)
     finally:
         server.stop()
 

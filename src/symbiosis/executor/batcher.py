@@ -138,10 +138,12 @@ class Batcher:
         while (batch := self._next_batch()) is not None:
             key, calls = batch
             self._worker_running = True
+            started = time.perf_counter()
             try:
                 self._run(key, calls)
             finally:
                 self._worker_running = False
+                self.stats.add_busy("batcher", time.perf_counter() - started)
 
     def _run(self, key: QueueKey, calls: list[PendingCall]) -> None:
         now = time.perf_counter()

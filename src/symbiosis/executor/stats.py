@@ -1,4 +1,6 @@
-"""What the executor did, per (layer, op) and overall: calls, batch sizes, queue wait, compute time."""
+"""What the executor did, per (layer, op) and overall: calls, batch sizes, queue wait, compute time; and how
+busy each of its threads was (the share of wall time a thread spent handling work rather than waiting for
+it, which tells an executor-bound fleet from a client-bound one)."""
 
 from __future__ import annotations
 
@@ -50,6 +52,11 @@ class ExecutorStats:
         self._pending_events: list[tuple[tuple[str, str], torch.cuda.Event, torch.cuda.Event]] = []
         self._lock = threading.Lock()
         self.started = time.time()
+        self.busy_s: dict[str, float] = defaultdict(float)  # thread role ("io", "batcher") -> seconds working
+
+    def add_busy(self, role: str, seconds: float) -> None:
+        """Each role has one thread, the only writer of its entry: no lock needed."""
+        self.busy_s[role] += seconds
 
     def timer(self):
         """Start timing one batch; returns a token for `record` (None: this batch is not timed)."""
@@ -100,4 +107,4 @@ class ExecutorStats:
                 total.add(s)
                 per_layer[f"{layer_id}:{op}"] = s.summary()
         return {"uptime_s": time.time() - self.started, "attached_clients": sorted(clients),
-                "overall": total.summary(), "per_layer": per_layer}
+                "busy_s": dict(self.busy_s), "overall": total.summary(), "per_layer": per_layer}

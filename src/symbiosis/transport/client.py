@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import threading
+import time
 from urllib.parse import urlparse
 
 import torch
@@ -103,6 +104,9 @@ class RemoteSession:
         self.buffer: SharedBuffer | None = None
         self.doorbell: Doorbell | None = None
         self._call_lock = threading.Lock()  # one call at a time uses the buffer
+        # Layer calls made, and seconds this client's thread spent waiting for their replies (the executor's
+        # queue, compute and the transport): what the executor costs a client, read by the benchmarks.
+        self.calls, self.waited_s = 0, 0.0
         self._heartbeat_stop = threading.Event()
         self._attach(INITIAL_BUFFER_BYTES)
 
@@ -197,9 +201,12 @@ class RemoteSession:
     def _call(self, op: str, layer_id: str, tensor: torch.Tensor, out_width: int, inference: bool) -> torch.Tensor:
         # tensor: [T, d_in] in the client's dtype/device -> [T, d_out] likewise
         sent = tensor.detach().to(self.dtype)
+        self.calls += 1
         if self.buffer is None:
             header = {"op": op, "layer": layer_id, "inference": inference, "tensor": wire.describe(sent)}
+            started = time.perf_counter()
             reply, frames = self._request(header, sent.cpu())
+            self.waited_s += time.perf_counter() - started
             return wire.frame_tensor(frames[0], reply["tensor"]).to(tensor.device, tensor.dtype, copy=True)
         self._check_open()
         with self._call_lock:
@@ -207,8 +214,10 @@ class RemoteSession:
             self.buffer.view(self.dtype, list(sent.shape)).copy_(sent)
             if self.buffer.ready is not None:
                 self.buffer.ready.record(self.buffer.stream)  # the executor's stream waits on this: no CPU sync
+            started = time.perf_counter()
             dtype, shape = self.doorbell.call(op, layer_id, inference, sent, self.executor.timeout,
                                               self._still_attached)
+            self.waited_s += time.perf_counter() - started
             if self._executor_done is not None:
                 self.buffer.stream.wait_event(self._executor_done)
             # One copy out of the buffer (the next call reuses it), cast on the way if need be.

@@ -90,6 +90,7 @@ class ExecutorServer:
                 # thread for up to the switch interval each time; then sleep in poll() instead.
                 hot = time.monotonic() - last_call < HOT_S and not self.executor.batcher.busy
                 events = dict(poller.poll(timeout=0 if hot else 200))
+                started = time.perf_counter()
                 for fd in events:
                     if fd in self._doorbells:
                         self._take_doorbell_call(self._doorbells[fd])
@@ -98,6 +99,8 @@ class ExecutorServer:
                     self._drain_requests()
                 if self._wake_read in events:
                     self._drain_completions()
+                if events:
+                    self.executor.stats.add_busy("io", time.perf_counter() - started)
                 if time.monotonic() >= next_reap:
                     self._reap()
                     next_reap = time.monotonic() + min(1.0, self.client_timeout / 4)
