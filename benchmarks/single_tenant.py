@@ -53,11 +53,19 @@ def main() -> None:
                     if backend is not None:
                         models[mode] = get_peft_model(symbiosis.from_pretrained(path, backend, device=device()),
                                                       lora(lora_name))
+                remote_session = models["separate"].get_base_model().symbiosis_session if "separate" in models else None
+                before = (remote_session.calls, remote_session.waited_s) if remote_session else None
                 seconds = time_interleaved(models, args.batch_size, args.seq_len, iters=args.iters)
                 for mode, s in seconds.items():
-                    emit(bench="single_tenant", model=model_name, lora=lora_name, mode=MODES[mode],
-                         batch_size=args.batch_size, seq_len=args.seq_len, device=device(), s_per_iter=round(s, 5),
-                         tokens_per_s=round(tokens / s, 1), vs_plain_peft=round(s / seconds["plain"], 3))
+                    record = dict(bench="single_tenant", model=model_name, lora=lora_name, mode=MODES[mode],
+                                  batch_size=args.batch_size, seq_len=args.seq_len, device=device(),
+                                  s_per_iter=round(s, 5), tokens_per_s=round(tokens / s, 1),
+                                  vs_plain_peft=round(s / seconds["plain"], 3))
+                    if mode == "separate":  # per iteration (warm-up included): calls, and time waiting on them
+                        iters = 3 + args.iters
+                        record.update(calls_per_iter=round((remote_session.calls - before[0]) / iters, 1),
+                                      wait_ms_per_iter=round(1e3 * (remote_session.waited_s - before[1]) / iters, 2))
+                    emit(**record)
                 for mode, model in models.items():
                     if mode != "plain":
                         model.get_base_model().symbiosis_session.close()
