@@ -149,6 +149,7 @@ class Executor:
         # non_blocking: from page-locked memory (a pinned transport buffer) the copy is queued on the stream
         # that computes with it; from pageable memory it is synchronous either way.
         tensor = tensor if tensor.device == self.device else tensor.to(self.device, non_blocking=True)
+        tensor = tensor.detach() if tensor.requires_grad else tensor  # the executor records no autograd graph
         return self.batcher.submit(client_id, (layer_id, op), tensor, inference and op != "backward", inline)
 
     def forward(self, client_id: str, layer_id: str, x: torch.Tensor, inference: bool = False,
@@ -163,8 +164,9 @@ class Executor:
         layer_id, op = key
         layer = self.weights.get(layer_id)
         try:
-            with torch.no_grad():
-                return layer.backward(tensor) if op == "backward" else layer.forward(tensor, op == "forward")
+            # No autograd graph: the weights never require grad, and neither does what reaches here (a remote
+            # call's buffer, or an in-process call made inside an autograd Function); cheaper than no_grad().
+            return layer.backward(tensor) if op == "backward" else layer.forward(tensor, op == "forward")
         except torch.OutOfMemoryError as e:  # the batcher then retries each call of a batch alone
             reason = str(e).splitlines()[0] if str(e) else "out of memory"
             raise ExecutorOutOfMemory(

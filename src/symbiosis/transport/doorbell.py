@@ -203,9 +203,10 @@ def _ring(fd: int) -> None:
 
 
 def _drain(fd: int) -> None:
+    """Consume pending wake-up bytes. One read: a byte left over (more than 4096 pending) only causes one
+    spurious wake-up, which the sequence numbers make harmless; a second read would cost a syscall a call."""
     try:
-        while os.read(fd, 4096):
-            pass
+        os.read(fd, 4096)
     except BlockingIOError:
         pass
 
