@@ -19,6 +19,7 @@ from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
 import symbiosis
+from symbiosis.client.privacy import MaskedSession
 from common import checkpoint, device, dtype, emit, lora, start_executor, sync, train_step
 
 
@@ -76,10 +77,14 @@ def main() -> None:
         try:
             for client_device in ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",):
                 remote = symbiosis.connect(url, timeout=60).attach(executor.fingerprint, "probe", torch.device(client_device))
+                # The same calls masked (docs/PRIVACY.md): what drawing, adding and subtracting noise adds.
+                masked = MaskedSession(remote, symbiosis.NoiseMasking(pool=2), [layer_id], torch.device(client_device),
+                                       dtype())
                 for tokens in (1, 1024):
                     xs = x[:tokens].to(client_device)
                     emit(bench="per_call_overhead", transport="ipc", client_device=client_device, tokens=tokens,
-                         remote_forward_us=round(per_call_us(lambda: remote.forward(layer_id, xs), n=300), 1))
+                         remote_forward_us=round(per_call_us(lambda: remote.forward(layer_id, xs), n=300), 1),
+                         masked_forward_us=round(per_call_us(lambda: masked.forward(layer_id, xs), n=300), 1))
                 remote.close()
         finally:
             process.terminate()
