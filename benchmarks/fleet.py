@@ -29,7 +29,10 @@ def run_fleet(tenants: list[dict], duration: float,
               on_go: Callable[[], None] | None = None) -> tuple[list[dict], FleetGpu]:
     """tenants: keyword arguments of tenant.py per process; `on_go` is called as they start working."""
     go_file = Path(tempfile.mkdtemp()) / "go"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(HERE), os.environ.get("PYTHONPATH", "")]),
+           # Tenants share the CPU with each other and the executor: OpenMP workers that spin while their
+           # process waits (for an executor call, say) would take the cores the others need (README).
+           "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     with GpuSampler() as memory:
         processes = []
         for spec in tenants:

@@ -5,7 +5,7 @@ fleets that cannot fit on the GPU (N footprints of the N=1 job) are not started;
 size is compared with the largest plain fleet that fitted.
 
     python benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,2,4,8
-    python benchmarks/multi_tenant.py --model llama-2-13b --tenants 1,2,4,8   # 4 and 8 plain jobs do not fit
+    python benchmarks/multi_tenant.py --model llama-2-13b --tenants 1,2,3   # plain fleets past the GPU memory are skipped
 """
 
 from __future__ import annotations
@@ -36,14 +36,22 @@ def main() -> None:
         common = dict(model_dir=path, lora=args.lora, batch_size=2, seq_len=512)
         # N plain jobs need N footprints: past the GPU's memory (known from N=1) they are not started.
         fits = not total_gib or 1 not in memory or n * memory[1][0] <= 0.97 * total_gib
-        plain, plain_gpu = run_fleet([dict(common, mode="plain", name=f"peft{i}") for i in range(n)],
-                                     args.duration) if fits else (None, None)
+        plain, plain_gpu = None, None
+        try:
+            if fits:
+                plain, plain_gpu = run_fleet([dict(common, mode="plain", name=f"peft{i}") for i in range(n)],
+                                             args.duration)
+        except RuntimeError as e:  # a job ran out of memory after all: this many do not fit
+            print(f"{n} plain PEFT jobs: {e}", flush=True)
         executor = start_executor(path, url, args.policy)
         try:
             window = ExecutorWindow(url)
             ours, ours_gpu = run_fleet([dict(common, mode="symbiosis", url=url, name=f"t{i}") for i in range(n)],
                                        args.duration, on_go=window.start)
             profile = window.shares()  # where the time went: executor threads, GEMMs; clients' waits below
+        except RuntimeError as e:  # a client ran out of memory: this many do not fit, nor do more
+            emit(bench="multi_tenant", model=args.model, tenants=n, symbiosis=f"failed: {e}")
+            break
         finally:
             executor.terminate()
             executor.wait()
@@ -62,13 +70,13 @@ def main() -> None:
                           memory_ratio=round(ours_gpu.used_gib / plain_gpu.used_gib, 3) if plain_gpu.used_gib else None,
                           plain_median_iter_s=round(max(r["median_s"] for r in plain), 4),
                           plain_gpu_busy=round(plain_gpu.busy_share, 3))
-        else:  # compare with what plain PEFT can do on this GPU: its largest fleet that fitted
+        elif best_plain is not None:  # compare with what plain PEFT can do on this GPU: its largest fleet that fitted
             record.update(plain_peft="does not fit", plain_peft_jobs_that_fit=best_plain[0],
                           throughput_vs_plain_that_fit=round(ours_tps / best_plain[1], 3))
         emit(**record)
         memory[n] = (plain_gpu.used_gib if plain is not None else None, ours_gpu.used_gib)
-    largest = max(memory)
-    if total_gib and 1 in memory and largest > 1:
+    largest = max(memory, default=0)
+    if total_gib and 1 in memory and memory[1][0] is not None and largest > 1:
         # Capacity from measured footprints: each PEFT job needs its whole footprint; each more symbiosis
         # client adds its own growth, on top of what the executor (and the first client) hold.
         plain_largest = max(n for n, (gib, _) in memory.items() if gib is not None)

@@ -22,7 +22,7 @@ if [[ "${MPS:-0}" == 1 ]]; then
 fi
 
 declare -A LIMIT_S=(
-  [gpu_tests]=120 [rtt]=90 [single_1b]=150 [single_13b]=330 [multi_1b]=330 [multi_13b]=560
+  [gpu_tests]=120 [rtt]=90 [single_1b]=150 [single_13b]=330 [multi_1b]=330 [multi_13b]=420
   [policies]=200 [mixed]=200 [privacy]=320 [long_context]=330
 )
 declare -A COMMAND=(
@@ -31,7 +31,7 @@ declare -A COMMAND=(
   [single_1b]="$PY benchmarks/single_tenant.py --models llama-3.2-1b"
   [single_13b]="$PY benchmarks/single_tenant.py --models llama-2-13b --loras lora3_r8_qkvo --modes plain,separate"
   [multi_1b]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,2,4,8 --duration 8"
-  [multi_13b]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 1,2,4,8 --duration 8"
+  [multi_13b]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 1,2,3 --duration 6"
   [policies]="$PY benchmarks/policies.py --model llama-3.2-1b --duration 8"
   [mixed]="$PY benchmarks/mixed_work.py --model llama-3.2-1b --duration 8"
   [privacy]="$PY benchmarks/privacy.py --model llama-3.2-1b --duration 5"
