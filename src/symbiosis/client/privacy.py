@@ -60,9 +60,9 @@ class MaskedSession:
         self.inner, self.masking, self.device, self.dtype = inner, masking, device, dtype
         self.layer_specs: dict[str, BaseLayerSpec] = inner.layer_specs
         seed = masking.seed if masking.seed is not None else int.from_bytes(os.urandom(8), "little")
-        self.generator = torch.Generator(device=device)  # noise values, made where they are used
+        self.generator = torch.Generator(device=device)  # noise values and row orders, made where they are used
         self.generator.manual_seed(seed)
-        self.host_generator = torch.Generator()  # which value and rows a call uses: on the CPU, so no GPU sync
+        self.host_generator = torch.Generator()  # which pool value a call uses: read on the CPU, so no GPU sync
         self.host_generator.manual_seed(seed + 1)
         directions = ("forward", "backward") if masking.mask_backward else ("forward",)
         self.pools = {(layer_id, d): self._make_pool(layer_id, d) for layer_id in layer_ids for d in directions}
@@ -89,19 +89,16 @@ class MaskedSession:
         if self.masking.refresh_every and pool.calls >= self.masking.refresh_every:
             pool = self.pools[key] = self._make_pool(layer_id, direction)
         pool.calls += 1
-        # Which value and which of its rows: drawn on the CPU (a GPU randperm is a sort of `rows` keys, several
-        # kernel launches a call), then one small copy to the device, queued behind the client's work.
-        draw = self.host_generator
-        value = int(torch.randint(self.masking.pool, (1,), generator=draw))
+        value = int(torch.randint(self.masking.pool, (1,), generator=self.host_generator))  # on the CPU: no sync
         rows = self.masking.rows
-        if tokens == 1:  # decoding: one row, without a permutation
-            order = torch.randint(rows, (1,), generator=draw)
+        # The rows, in a random order, drawn on the device. (Drawing them on the CPU and copying them over,
+        # pinned, measured slower for fine-tuning in run 12: docs/PERFORMANCE.md section 5.)
+        if tokens == 1:  # decoding: one row, without a permutation (on a GPU, a sort of `rows` keys)
+            order = torch.randint(rows, (1,), generator=self.generator, device=self.device)
         elif tokens <= rows:
-            order = torch.randperm(rows, generator=draw)[:tokens]
+            order = torch.randperm(rows, generator=self.generator, device=self.device)[:tokens]
         else:  # more tokens than rows: rows must repeat (documented: repeats leak differences)
-            order = torch.randint(rows, (tokens,), generator=draw)
-        if self.device.type == "cuda":
-            order = order.pin_memory().to(self.device, non_blocking=True)
+            order = torch.randint(rows, (tokens,), generator=self.generator, device=self.device)
         return pool.noise[value].index_select(0, order), pool.effect[value].index_select(0, order)
 
     def direct(self, layer_id: str, x: torch.Tensor) -> None:
