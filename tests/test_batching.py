@@ -103,6 +103,23 @@ def test_opportunistic_serves_inference_first_and_waits_less_as_work_grows():
     assert policy.decide(_queues(("l0", "a", 1000, False, 0.0)), 0.0, ClientCounts(3, 3)).key == ("l0", "forward")
 
 
+def test_opportunistic_stops_waiting_when_company_never_comes_and_probes_again():
+    policy = Opportunistic(max_wait=0.010, target_tokens=1000, probe_every=4)
+    counts = ClientCounts(attached=3, active=3)
+    lone = _queues(("l0", "a", 100, False, 0.0))
+    for _ in range(3):  # three waits in a row that end with the call still alone
+        assert policy.decide(lone, 0.0, counts).key is None
+        assert policy.decide(lone, 0.02, counts).key == ("l0", "forward")
+    assert policy.company_rate < 0.5
+    # Lone calls now run at once, but one in probe_every still waits.
+    assert [policy.decide(lone, 0.0, counts).key is None for _ in range(4)] == [False, False, False, True]
+    # That probe finds company: waiting pays again.
+    met = _queues(("l0", "a", 100, False, 0.0), ("l0", "b", 100, False, 0.001))
+    assert policy.decide(met, 0.02, counts).key == ("l0", "forward")
+    assert policy.company_rate >= 0.5
+    assert policy.decide(lone, 0.0, counts).key is None
+
+
 def test_lockstep_waits_for_every_attached_client_then_gives_up():
     policy = Lockstep(max_wait=0.05)
     two = _queues(("l0", "a", 5, False, 0.0), ("l0", "b", 5, False, 0.0))
