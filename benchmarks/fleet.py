@@ -89,4 +89,6 @@ class ExecutorWindow:
         return {"executor_io_busy": round(busy["io"] / elapsed, 3),
                 "executor_batcher_busy": round(busy["batcher"] / elapsed, 3),
                 "gemm_share": round((after["overall"]["compute_s"] - before["overall"]["compute_s"]) / elapsed, 3),
-                "calls_per_s": round(calls / elapsed), "mean_calls_per_gemm": round(calls / max(1, batches), 3)}
+                "calls_per_s": round(calls / elapsed), "mean_calls_per_gemm": round(calls / max(1, batches), 3),
+                "mean_queue_wait_ms": round(1e3 * (after["overall"]["queue_wait_s"] - before["overall"]["queue_wait_s"])
+                                            / max(1, calls), 3)}

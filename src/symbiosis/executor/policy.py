@@ -110,7 +110,7 @@ class Opportunistic:
     name: str = "opportunistic"
     # Share of recent waits that ended with another client's call in the batch (a moving average; it starts
     # optimistic). Clients whose steps drift apart rarely meet at one layer: waiting then only adds its
-    # budget to every call (measured: ~1.3 ms a call, 1.05 calls per GEMM, docs/PERFORMANCE.md).
+    # budget to every call (measured on an H100: ~1.3 ms a call for 1.05 calls per GEMM, docs/PERFORMANCE.md).
     company_rate: float = 1.0
     _waiting: set = field(default_factory=set)  # keys told to wait, whose outcome is not known yet
     _lone: int = 0  # lone calls run without waiting, since waiting stopped paying
