@@ -80,3 +80,22 @@ def test_cpu_client_buffer_is_pinned_by_a_cuda_executor(checkpoints, tmp_path):
         session.close()
     finally:
         server.stop()
+
+
+def test_fusing_a_group_hands_back_the_members_old_memory(tmp_path):
+    """q/k/v fused into one weight: the members become views of it, and the memory of their old tensors goes
+    back to the device instead of staying reserved by this process. Weights of 16 MiB each, so that each has
+    a device allocation of its own (smaller ones share the allocator's segments, which then stay)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=2048, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=16,
+                         num_key_value_heads=16, vocab_size=128)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    executor = symbiosis.Executor.from_pretrained(tmp_path, device="cuda", dtype=torch.float32)
+    group = "+".join(f"model.layers.0.self_attn.{name}" for name in ("q_proj", "k_proj", "v_proj"))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    fused = executor.weights.get(group)
+    torch.cuda.synchronize()
+    assert fused is not None and fused.weight.nbytes == 3 * 2048 * 2048 * 4
+    assert torch.cuda.memory_reserved() - before < fused.weight.nbytes // 2  # not a second copy

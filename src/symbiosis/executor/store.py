@@ -89,4 +89,9 @@ class BaseWeights:
             offset += width
         spec = BaseLayerSpec(GROUP_SEPARATOR.join(ids), first.spec.kind, first.spec.in_features, offset, "",
                              None if bias is None else "")
+        if weight.is_cuda:
+            # The members' old tensors are free now, but PyTorch's allocator would keep their memory reserved
+            # for this process: a copy of every fused weight (16 GiB for Llama-2-13B's q/k/v and gate/up),
+            # lost to other processes. Hand it back (once per group; cudaFree waits for the device).
+            torch.cuda.empty_cache()
         return BaseLayer(spec, weight, bias)
