@@ -133,12 +133,15 @@ class GpuSampler:
     """Peak device memory in use (all processes) and the GPU's utilisation (the share of time a kernel ran,
     as nvidia-smi reports it), sampled while a run goes on."""
 
-    def __init__(self, interval: float = 0.2):
+    def __init__(self, interval: float = 0.2, baseline_mib: int | None = None):
+        """baseline_mib: memory in use before whatever is to be measured started (default: on entering)."""
         self.interval, self.peak_mib, self._stop = interval, 0, threading.Event()
+        self.baseline_mib = baseline_mib
         self.utilisation: list[tuple[float, int]] = []  # (time.time(), percent), one sample per interval
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _read(self) -> tuple[int, int]:
+    @staticmethod
+    def _read() -> tuple[int, int]:
         """(MiB in use, utilisation %)"""
         try:
             out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,utilization.gpu",
@@ -161,7 +164,7 @@ class GpuSampler:
         return sum(window) / len(window) / 100 if window else 0.0
 
     def __enter__(self):
-        self.idle_mib = self._read()[0]
+        self.idle_mib = self._read()[0] if self.baseline_mib is None else self.baseline_mib
         self._thread.start()
         return self
 

@@ -25,15 +25,22 @@ class FleetGpu:
     busy_share: float  # mean GPU utilisation while the tenants worked, 0-1
 
 
-def run_fleet(tenants: list[dict], duration: float,
-              on_go: Callable[[], None] | None = None) -> tuple[list[dict], FleetGpu]:
-    """tenants: keyword arguments of tenant.py per process; `on_go` is called as they start working."""
+def gpu_memory_mib() -> int:
+    """Device memory in use now, all processes (0 without nvidia-smi)."""
+    return GpuSampler._read()[0]
+
+
+def run_fleet(tenants: list[dict], duration: float, on_go: Callable[[], None] | None = None,
+              baseline_mib: int | None = None) -> tuple[list[dict], FleetGpu]:
+    """tenants: keyword arguments of tenant.py per process; `on_go` is called as they start working.
+    baseline_mib: device memory in use before the fleet's executor started (`gpu_memory_mib()`), so that
+    the executor's memory counts as the fleet's; by default, what is in use when the tenants start."""
     go_file = Path(tempfile.mkdtemp()) / "go"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(HERE), os.environ.get("PYTHONPATH", "")]),
            # Tenants share the CPU with each other and the executor: OpenMP workers that spin while their
            # process waits (for an executor call, say) would take the cores the others need (README).
            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    with GpuSampler() as memory:
+    with GpuSampler(baseline_mib=baseline_mib) as memory:
         processes = []
         for spec in tenants:
             argv = [sys.executable, str(HERE / "tenant.py"), "--go-file", str(go_file), "--duration", str(duration)]

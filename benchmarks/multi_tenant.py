@@ -16,7 +16,7 @@ import statistics
 import torch
 
 from common import checkpoint, emit, start_executor
-from fleet import ExecutorWindow, run_fleet
+from fleet import ExecutorWindow, gpu_memory_mib, run_fleet
 
 
 def main() -> None:
@@ -43,11 +43,12 @@ def main() -> None:
                                              args.duration)
         except RuntimeError as e:  # a job ran out of memory after all: this many do not fit
             print(f"{n} plain PEFT jobs: {e}", flush=True)
+        before_executor = gpu_memory_mib()  # the executor's weights and context count as the fleet's memory
         executor = start_executor(path, url, args.policy)
         try:
             window = ExecutorWindow(url)
             ours, ours_gpu = run_fleet([dict(common, mode="symbiosis", url=url, name=f"t{i}") for i in range(n)],
-                                       args.duration, on_go=window.start)
+                                       args.duration, on_go=window.start, baseline_mib=before_executor)
             profile = window.shares()  # where the time went: executor threads, GEMMs; clients' waits below
         except RuntimeError as e:  # a client ran out of memory: this many do not fit, nor do more
             emit(bench="multi_tenant", model=args.model, tenants=n, symbiosis=f"failed: {e}")
