@@ -51,7 +51,6 @@ class SharedBuffer:
         self.description = description
         self.path = path
         self.owner = owner
-        self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._views: dict[tuple, torch.Tensor] = {}  # (dtype, *shape) -> view
         self.pinned = False
         self.ready: torch.cuda.Event | None = None  # CUDA: recorded by the client, waited on by the executor
@@ -127,15 +126,13 @@ class SharedBuffer:
         numel = 1
         for n in shape:
             numel *= n
-        typed = self._typed.get(dtype)
-        if typed is None:  # one flat view per dtype
-            typed = self._typed[dtype] = self.tensor[:self.nbytes // dtype.itemsize * dtype.itemsize].view(dtype)
-        if numel > typed.numel():
-            raise BadCall(f"a {list(shape)} {dtype} tensor ({numel * dtype.itemsize} bytes) does not fit the "
-                          f"shared buffer ({self.nbytes} bytes)")
+        nbytes = numel * dtype.itemsize
+        if nbytes > self.nbytes:
+            raise BadCall(f"a {list(shape)} {dtype} tensor ({nbytes} bytes) does not fit the shared buffer "
+                          f"({self.nbytes} bytes)")
         if len(self._views) >= MAX_CACHED_VIEWS:  # many shapes (decoding with growing batches): start over
             self._views.clear()
-        view = self._views[key] = typed[:numel].view(shape)
+        view = self._views[key] = self.tensor[:nbytes].view(dtype).view(shape)
         return view
 
     def close(self, unlink: bool = False) -> None:
@@ -145,7 +142,6 @@ class SharedBuffer:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.pinned = False
         self.tensor = None
-        self._typed.clear()
         self._views.clear()
         if self.owner or unlink:
             self.unlink()
