@@ -84,9 +84,9 @@ class MaskedSession:
     def _draw(self, layer_id: str, direction: str, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         key = (layer_id, direction)
         pool = self.pools.get(key)
-        if pool is None:  # a call group learned after attach: its pool is made before its first call
-            pool = self.pools[key] = self._make_pool(layer_id, direction)
-        if self.masking.refresh_every and pool.calls >= self.masking.refresh_every:
+        refresh = self.masking.refresh_every
+        # None: a call group learned after attach gets its pool before its first call.
+        if pool is None or (refresh and pool.calls >= refresh):
             pool = self.pools[key] = self._make_pool(layer_id, direction)
         pool.calls += 1
         value = int(torch.randint(self.masking.pool, (1,), generator=self.host_generator))  # on the CPU: no sync
