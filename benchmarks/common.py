@@ -141,7 +141,7 @@ class GpuSampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     @staticmethod
-    def _read() -> tuple[int, int]:
+    def read() -> tuple[int, int]:
         """(MiB in use, utilisation %)"""
         try:
             out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,utilization.gpu",
@@ -153,7 +153,7 @@ class GpuSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            used, busy = self._read()
+            used, busy = self.read()
             self.peak_mib = max(self.peak_mib, used)
             self.utilisation.append((time.time(), busy))
             time.sleep(self.interval)
@@ -164,7 +164,7 @@ class GpuSampler:
         return sum(window) / len(window) / 100 if window else 0.0
 
     def __enter__(self):
-        self.idle_mib = self._read()[0] if self.baseline_mib is None else self.baseline_mib
+        self.idle_mib = self.read()[0] if self.baseline_mib is None else self.baseline_mib
         self._thread.start()
         return self
 

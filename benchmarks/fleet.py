@@ -27,7 +27,7 @@ class FleetGpu:
 
 def gpu_memory_mib() -> int:
     """Device memory in use now, all processes (0 without nvidia-smi)."""
-    return GpuSampler._read()[0]
+    return GpuSampler.read()[0]
 
 
 def run_fleet(tenants: list[dict], duration: float, on_go: Callable[[], None] | None = None,
