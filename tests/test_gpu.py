@@ -99,3 +99,90 @@ def test_fusing_a_group_hands_back_the_members_old_memory(tmp_path):
     torch.cuda.synchronize()
     assert fused is not None and fused.weight.nbytes == 3 * 2048 * 2048 * 4
     assert torch.cuda.memory_reserved() - before < fused.weight.nbytes // 2  # not a second copy
+
+
+def _adamw_steps(model, device, steps=3) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        ids = torch.randint(2, 128, (2, 9), generator=generator).to(device)
+        optimizer.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    return {n: p.detach().float().cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_pipelined_calls_train_exactly_and_a_dead_executor_releases_the_stream(checkpoints, tmp_path):
+    """A client on the executor's GPU makes its calls pipelined (its CPU waits for no call): three AdamW
+    steps equal the in-process ones. Then the executor is killed: the next forward raises
+    ExecutorUnavailable, and the client's stream, which was left waiting for flags the executor would never
+    write, is released (a device-wide synchronize returns)."""
+    import threading
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path, _ = checkpoints("llama")
+
+    def build(executor):
+        torch.manual_seed(0)
+        return get_peft_model(symbiosis.from_pretrained(path, executor, device="cuda"), peft_config("lora", "llama"))
+
+    expected = _adamw_steps(build(symbiosis.Executor.from_pretrained(path, device="cuda", dtype=torch.float32)),
+                            "cuda")
+    url = f"ipc://{tmp_path}/pipelined.sock"
+    process = start_executor(path, url, tmp_path, device="cuda:0", dtype="float32", client_timeout=30)
+    try:
+        model = build(symbiosis.connect(url, token=TOKEN, timeout=5))
+        session = model.base_model.model.symbiosis_session
+        assert session.pipelined
+        for name, value in _adamw_steps(model, "cuda").items():
+            assert _rel(value, expected[name]) < 1e-5, name
+        process.kill()
+        process.wait()
+        ids = torch.randint(2, 128, (2, 9), device="cuda")
+        with pytest.raises(symbiosis.ExecutorUnavailable):
+            model(input_ids=ids, labels=ids).loss.backward()
+        synchronized = threading.Thread(target=torch.cuda.synchronize, daemon=True)
+        synchronized.start()
+        synchronized.join(timeout=20)
+        assert not synchronized.is_alive(), "the client's stream still waits for the dead executor"
+        with pytest.raises(symbiosis.ExecutorUnavailable, match="reconnect"):
+            model(input_ids=ids)
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_one_pipelined_client_per_process_and_device(checkpoints, tmp_path):
+    """Sessions of one process share its CUDA stream, and the executor may take their calls in another order
+    than that stream queued them: so only the first is pipelined, the second waits for its answers (through
+    a host buffer). Trained in two threads at once, each equals its in-process twin."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path, _ = checkpoints("llama")
+
+    def build(executor, seed):
+        torch.manual_seed(seed)
+        return get_peft_model(symbiosis.from_pretrained(path, executor, device="cuda", name=f"t{seed}"),
+                              peft_config("lora", "llama"))
+
+    local = symbiosis.Executor.from_pretrained(path, device="cuda", dtype=torch.float32)
+    expected = [_adamw_steps(build(local, seed), "cuda", steps=2) for seed in (0, 1)]
+    url = f"ipc://{tmp_path}/two.sock"
+    process = start_executor(path, url, tmp_path, device="cuda:0", dtype="float32", client_timeout=30)
+    try:
+        executor = symbiosis.connect(url, token=TOKEN, timeout=20)
+        models = [build(executor, seed) for seed in (0, 1)]
+        sessions = [m.base_model.model.symbiosis_session for m in models]
+        assert [s.pipelined for s in sessions] == [True, False]
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(lambda m: _adamw_steps(m, "cuda", steps=2), models))
+        for got, want in zip(results, expected):
+            for name, value in want.items():
+                assert _rel(got[name], value) < 1e-5, name
+        sessions[0].close()
+        assert build(executor, 2).base_model.model.symbiosis_session.pipelined  # the device is free again
+    finally:
+        process.kill()
+        process.wait()

@@ -169,7 +169,7 @@ def test_doorbell_requests_that_are_malformed_stale_or_orphaned(served, checkpoi
     """The ipc:// call path: a malformed request gets an error in the reply block and the client keeps
     working; a wake-up without a new request is ignored; a bogus doorbell is refused at attach; a client the
     executor forgot learns so within about a second instead of waiting out its timeout."""
-    from symbiosis.transport.doorbell import REPLY, REPLY_AT, REQUEST, SHM_DIR
+    from symbiosis.transport.doorbell import REQUEST, SHM_DIR, U64, _slot
     from symbiosis.transport.shm import SharedBuffer
 
     path, _ = checkpoints("llama")
@@ -180,19 +180,20 @@ def test_doorbell_requests_that_are_malformed_stale_or_orphaned(served, checkpoi
     expected = executor.weights.layers[layer].forward(x, True)
     bell = session.doorbell
 
-    bell.seq += 1
-    REQUEST.pack_into(bell.control, 0, bell.seq, 99, 0, 0, 2, 64, 0)  # op code 99
+    seq = bell.seq + 1
+    REQUEST.pack_into(bell.control, _slot(seq), 0, 99, 0, 0, 2, 64, 0)  # op code 99
+    U64.pack_into(bell.control, _slot(seq), seq)
+    bell.seq = seq
     os.write(bell.request_fd, b"\0")
-    assert bell._reply_poll.poll(5000)
-    seq, ok, *_, message_len = REPLY.unpack_from(bell.control, REPLY_AT)
-    start = REPLY_AT + REPLY.size
-    assert seq == bell.seq and not ok
-    assert "malformed doorbell request" in json.loads(bell.control[start:start + message_len])["message"]
+    with pytest.raises(BadCall, match="malformed doorbell request"):
+        bell.wait(seq, 5, session._still_attached)
 
     os.write(bell.request_fd, b"\0")  # a stale wake-up: same sequence number, nothing to answer
     assert_close(session.forward(layer, x), expected, "after a malformed and a stale request")
     with pytest.raises(BadCall, match="longer than"):
-        session.forward("x" * 5000, x)
+        bell.submit("forward", "x" * 5000, False, torch.float64, (2, 64), 5, session._still_attached)
+    with pytest.raises(UnknownLayer, match="no base layer 'xxx"):
+        session.forward("x" * 5000, x)  # refused before it is sent
 
     buffer = SharedBuffer.create(4096, torch.device("cpu"))
     refused = _raw(url, json.dumps({"op": "attach", "token": TOKEN, "fingerprint": executor.fingerprint,
@@ -208,6 +209,38 @@ def test_doorbell_requests_that_are_malformed_stale_or_orphaned(served, checkpoi
     with pytest.raises(symbiosis.ExecutorUnavailable, match="no longer knows this client"):
         session.forward(layer, x)
     assert time.monotonic() - started < 5
+    session.close()
+
+
+def test_doorbell_ring_runs_calls_in_order_and_reports_a_failure_at_a_later_call(served, checkpoints):
+    """Calls queued without waiting for answers (as pipelined clients make them), over twice the ring's size:
+    the executor runs them in order, and a call that fails is reported at a later call, once."""
+    from symbiosis.transport.doorbell import SLOTS
+
+    executor, url = served("llama", "ipc")
+    session = symbiosis.connect(url, token=TOKEN, timeout=30).attach(executor.fingerprint, "ring")
+    bell, layer = session.doorbell, "model.layers.0.self_attn.q_proj"
+    weights = executor.weights.layers[layer]
+    x = torch.randn(2, 64, dtype=torch.float64)
+    session.buffer.view(torch.float64, [2, 64]).copy_(x)
+    calls, failing, raised, made = 2 * SLOTS + 3, 5, [], 0
+    for i in range(calls):  # each call reads the buffer and writes its output over it: q(q(...q(x)))
+        try:
+            bell.submit("forward", "nope" if i == failing else layer, False, torch.float64, (2, 64), 10,
+                        session._still_attached)
+            made += 1
+        except UnknownLayer as error:  # an earlier call's error: this call is not made
+            raised.append(str(error))
+    try:
+        bell.wait(bell.seq, 10, session._still_attached)
+    except UnknownLayer as error:
+        raised.append(str(error))
+    assert raised == [f"an earlier call of this client (#{failing + 1}) failed: "
+                      "this executor serves no base layer 'nope'"]
+    for _ in range(made - 1):
+        x = weights.forward(x, True)
+    assert_close(session.buffer.view(torch.float64, [2, 64]), x, "after the ring went round twice")
+    assert_close(session.forward(layer, x), weights.forward(x, True), "a call after them")
     session.close()
 
 

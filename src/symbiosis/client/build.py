@@ -94,6 +94,9 @@ def from_pretrained(path: str | os.PathLike, executor, auto_class=AutoModelForCa
     if (checkpoint.path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(checkpoint.path)
     model.save_pretrained = _refuse_full_save
+    synchronize = getattr(session, "synchronize", None)
+    if synchronize is not None:  # a pipelined client's calls are answered (or raise) before its output is used
+        model.register_forward_hook(lambda *_: synchronize())
     model.symbiosis_session = session
     model.symbiosis_fingerprint = fingerprint
     model.symbiosis_checkpoint = checkpoint  # its bytes_read shows what this client read

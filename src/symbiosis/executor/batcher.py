@@ -27,6 +27,7 @@ RunBatch = Callable[[QueueKey, torch.Tensor], torch.Tensor]  # (key, [T, d_in]) 
 class PendingCall(QueuedCall):
     tensor: torch.Tensor = None
     future: Future = field(default_factory=Future)
+    gate: Callable[[], None] | None = None  # queues on the GPU what reading `tensor` must wait for
 
 
 def _split_rows(y: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
@@ -59,10 +60,11 @@ class Batcher:
         self._worker.start()
 
     def submit(self, client_id: str, key: QueueKey, tensor: torch.Tensor, inference: bool,
-               inline: bool = False) -> Future:
+               inline: bool = False, gate: Callable[[], None] | None = None) -> Future:
         """Queue a call. With `inline`, a call the policy would run at once (say, the only active client's)
-        runs on the caller's thread, saving the hand-off to the worker: the in-process fast path."""
-        call = PendingCall(client_id, tensor.shape[0], inference, time.perf_counter(), tensor)
+        runs on the caller's thread, saving the hand-off to the worker: the in-process fast path. `gate` is
+        called right before the call's input is read (a pipelined client's input may not be there yet)."""
+        call = PendingCall(client_id, tensor.shape[0], inference, time.perf_counter(), tensor, gate=gate)
         with self._cond:
             self.last_call[client_id] = call.arrived
             self.queues.by_key.setdefault(key, []).append(call)
@@ -147,8 +149,11 @@ class Batcher:
 
     def _run(self, key: QueueKey, calls: list[PendingCall]) -> None:
         now = time.perf_counter()
-        started = self.stats.timer()
         try:
+            for call in calls:
+                if call.gate is not None:
+                    call.gate()
+            started = self.stats.timer()  # after the gates: the GPU time of the GEMM, not of waiting for input
             # [T1, d] ++ [T2, d] ++ ... -> [sum T, d]; one GEMM; split back.
             x = calls[0].tensor if len(calls) == 1 else torch.cat([c.tensor for c in calls])
             outputs = _split_rows(self.run_batch(key, x), [c.tokens for c in calls])

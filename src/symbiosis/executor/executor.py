@@ -10,6 +10,7 @@ import itertools
 import os
 import threading
 from concurrent.futures import Future
+from typing import Callable
 
 import torch
 
@@ -30,6 +31,18 @@ from symbiosis.torch_dtypes import resolve_dtype
 
 DEFAULT_MAX_CALL_TOKENS = 1 << 20
 OPS = ("forward", "forward_nobias", "backward")
+
+
+def check_call(layer_id: str, spec: BaseLayerSpec | None, op: str, tensor: torch.Tensor, max_call_tokens: int) -> None:
+    """Raise what is wrong with a call of `op` on the layer `spec` describes (None: not served), but dtype."""
+    if spec is None:
+        raise UnknownLayer(f"this executor serves no base layer {layer_id[:300]!r}")
+    width = spec.out_features if op == "backward" else spec.in_features
+    if tensor.dim() != 2 or tensor.shape[1] != width:
+        raise BadCall(f"{op} call to layer {layer_id!r} expects [tokens, {width}], got {list(tensor.shape)}")
+    if tensor.shape[0] > max_call_tokens:
+        raise BadCall(f"{op} call to layer {layer_id!r} has {tensor.shape[0]} tokens, "
+                      f"more than this executor's limit of {max_call_tokens}")
 
 
 class Executor:
@@ -122,35 +135,27 @@ class Executor:
             raise UnknownLayer(f"this executor serves no base layer {layer_id!r}")
         return layer
 
-    def _check(self, layer: BaseLayer, tensor: torch.Tensor, width: int, what: str) -> None:
-        lid = layer.spec.layer_id
-        if tensor.dim() != 2 or tensor.shape[1] != width:
-            raise BadCall(f"{what} call to layer {lid!r} expects [tokens, {width}], got {list(tensor.shape)}")
-        if tensor.dtype != self.dtype:
-            raise BadCall(f"{what} call to layer {lid!r} expects {self.dtype}, got {tensor.dtype}")
-        if tensor.shape[0] > self.max_call_tokens:
-            raise BadCall(f"{what} call to layer {lid!r} has {tensor.shape[0]} tokens, "
-                          f"more than this executor's limit of {self.max_call_tokens}")
-
     def submit(self, client_id: str, op: str, layer_id: str, tensor: torch.Tensor, inference: bool = False,
-               inline: bool = False) -> Future:
+               inline: bool = False, gate: Callable[[], None] | None = None) -> Future:
         """Queue one call; the future resolves to its output on the executor's device.
 
         forward:        x [T, in]  -> x W^T + b  [T, out]
         forward_nobias: x [T, in]  -> x W^T      [T, out]
         backward:       g [T, out] -> g W        [T, in]
         A bad call raises here, before it is queued, so it can never spoil a batch.
+        `gate`: queues on the executor's stream what the input must wait for (a pipelined client's flag).
         """
         if op not in OPS:
             raise BadCall(f"unknown op {op!r}; expected one of {OPS}")
         layer = self._layer_for(client_id, layer_id)
-        width = layer.spec.out_features if op == "backward" else layer.spec.in_features
-        self._check(layer, tensor, width, op)
+        check_call(layer_id, layer.spec, op, tensor, self.max_call_tokens)
+        if tensor.dtype != self.dtype:
+            raise BadCall(f"{op} call to layer {layer_id!r} expects {self.dtype}, got {tensor.dtype}")
         # non_blocking: from page-locked memory (a pinned transport buffer) the copy is queued on the stream
         # that computes with it; from pageable memory it is synchronous either way.
         tensor = tensor if tensor.device == self.device else tensor.to(self.device, non_blocking=True)
         tensor = tensor.detach() if tensor.requires_grad else tensor  # the executor records no autograd graph
-        return self.batcher.submit(client_id, (layer_id, op), tensor, inference and op != "backward", inline)
+        return self.batcher.submit(client_id, (layer_id, op), tensor, inference and op != "backward", inline, gate)
 
     def forward(self, client_id: str, layer_id: str, x: torch.Tensor, inference: bool = False,
                 with_bias: bool = True) -> torch.Tensor:

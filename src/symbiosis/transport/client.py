@@ -7,6 +7,13 @@ Requests are synchronous request/replies on a ZeroMQ DEALER socket, each with a 
 is gone or hung raises `ExecutorUnavailable` instead of hanging the client. On `ipc://` the layer calls
 themselves take the doorbell path (`doorbell.py`), with the same timeout. A heartbeat thread (its own
 socket) keeps the executor from reaping a client that is busy computing on its side.
+
+A client on the executor's GPU makes its calls *pipelined*: a call queues its input copy, a flag write, a
+stream wait for the executor's flag and the output copy on the client's stream, rings, and returns without
+waiting for anything (`streamops.py`). The client's CPU runs ahead like a plain model's, and the round trip
+leaves its critical path. The executor's answers are collected where a result could be used: at the end of
+the model's forward and of each backward pass (`synchronize`), which raise the first error among them.
+Calls are checked for shape and layer here, before they are queued, so that errors show at the call.
 """
 
 from __future__ import annotations
@@ -15,18 +22,27 @@ import itertools
 import secrets
 import threading
 import time
+from contextlib import contextmanager
 from urllib.parse import urlparse
 
 import torch
 import zmq
 
 from symbiosis.errors import ExecutorUnavailable, SymbiosisError, UnknownClient
+from symbiosis.executor.executor import check_call
 from symbiosis.model.partition import BaseLayerSpec, group_spec
-from symbiosis.transport import wire
+from symbiosis.transport import streamops, wire
 from symbiosis.transport.doorbell import CHECK_EVERY, Doorbell
-from symbiosis.transport.shm import SharedBuffer, open_ipc_event
+from symbiosis.transport.shm import SharedBuffer
 
 INITIAL_BUFFER_BYTES = 8 << 20
+# Devices on which a session of this process makes pipelined calls. Only one per device: sessions of one
+# process share its CUDA stream, and the executor's stream may take their calls in another order than that
+# stream queued them, so each could end up waiting for the other's. Later sessions wait for their answers.
+_PIPELINED_DEVICES: set[int] = set()
+_PIPELINED_LOCK = threading.Lock()
+FLAG_BYTES = 8  # int32 [input seq (the client writes), output seq (the executor writes)]
+RELEASE_AHEAD = 1 << 20  # a released stream's flag is set this far ahead of the last call: no wait can hold
 
 
 class _Channel:
@@ -81,16 +97,33 @@ class RemoteExecutor:
             raise ValueError(f"unsupported executor URL {url!r}: use ipc://PATH or tcp://HOST:PORT")
         self.url, self.token, self.timeout = url, token, timeout
         self.shared_buffers = scheme == "ipc"
+        self._description: dict | None = None
 
     def attach(self, fingerprint: str, name: str = "client", device: str | torch.device = "cpu") -> "RemoteSession":
-        return RemoteSession(self, fingerprint, name, torch.device(device))
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return RemoteSession(self, fingerprint, name, device)
 
-    def stats(self) -> dict:
+    def _ask(self, op: str) -> dict:
         channel = _Channel(self.url, self.timeout)
         try:
-            return channel.request({"op": "stats", "token": self.token})[0]["stats"]
+            return channel.request({"op": op, "token": self.token})[0]
         finally:
             channel.close()
+
+    def stats(self) -> dict:
+        return self._ask("stats")["stats"]
+
+    def pipelines(self, device: torch.device) -> bool:
+        """Whether a client on `device` makes pipelined calls: same-host, on the executor's GPU, and both
+        processes can queue stream memory operations."""
+        if not self.shared_buffers or device.type != "cuda":
+            return False
+        if self._description is None:
+            self._description = self._ask("describe")
+        return self._description["device"] == str(device) and self._description["stream_ops"] and \
+            streamops.available(device)
 
 
 class RemoteSession:
@@ -103,60 +136,110 @@ class RemoteSession:
         self.channel = _Channel(executor.url, executor.timeout)
         self.buffer: SharedBuffer | None = None
         self.doorbell: Doorbell | None = None
+        self.flags: SharedBuffer | None = None  # pipelined calls (see the module's docstring)
+        self._retired_flags: list[SharedBuffer] = []  # released flags a stream may still wait on: kept alive
+        self._broken: str | None = None  # why calls can no longer be made (the executor stopped answering)
+        self._release_stream: int | None = None  # where _release writes the output flag
+        self._holds_pipeline = False  # this session is its process's pipelined one on its device
         self._call_lock = threading.Lock()  # one call at a time uses the buffer
+        self._sync_queued = False  # a synchronize() is queued for the end of the running backward pass
         # Layer calls made, and seconds this client's thread spent waiting for their replies (the executor's
         # queue, compute and the transport): what the executor costs a client, read by the benchmarks.
         self.calls, self.waited_s = 0, 0.0
         self._heartbeat_stop = threading.Event()
         self._attach(INITIAL_BUFFER_BYTES)
 
+    @property
+    def pipelined(self) -> bool:
+        return self.flags is not None
+
     def _attach(self, buffer_bytes: int) -> None:
         """Attach with a new shared buffer and doorbell (ipc://). Their files are unlinked as soon as the
         executor has opened them: both sides keep their mappings and FIFO descriptors, and nothing is left
         in /dev/shm whichever process dies first."""
         if self.executor.shared_buffers:
-            self.buffer = SharedBuffer.create(buffer_bytes, self.device if self.device.type == "cuda"
-                                              else torch.device("cpu"))
+            pipelined = self.executor.pipelines(self.device) and self._claim_pipeline()
+            self.buffer = SharedBuffer.create(buffer_bytes, self.device if pipelined else torch.device("cpu"))
             self.doorbell = Doorbell.create()
+            if pipelined:
+                self.flags = SharedBuffer.create(FLAG_BYTES, self.device)
+                self.flags.tensor.zero_()
+                self.flags.stream.synchronize()  # zeros before the executor's first wait reads them
+                if self._release_stream is None:  # made now: making one once a stream is stuck can hang
+                    self._release_stream = streamops.side_stream(self.device.index)
         try:
             reply, _ = self.channel.request({
                 "op": "attach", "token": self.executor.token, "fingerprint": self.fingerprint, "name": self.name,
                 "buffer": self.buffer.description if self.buffer else None,
-                "doorbell": self.doorbell.description if self.doorbell else None})
+                "doorbell": self.doorbell.description if self.doorbell else None,
+                "flags": self.flags.description if self.flags else None})
         finally:
-            if self.buffer is not None:
-                self.buffer.unlink()
-                self.doorbell.unlink()
+            for shared in (self.buffer, self.doorbell, self.flags):
+                if shared is not None:
+                    shared.unlink()
         self.client_id = reply["client"]
         self.dtype = wire.parse_dtype(reply["dtype"])
         self.executor_device = reply["device"]
+        self.max_call_tokens = int(reply["max_call_tokens"])
         self.heartbeat_s = float(reply["heartbeat_s"])
         self.layer_specs = {d["layer_id"]: BaseLayerSpec(**d) for d in reply["layers"]}
-        self._executor_done = None  # CUDA buffers: the executor's event, recorded once a result is written
-        if reply.get("done_event"):
-            self._executor_done = open_ipc_event(self.buffer.tensor.device, reply["done_event"])
+        self._broken = None
         self._heartbeat_stop.clear()
         threading.Thread(target=self._heartbeat, args=(self.client_id,), name="symbiosis-heartbeat", daemon=True).start()
+
+    def _claim_pipeline(self) -> bool:
+        with _PIPELINED_LOCK:
+            if not self._holds_pipeline and self.device.index not in _PIPELINED_DEVICES:
+                _PIPELINED_DEVICES.add(self.device.index)
+                self._holds_pipeline = True
+            return self._holds_pipeline
 
     def reconnect(self) -> None:
         """Attach again (after the executor restarted): a new client id; the model and its state are kept."""
         self._heartbeat_stop.set()  # the old heartbeat thread ends; _attach starts one for the new id
         self.channel.close()
         self.channel = _Channel(self.executor.url, self.executor.timeout)
-        old_buffer, old_doorbell = self.buffer, self.doorbell
-        self._attach(old_buffer.nbytes if old_buffer is not None else 0)
-        if old_buffer is not None:
-            old_buffer.close()
-            old_doorbell.close()
+        old = (self.buffer, self.doorbell)
+        if self.flags is not None:
+            self._release("reconnecting")  # the old executor will never answer what it still owed
+            self.flags = None
+        self._attach(old[0].nbytes if old[0] is not None else 0)
+        for shared in old:
+            if shared is not None:
+                shared.close()
 
     def _heartbeat(self, client_id: str) -> None:
+        """Keeps the executor from reaping this client. A pipelined client pings instead: an executor that
+        stops answering would otherwise leave the client's stream waiting for a flag forever, and a CPU
+        that synchronises with it (`loss.item()`) hanging; then the stream is released and the session
+        marked broken, so its next call raises."""
         channel = _Channel(self.executor.url, self.executor.timeout)
         stop = self._heartbeat_stop
         try:
             while not stop.wait(self.heartbeat_s) and client_id == self.client_id:
-                channel.send({"op": "heartbeat", "client": client_id})
+                if not self.pipelined:
+                    channel.send({"op": "heartbeat", "client": client_id})
+                    continue
+                try:
+                    channel.request({"op": "ping", "client": client_id})
+                except SymbiosisError as e:
+                    if not stop.is_set():
+                        self._release(f"the executor at {self.executor.url} stopped answering ({e})")
+                    return
         finally:
             channel.close()
+
+    def _release(self, why: str) -> None:
+        """Mark the session broken, and let the client's stream run past every wait on the executor's flag
+        (what it computes from there on is garbage, and the next call or synchronize() raises)."""
+        if self._broken is not None:
+            return
+        self._broken = why
+        flags = self.flags
+        # On a stream of its own: the client's stream may be stuck waiting.
+        streamops.write(self._release_stream, flags.tensor.data_ptr() + 4, self.doorbell.seq + RELEASE_AHEAD,
+                        flags.tensor.device.index)
+        self._retired_flags.append(flags)
 
     def _request(self, header: dict, *tensors: torch.Tensor, channel: _Channel | None = None) -> tuple[dict, list]:
         self._check_open()
@@ -180,12 +263,16 @@ class RemoteSession:
     def _check_open(self) -> None:
         if self._heartbeat_stop.is_set():
             raise SymbiosisError(f"this session is closed (client {self.client_id!r}); attach a new one")
+        if self._broken is not None:
+            raise ExecutorUnavailable(f"{self._broken}; results since its last answer are lost. "
+                                      "Call reconnect() on the session once an executor serves again")
 
     def _ensure_capacity(self, nbytes: int) -> None:
         if nbytes <= self.buffer.nbytes:
             return
         old = self.buffer
-        if old.ready is not None:
+        self._wait_answers()
+        if old.stream is not None:
             old.stream.synchronize()  # nothing may still use the old one
         new = SharedBuffer.create(max(nbytes, old.nbytes * 3 // 2), old.tensor.device)
         try:
@@ -198,6 +285,44 @@ class RemoteSession:
         self.buffer = new
         old.close()
 
+    def _wait_answers(self) -> None:
+        self.doorbell.wait(self.doorbell.seq, self.executor.timeout, self._still_attached)
+
+    @contextmanager
+    def _releasing(self):
+        """An executor that stops answering a pipelined client would leave its stream waiting for flags
+        that never come: release it before the error goes up."""
+        try:
+            yield
+        except ExecutorUnavailable as e:
+            if self.pipelined:
+                self._release(str(e))
+            raise
+
+    def synchronize(self, gpu: bool = False) -> None:
+        """Wait until the executor has answered every call made so far, raising the first error among them
+        (a no-op unless calls are pipelined). With `gpu`, also until the client's GPU has run them: an
+        executor that died meanwhile then raises `ExecutorUnavailable` here instead of hanging."""
+        if not self.pipelined:
+            return
+        with self._call_lock, self._releasing():
+            self._check_open()
+            self._wait_answers()
+            if not gpu:
+                return
+            done = torch.cuda.Event()
+            done.record(self.buffer.stream)
+            deadline = time.monotonic() + self.executor.timeout
+            while not done.query():
+                if time.monotonic() > deadline:
+                    self._release(f"the executor's results did not reach the GPU within {self.executor.timeout:g}s")
+                    self._check_open()
+                time.sleep(50e-6)
+
+    def _end_of_backward(self) -> None:
+        self._sync_queued = False
+        self.synchronize(gpu=True)  # before the optimizer could apply gradients computed from lost results
+
     def _call(self, op: str, layer_id: str, tensor: torch.Tensor, out_width: int, inference: bool) -> torch.Tensor:
         # tensor: [T, d_in] in the client's dtype/device -> [T, d_out] likewise
         sent = tensor.detach().to(self.dtype)
@@ -209,35 +334,48 @@ class RemoteSession:
             self.waited_s += time.perf_counter() - started
             return wire.frame_tensor(frames[0], reply["tensor"]).to(tensor.device, tensor.dtype, copy=True)
         self._check_open()
-        with self._call_lock:
-            self._ensure_capacity(sent.shape[0] * max(sent.shape[1], out_width) * self.dtype.itemsize)
+        shape = (sent.shape[0], sent.shape[1]) if sent.dim() == 2 else tuple(sent.shape)
+        with self._call_lock, self._releasing():
+            self._ensure_capacity(sent.shape[0] * max(sent.shape[-1], out_width) * self.dtype.itemsize)
             self.buffer.view(self.dtype, list(sent.shape)).copy_(sent)
-            if self.buffer.ready is not None:
-                self.buffer.ready.record(self.buffer.stream)  # the executor's stream waits on this: no CPU sync
             started = time.perf_counter()
-            dtype, shape = self.doorbell.call(op, layer_id, inference, sent, self.executor.timeout,
-                                              self._still_attached)
+            if self.pipelined:
+                stream, flags, device = self.buffer.stream.cuda_stream, self.flags.tensor.data_ptr(), self.device.index
+                streamops.write(stream, flags, self.doorbell.seq + 1, device)  # the input is in the buffer
+                seq = self.doorbell.submit(op, layer_id, inference, self.dtype, shape, self.executor.timeout,
+                                           self._still_attached)
+                streamops.wait_geq(stream, flags + 4, seq, device)  # the output is in the buffer
+            else:
+                seq = self.doorbell.submit(op, layer_id, inference, self.dtype, shape, self.executor.timeout,
+                                           self._still_attached)
+                self.doorbell.wait(seq, self.executor.timeout, self._still_attached)
             self.waited_s += time.perf_counter() - started
-            if self._executor_done is not None:
-                self.buffer.stream.wait_event(self._executor_done)
             # One copy out of the buffer (the next call reuses it), cast on the way if need be.
-            return self.buffer.view(dtype, shape).to(tensor.device, tensor.dtype, copy=True)
+            return self.buffer.view(self.dtype, [sent.shape[0], out_width]).to(tensor.device, tensor.dtype, copy=True)
 
-    def _spec(self, layer_id: str) -> BaseLayerSpec:
+    def _spec(self, layer_id: str, tensor: torch.Tensor, op: str) -> BaseLayerSpec:
+        """The layer's spec, once the call is checked as the executor would (a pipelined call's error would
+        otherwise show only at a later call)."""
         spec = group_spec(self.layer_specs, layer_id)
-        return spec or BaseLayerSpec(layer_id, "linear", 0, 0, "", None)  # the executor answers UnknownLayer
+        check_call(layer_id, spec, op, tensor, self.max_call_tokens)
+        return spec
 
     def direct(self, layer_id: str, x: torch.Tensor) -> None:
         return None  # the weights are in another process
 
     def forward(self, layer_id: str, x: torch.Tensor, inference: bool = False) -> torch.Tensor:
-        return self._call("forward", layer_id, x, self._spec(layer_id).out_features, inference)
+        return self._call("forward", layer_id, x, self._spec(layer_id, x, "forward").out_features, inference)
 
     def forward_nobias(self, layer_id: str, x: torch.Tensor, inference: bool = False) -> torch.Tensor:
-        return self._call("forward_nobias", layer_id, x, self._spec(layer_id).out_features, inference)
+        width = self._spec(layer_id, x, "forward_nobias").out_features
+        return self._call("forward_nobias", layer_id, x, width, inference)
 
     def backward(self, layer_id: str, grad_out: torch.Tensor) -> torch.Tensor:
-        return self._call("backward", layer_id, grad_out, self._spec(layer_id).in_features, False)
+        width = self._spec(layer_id, grad_out, "backward").in_features
+        if self.pipelined and not self._sync_queued and torch._C._current_graph_task_id() != -1:
+            self._sync_queued = True  # collect this pass's answers when autograd finishes it
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        return self._call("backward", layer_id, grad_out, width, False)
 
     def fetch(self, layer_id: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         reply, frames = self._request({"op": "fetch", "layer": layer_id})
@@ -248,6 +386,11 @@ class RemoteSession:
         if self._heartbeat_stop.is_set():
             return
         try:
+            if self.pipelined and self._broken is None:
+                try:
+                    self.synchronize(gpu=True)  # the executor must not write into a freed buffer
+                except SymbiosisError:
+                    pass  # an earlier call's error, or an executor gone: closing regardless
             self._request({"op": "detach"})
         except ExecutorUnavailable:
             pass
@@ -257,6 +400,10 @@ class RemoteSession:
             if self.buffer is not None:
                 self.buffer.close()
                 self.doorbell.close()
+            if self._holds_pipeline:
+                with _PIPELINED_LOCK:
+                    _PIPELINED_DEVICES.discard(self.device.index)
+                self._holds_pipeline = False
 
 
 def connect(url: str, token: str | None = None, timeout: float = 60.0) -> RemoteExecutor:

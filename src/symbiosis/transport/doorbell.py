@@ -1,17 +1,25 @@
-"""The same-host call path: a control block in shared memory plus a pipe byte as the wake-up.
+"""The same-host call path: a ring of request slots in shared memory plus a pipe byte as the wake-up.
 
 A ZeroMQ request/reply hands each message through two I/O threads per side, which costs ~0.5 ms a round
 trip; a layer call is on the client's critical path, and a fine-tuning step makes ~130 of them. So on
-`ipc://` the calls skip the socket: the client writes a fixed-layout request into a small shared control
-block, writes one byte into a FIFO the executor's I/O thread polls, and blocks reading one byte from a
-second FIFO; the executor writes the reply into the control block and writes that byte. The tensors stay
-in the client's `SharedBuffer`. Attach, heartbeats, fetch and errors outside calls still use the socket.
+`ipc://` the calls skip the socket: the client writes a fixed-layout request into the next slot of a small
+shared control block and writes one byte into a FIFO the executor's I/O thread polls. The executor takes
+the slots in order, and answers each call by advancing `answered` in the header (and writing one byte into
+a second FIFO, which a waiting client sleeps on). The tensors stay in the client's `SharedBuffer`.
+Attach, heartbeats, fetch and errors outside calls still use the socket.
 
-Control block (little-endian), request at 0, reply at REPLY_AT:
-    request: seq u64 | op u8 | inference u8 | dtype u8 | pad u8 | rows u32 | cols u32 | layer_len u16 | layer id
-    reply:   seq u64 | ok u8 | dtype u8 | pad u16 | rows u32 | cols u32 | message_len u32 | error JSON
-Sequence numbers pair a reply with its request, so a stale wake-up (a call that timed out, an executor
-that restarted) is recognised and skipped.
+The ring lets a client have up to SLOTS calls outstanding: a client on the executor's GPU does not wait
+for answers at all (its GPU stream waits instead, `streamops.py`); other clients wait for each answer.
+
+Control block (little-endian):
+    header at 0:          taken u64 | answered u64 | error_seq u64 | errors_seen u64 | error_len u32
+    error at ERROR_AT:    JSON {"error", "message", "seq"} of the call error_seq
+    slot i at SLOTS_AT + i * SLOT_BYTES, call seq in slot seq % SLOTS:
+                          seq u64 | op u8 | inference u8 | dtype u8 | pad u8 | rows u32 | cols u32 |
+                          layer_len u16 | layer id
+The executor writes taken, answered and the error; the client writes the slots and errors_seen. A slot's
+seq is written last, so the executor never takes a half-written request. One error is kept at a time:
+while the client has not seen the last one (errors_seen < error_seq), later ones are not recorded.
 """
 
 from __future__ import annotations
@@ -35,18 +43,22 @@ from symbiosis.errors import BadCall, ExecutorUnavailable
 from symbiosis.transport import wire
 from symbiosis.transport.shm import PREFIX, SHM_DIR
 
-CONTROL_BYTES = 8192
-REPLY_AT = 2048
+HEADER = struct.Struct("<QQQQI")
+U64 = struct.Struct("<Q")
+TAKEN_AT, ANSWERED_AT, ERROR_SEQ_AT, ERRORS_SEEN_AT, ERROR_LEN_AT = 0, 8, 16, 24, 32
+ERROR_AT = 64
+SLOTS_AT = 4096
+SLOT_BYTES = 512
+SLOTS = 64
+CONTROL_BYTES = SLOTS_AT + SLOTS * SLOT_BYTES
 REQUEST = struct.Struct("<QBBBxIIH")
-REPLY = struct.Struct("<QBBxxIII")
-SEQ = struct.Struct("<Q")
-MAX_LAYER_ID = REPLY_AT - REQUEST.size
-MAX_MESSAGE = CONTROL_BYTES - REPLY_AT - REPLY.size
+MAX_LAYER_ID = SLOT_BYTES - REQUEST.size
+MAX_MESSAGE = SLOTS_AT - ERROR_AT
 # Waiting without sleeping (spinning) pays only with cores to spare: with fewer, the spinners would take
 # the CPU from the very processes they wait for.
 SPARE_CORES = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) >= 8
-# A reply is awaited this long by spinning on its sequence number before sleeping in poll(). Spinning relies
-# on x86's in-order visibility of stores (the reply's fields are written before its sequence number).
+# An answer is awaited this long by spinning on `answered` before sleeping in poll(). Spinning relies on
+# x86's in-order visibility of stores (an error is written before `answered`).
 SPIN_S = 300e-6 if SPARE_CORES and platform.machine() in ("x86_64", "AMD64") else 0.0
 CHECK_EVERY = 1.0  # seconds of waiting on a reply between checks that the executor still knows the client
 OPS = ("forward", "forward_nobias", "backward")
@@ -56,11 +68,16 @@ DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 @dataclass
 class Request:
     seq: int
-    op: str
-    layer: str
-    inference: bool
-    dtype: torch.dtype
-    shape: list[int]
+    op: str = ""
+    layer: str = ""
+    inference: bool = False
+    dtype: torch.dtype | None = None
+    shape: tuple[int, int] = (0, 0)
+    malformed: str | None = None  # why the slot could not be read; the call is answered with this error
+
+
+def _slot(seq: int) -> int:
+    return SLOTS_AT + (seq % SLOTS) * SLOT_BYTES
 
 
 class Doorbell:
@@ -77,7 +94,8 @@ class Doorbell:
         self.reply_fd = os.open(paths["reply"], os.O_RDWR | os.O_NONBLOCK)
         self._reply_poll = select.poll()
         self._reply_poll.register(self.reply_fd, select.POLLIN)
-        self.seq = REQUEST.unpack_from(self.control, 0)[0]  # the executor answers only requests after this
+        # Client: the last call made. Executor: the last call taken (it takes only the calls after this).
+        self.seq = U64.unpack_from(self.control, TAKEN_AT)[0]
 
     @property
     def description(self) -> dict:
@@ -111,74 +129,103 @@ class Doorbell:
 
     # --- client ---------------------------------------------------------------------------------------
 
-    def call(self, op: str, layer: str, inference: bool, tensor: torch.Tensor, timeout: float,
-             still_attached: Callable[[], None]) -> tuple:
-        """Ring and wait for the reply: (dtype, [rows, cols]) of the result in the shared buffer.
+    @property
+    def answered(self) -> int:
+        return U64.unpack_from(self.control, ANSWERED_AT)[0]
+
+    def submit(self, op: str, layer: str, inference: bool, dtype: torch.dtype, shape: tuple[int, int],
+               timeout: float, still_attached: Callable[[], None]) -> int:
+        """Queue a call; returns its sequence number. Waits only while all SLOTS slots hold unanswered calls.
+        Raises the error of an earlier call that failed and was not reported yet."""
+        name = layer.encode()
+        if len(name) > MAX_LAYER_ID:
+            raise BadCall(f"layer id {layer[:60]!r}... is longer than {MAX_LAYER_ID} bytes")
+        seq = self.seq + 1
+        if seq - self.answered > SLOTS:  # the slot still holds a call the executor may not have taken
+            self.wait(seq - SLOTS, timeout, still_attached)
+        self.raise_error()
+        at = _slot(seq)
+        self.control[at + REQUEST.size:at + REQUEST.size + len(name)] = name
+        REQUEST.pack_into(self.control, at, 0, OPS.index(op), inference, DTYPES.index(dtype), *shape, len(name))
+        U64.pack_into(self.control, at, seq)  # last: the slot is complete once its seq is there
+        self.seq = seq
+        _ring(self.request_fd)
+        return seq
+
+    def wait(self, seq: int, timeout: float, still_attached: Callable[[], None]) -> None:
+        """Until call `seq` (and so every call before it) is answered; then raise any unreported error.
 
         Every CHECK_EVERY seconds of waiting, `still_attached()` asks over the socket whether the executor
         still knows this client (it raises if not: an executor that restarted never answers this doorbell).
         """
-        name = layer.encode()
-        if len(name) > MAX_LAYER_ID:
-            raise BadCall(f"layer id {layer[:60]!r}... is longer than {MAX_LAYER_ID} bytes")
-        self.seq += 1
-        self.control[REQUEST.size:REQUEST.size + len(name)] = name
-        REQUEST.pack_into(self.control, 0, self.seq, OPS.index(op), inference, DTYPES.index(tensor.dtype),
-                          tensor.shape[0], tensor.shape[1], len(name))
-        _ring(self.request_fd)
         # Spin first: a sleeping process is woken through the scheduler (and a core in a deep idle state),
         # which costs more than a short call takes.
         spin_until = time.perf_counter() + SPIN_S
-        while SEQ.unpack_from(self.control, REPLY_AT)[0] != self.seq and time.perf_counter() < spin_until:
+        while self.answered < seq and time.perf_counter() < spin_until:
             pass
         deadline = time.monotonic() + timeout
-        while True:
+        while self.answered < seq:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ExecutorUnavailable(f"executor did not answer {op!r} within {timeout:g}s "
+                raise ExecutorUnavailable(f"executor did not answer call {seq} within {timeout:g}s "
                                           "(stopped, restarted or overloaded)")
-            if SEQ.unpack_from(self.control, REPLY_AT)[0] != self.seq and \
-                    not self._reply_poll.poll(min(left, CHECK_EVERY) * 1000):
+            if self._reply_poll.poll(min(left, CHECK_EVERY) * 1000):
+                _drain(self.reply_fd)
+            elif self.answered < seq:
                 still_attached()
-                continue
-            _drain(self.reply_fd)
-            seq, ok, dtype, rows, cols, message_len = REPLY.unpack_from(self.control, REPLY_AT)
-            if seq != self.seq:
-                continue  # a stale wake-up
-            if not ok:
-                start = REPLY_AT + REPLY.size
-                wire.raise_error(json.loads(self.control[start:start + message_len]))
-            return DTYPES[dtype], [rows, cols]
+        self.raise_error(seq)
+
+    def raise_error(self, current: int | None = None) -> None:
+        """Raise the executor's error for a call that failed, if the client has not seen it yet."""
+        error_seq, seen = (U64.unpack_from(self.control, at)[0] for at in (ERROR_SEQ_AT, ERRORS_SEEN_AT))
+        if error_seq <= seen:
+            return
+        length = struct.unpack_from("<I", self.control, ERROR_LEN_AT)[0]
+        U64.pack_into(self.control, ERRORS_SEEN_AT, error_seq)
+        try:
+            reply = json.loads(self.control[ERROR_AT:ERROR_AT + min(length, MAX_MESSAGE)])
+        except ValueError:
+            reply = {"error": "SymbiosisError", "message": f"call {error_seq} failed (unreadable error report)"}
+        if error_seq != current:  # a pipelined call: the failure shows at a later call
+            reply["message"] = f"an earlier call of this client (#{error_seq}) failed: {reply.get('message')}"
+        wire.raise_error(reply)
 
     # --- executor -------------------------------------------------------------------------------------
 
-    def take_request(self) -> Request | None:
-        """The pending request, if a new one came (called when the request FIFO is readable)."""
+    def take_requests(self) -> list[Request]:
+        """The calls queued since the last take, in order (called when the request FIFO is readable)."""
         _drain(self.request_fd)
-        seq, op, inference, dtype, rows, cols, layer_len = REQUEST.unpack_from(self.control, 0)
-        if seq <= self.seq:
-            return None
-        self.seq = seq
-        if op >= len(OPS) or dtype >= len(DTYPES) or layer_len > MAX_LAYER_ID:
-            raise BadCall(f"malformed doorbell request (op {op}, dtype {dtype}, layer id of {layer_len} bytes)")
-        layer = bytes(self.control[REQUEST.size:REQUEST.size + layer_len]).decode(errors="replace")
-        return Request(seq, OPS[op], layer, bool(inference), DTYPES[dtype], [rows, cols])
+        requests = []
+        while True:
+            seq, at = self.seq + 1, _slot(self.seq + 1)
+            if U64.unpack_from(self.control, at)[0] != seq:
+                break
+            _, op, inference, dtype, rows, cols, layer_len = REQUEST.unpack_from(self.control, at)
+            if op >= len(OPS) or dtype >= len(DTYPES) or layer_len > MAX_LAYER_ID:
+                requests.append(Request(seq, malformed=f"malformed doorbell request (op {op}, dtype {dtype}, "
+                                                       f"layer id of {layer_len} bytes)"))
+            else:
+                layer = bytes(self.control[at + REQUEST.size:at + REQUEST.size + layer_len]).decode(errors="replace")
+                requests.append(Request(seq, OPS[op], layer, bool(inference), DTYPES[dtype], (rows, cols)))
+            self.seq = seq
+        if requests:
+            U64.pack_into(self.control, TAKEN_AT, self.seq)
+        return requests
 
-    def answer(self, seq: int, reply: dict) -> None:
-        """`reply`: the socket path's reply, {"ok": True, "tensor": {"dtype", "shape"}} or an error reply."""
-        # The sequence number goes last: a client spinning on it must find the rest already written (x86
-        # makes stores visible in program order, and only there do clients spin; elsewhere they wait for
-        # the FIFO byte, whose syscall orders them).
-        if reply.get("ok"):
-            spec = reply["tensor"]
-            REPLY.pack_into(self.control, REPLY_AT, 0, True, DTYPES.index(wire.parse_dtype(spec["dtype"])),
-                            *spec["shape"], 0)
-        else:
-            reply = {**reply, "message": str(reply.get("message"))[:MAX_MESSAGE // 8]}  # fits in UTF-8 JSON
-            message = json.dumps(reply).encode()
-            self.control[REPLY_AT + REPLY.size:REPLY_AT + REPLY.size + len(message)] = message
-            REPLY.pack_into(self.control, REPLY_AT, 0, False, 0, 0, 0, len(message))
-        SEQ.pack_into(self.control, REPLY_AT, seq)
+    def answer(self, seq: int, error: dict | None = None) -> None:
+        """Call `seq` is done (for a pipelined client: queued on the executor's stream), or failed with
+        `error` (the socket path's error reply)."""
+        if error is not None and U64.unpack_from(self.control, ERRORS_SEEN_AT)[0] >= \
+                U64.unpack_from(self.control, ERROR_SEQ_AT)[0]:  # the last error was seen: room for this one
+            error = {**error, "seq": seq, "message": str(error.get("message"))[:MAX_MESSAGE // 8]}  # fits as UTF-8
+            message = json.dumps(error).encode()
+            self.control[ERROR_AT:ERROR_AT + len(message)] = message
+            struct.pack_into("<I", self.control, ERROR_LEN_AT, len(message))
+            U64.pack_into(self.control, ERROR_SEQ_AT, seq)
+        # `answered` goes last: a client spinning on it must find the error already written (x86 makes stores
+        # visible in program order, and only there do clients spin; elsewhere they wait for the FIFO byte,
+        # whose syscall orders them).
+        U64.pack_into(self.control, ANSWERED_AT, seq)
         _ring(self.reply_fd)
 
     def unlink(self) -> None:
@@ -204,9 +251,8 @@ def _ring(fd: int) -> None:
 
 def _drain(fd: int) -> None:
     """Consume pending wake-up bytes. One read: a byte left over (more than 4096 pending) only causes one
-    spurious wake-up, which the sequence numbers make harmless; a second read would cost a syscall a call."""
+    spurious wake-up; a second read would cost a syscall a call."""
     try:
         os.read(fd, 4096)
     except BlockingIOError:
         pass
-

@@ -17,17 +17,19 @@ import queue
 import secrets
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import torch
 import zmq
 
 from symbiosis.errors import BadCall, SymbiosisError, UnknownClient, Unauthorized
 from symbiosis.executor.executor import Executor
-from symbiosis.transport import wire
-from symbiosis.transport.doorbell import SPARE_CORES, Doorbell
-from symbiosis.transport.shm import SharedBuffer, ipc_event
+from symbiosis.transport import streamops, wire
+from symbiosis.transport.doorbell import SPARE_CORES, Doorbell, Request
+from symbiosis.transport.shm import SharedBuffer
 
 log = logging.getLogger("symbiosis.executor")
 # For this long after a doorbell call the I/O thread polls without sleeping (the next call comes soon).
@@ -41,8 +43,10 @@ class RemoteClient:
     name: str
     buffer: SharedBuffer | None
     last_seen: float
-    done: torch.cuda.Event | None = None  # CUDA buffers: recorded here once a result is in the buffer
     doorbell: Doorbell | None = None  # ipc://: the call path that bypasses the socket
+    flags: SharedBuffer | None = None  # a pipelined client's int32 [input seq, output seq] (client.py)
+    pending: deque = field(default_factory=deque)  # doorbell requests taken, not yet submitted (in order)
+    in_batcher: bool = False  # one of its doorbell calls is submitted and not answered yet
 
 
 class ExecutorServer:
@@ -65,6 +69,10 @@ class ExecutorServer:
         self._thread: threading.Thread | None = None
         self._poller = zmq.Poller()
         self._doorbells: dict[int, str] = {}  # request FIFO fd -> client id
+        # Pipelined clients: the stream the executor computes on (its threads' current stream) waits for
+        # their input flags and writes their output flags.
+        self._stream_ops = streamops.available(executor.device)
+        self._stream = torch.cuda.current_stream(executor.device).cuda_stream if self._stream_ops else None
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -139,6 +147,10 @@ class ExecutorServer:
             self._authorize(header)
             return self._reply(identity, {"id": header.get("id"), "ok": True,
                                           "stats": self.executor.stats_snapshot()})
+        if op == "describe":  # what a client needs to know before it attaches
+            self._authorize(header)
+            return self._reply(identity, {"id": header.get("id"), "ok": True, "device": str(self.executor.device),
+                                          "stream_ops": self._stream_ops})
         client_id = header.get("client")
         client = self.clients.get(client_id)
         # Heartbeats and pings come from the client's side sockets; everything else from its call socket.
@@ -161,8 +173,9 @@ class ExecutorServer:
                                           "tensors": [wire.describe(t) for t in tensors]}, *tensors)
         if op == "buffer":
             new = self._open_buffer(header.get("buffer") or {})
-            if new.tensor.is_cuda and client.done is None:
-                raise BadCall("a client attached with a host buffer cannot switch to a CUDA buffer")
+            if new.tensor.is_cuda != (client.flags is not None):
+                new.close()
+                raise BadCall("a client cannot switch between host and CUDA buffers")
             if client.buffer is not None:
                 client.buffer.close()
             client.buffer = new
@@ -181,31 +194,45 @@ class ExecutorServer:
 
     def _open_buffer(self, description: dict) -> SharedBuffer:
         buffer = SharedBuffer.open(description)
+        if buffer.tensor.is_cuda and buffer.tensor.device != self.executor.device:
+            buffer.close()
+            raise BadCall(f"a CUDA shared buffer must be on the executor's {self.executor.device}, not on "
+                          f"{buffer.tensor.device}; use a host buffer")
         if self.executor.device.type == "cuda":
             buffer.pin()  # a host buffer of a CPU client: DMA to and from the GPU
         return buffer
 
+    def _open_flags(self, description: dict, buffer: SharedBuffer | None) -> SharedBuffer:
+        if not self._stream_ops:
+            raise BadCall("this executor cannot queue CUDA stream memory operations: attach with a host buffer")
+        flags = self._open_buffer(description)
+        if buffer is None or not buffer.tensor.is_cuda or not flags.tensor.is_cuda or flags.nbytes < 8:
+            flags.close()
+            raise BadCall("pipelined calls need a CUDA buffer and CUDA flags of 8 bytes on the executor's device")
+        return flags
+
     def _attach(self, identity: bytes, header: dict) -> None:
         self._authorize(header)
         name = str(header.get("name", "client"))[:64]
-        buffer = doorbell = None
+        buffer = doorbell = flags = None
         try:  # a refused attach leaves nothing mapped or open
             buffer = self._open_buffer(header["buffer"]) if header.get("buffer") else None
             doorbell = Doorbell.open(header["doorbell"]) if buffer is not None and header.get("doorbell") else None
+            flags = self._open_flags(header["flags"], buffer) if header.get("flags") else None
+            if buffer is not None and buffer.tensor.is_cuda and (flags is None or doorbell is None):
+                raise BadCall("a CUDA shared buffer needs a doorbell and flags (pipelined calls)")
             client_id = self.executor.register(str(header.get("fingerprint")), f"{name}-{secrets.token_hex(4)}")
         except Exception:
-            for opened in (buffer, doorbell):
+            for opened in (buffer, doorbell, flags):
                 if opened is not None:
                     opened.close()
             raise
-        done, done_handle = ipc_event() if buffer is not None and buffer.tensor.is_cuda else (None, None)
-        self.clients[client_id] = RemoteClient(identity, name, buffer, time.monotonic(), done, doorbell)
+        self.clients[client_id] = RemoteClient(identity, name, buffer, time.monotonic(), doorbell, flags)
         if doorbell is not None:
             self._doorbells[doorbell.request_fd] = client_id
             self._poller.register(doorbell.request_fd, zmq.POLLIN)
         log.info("attached %s (%s)", client_id, f"{buffer.description['kind']} shared buffer" if buffer else "frames")
         self._reply(identity, {
-            "done_event": done_handle,
             "id": header.get("id"), "ok": True, "client": client_id, "fingerprint": self.executor.fingerprint,
             "dtype": wire.dtype_name(self.executor.dtype), "device": str(self.executor.device),
             "heartbeat_s": self.client_timeout / 4, "max_call_tokens": self.executor.max_call_tokens,
@@ -224,23 +251,41 @@ class ExecutorServer:
 
     def _take_doorbell_call(self, client_id: str) -> None:
         client = self.clients[client_id]
-        seq = None
-        try:
-            request = client.doorbell.take_request()
-            if request is None:
-                return
-            seq = request.seq
+        requests = client.doorbell.take_requests()
+        if requests:
             client.last_seen = time.monotonic()
-            tensor = client.buffer.view(request.dtype, request.shape)
-            if client.buffer.ready is not None:  # the client's copy into the buffer comes first, on the GPU
-                client.buffer.stream.wait_event(client.buffer.ready)
+            client.pending.extend(requests)
+            self._pump(client_id)
+
+    def _pump(self, client_id: str) -> None:
+        """Submit a client's taken doorbell calls, in order, one at a time: a call is submitted once the one
+        before it is answered. A pipelined client's calls then reach the executor's stream in order, each
+        behind its input's flag; its later calls depend on its earlier outputs, so any other order could
+        leave the stream waiting for a flag that can only come after it."""
+        client = self.clients.get(client_id)
+        while client is not None and client.pending and not client.in_batcher:
+            request: Request = client.pending.popleft()
             header = {"op": request.op, "layer": request.layer, "inference": request.inference,
-                      "client": client_id, "seq": seq}
-            self._submit(client.identity, header, tensor)
-        except Exception as error:
-            if not isinstance(error, SymbiosisError):
-                log.exception("doorbell call of %s failed", client_id)
-            client.doorbell.answer(seq or client.doorbell.seq, wire.error_reply(None, error))
+                      "client": client_id, "seq": request.seq}
+            try:
+                if request.malformed:
+                    raise BadCall(request.malformed)
+                tensor = client.buffer.view(request.dtype, list(request.shape))
+                gate = None if client.flags is None else partial(
+                    streamops.wait_geq, self._stream, client.flags.tensor.data_ptr(), request.seq,
+                    self.executor.device.index)
+                future = self.executor.submit(client_id, request.op, request.layer, tensor, request.inference,
+                                              inline=True, gate=gate)
+            except Exception as error:
+                if not isinstance(error, SymbiosisError):
+                    log.exception("doorbell call of %s failed", client_id)
+                self._answer_doorbell(client, request.seq, error)
+                continue
+            client.in_batcher = True
+            if future.done():
+                self._finish(client.identity, header, future)
+            else:
+                future.add_done_callback(partial(self._complete, client.identity, header))
 
     # --- completions ---------------------------------------------------------------------------------
 
@@ -260,26 +305,34 @@ class ExecutorServer:
             except queue.Empty:
                 return
             self._finish(identity, header, future)
+            if "seq" in header:
+                self._pump(header["client"])
 
     def _finish(self, identity: bytes, header: dict, future: Future) -> None:
         client = self.clients.get(header["client"])
         if client is None:
             return  # the client left (or died) while its call ran: nobody to answer
-        doorbell = "seq" in header  # else a socket call: the result goes back as a frame
-        try:
-            result = future.result()
-            reply = {"id": header.get("id"), "ok": True, "tensor": wire.describe(result)}
-            if doorbell:
+        if "seq" in header:  # a doorbell call: the result goes into the shared buffer
+            client.in_batcher = False
+            try:
+                result = future.result()
                 client.buffer.view(result.dtype, list(result.shape)).copy_(result)
-                if client.done is not None:
-                    client.done.record(client.buffer.stream)  # the client's stream waits on this
-                return client.doorbell.answer(header["seq"], reply)
-            self._reply(identity, reply, result.cpu())
+            except Exception as error:
+                return self._answer_doorbell(client, header["seq"], error)
+            return self._answer_doorbell(client, header["seq"])
+        try:  # a socket call: the result goes back as a frame
+            result = future.result()
+            self._reply(identity, {"id": header.get("id"), "ok": True, "tensor": wire.describe(result)}, result.cpu())
         except Exception as error:
-            reply = wire.error_reply(header.get("id"), error)
-            if doorbell:
-                return client.doorbell.answer(header["seq"], reply)
-            self._reply(identity, reply)
+            self._reply(identity, wire.error_reply(header.get("id"), error))
+
+    def _answer_doorbell(self, client: RemoteClient, seq: int, error: BaseException | None = None) -> None:
+        if client.flags is not None:  # behind the output copy on the stream, or at once for a failed call
+            try:
+                streamops.write(self._stream, client.flags.tensor.data_ptr() + 4, seq, self.executor.device.index)
+            except RuntimeError as e:
+                log.error("could not release client %s's stream: %s", client.name, e)
+        client.doorbell.answer(seq, None if error is None else wire.error_reply(None, error))
 
     def _reply(self, identity: bytes, header: dict, *tensors: torch.Tensor) -> None:
         try:
@@ -301,9 +354,11 @@ class ExecutorServer:
         self.executor.detach(client_id)
         if client is None:
             return
-        if client.buffer is not None:
-            client.buffer.close(unlink=unlink)
+        for shared in (client.buffer, client.flags):
+            if shared is not None:
+                shared.close(unlink=unlink)
         if client.doorbell is not None:
             self._doorbells.pop(client.doorbell.request_fd, None)
             self._poller.unregister(client.doorbell.request_fd)
             client.doorbell.close(unlink=unlink)
+

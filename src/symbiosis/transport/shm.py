@@ -9,10 +9,8 @@ A buffer is allocated once at attach (capacity: tokens x widest layer x element 
 larger one only when a call does not fit. Every call uses it from offset 0: the client writes its input,
 the executor reads it, computes, and writes the output back in its place.
 
-CUDA buffers are ordered with interprocess CUDA events instead of synchronising either CPU: the client
-records `ready` after writing its input and the executor's stream waits on it; the executor records
-`done` after writing the output and the client's stream waits on that. Each side records only events it
-created, and waits on the other's through an IPC handle.
+CUDA buffers are ordered on the GPU, without either CPU waiting, by flags in a second, tiny shared CUDA
+buffer that each side's stream writes and the other's waits on (`streamops.py`, `client.py`).
 """
 
 from __future__ import annotations
@@ -32,17 +30,6 @@ PREFIX = "symbiosis-"
 MAX_CACHED_VIEWS = 256
 
 
-def ipc_event() -> tuple[torch.cuda.Event, str]:
-    """A CUDA event this process records, and the handle another process opens it with."""
-    event = torch.cuda.Event(interprocess=True)
-    event.record()  # an IPC handle needs an event that exists on the device
-    return event, base64.b64encode(event.ipc_handle()).decode()
-
-
-def open_ipc_event(device: torch.device, handle: str) -> torch.cuda.Event:
-    return torch.cuda.Event.from_ipc_handle(device, base64.b64decode(handle))
-
-
 class SharedBuffer:
     """A flat uint8 buffer shared by client and executor."""
 
@@ -53,7 +40,6 @@ class SharedBuffer:
         self.owner = owner
         self._views: dict[tuple, torch.Tensor] = {}  # (dtype, *shape) -> view
         self.pinned = False
-        self.ready: torch.cuda.Event | None = None  # CUDA: recorded by the client, waited on by the executor
         # The stream this process orders buffer work on, looked up once (current_stream() costs ~20 us a call).
         self.stream = torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
 
@@ -76,7 +62,6 @@ class SharedBuffer:
         from torch.multiprocessing.reductions import reduce_tensor
 
         tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        ready, ready_handle = ipc_event()
         _, args = reduce_tensor(tensor)
         (_, size, stride, offset, _, _, dev, handle, storage_bytes, storage_offset, _, ref_handle, ref_offset,
          event_handle, event_sync) = args
@@ -84,10 +69,8 @@ class SharedBuffer:
         description = {"kind": "cuda", "nbytes": nbytes, "size": list(size), "stride": list(stride),
                        "offset": offset, "device": dev, "handle": b64(handle), "storage_bytes": storage_bytes,
                        "storage_offset": storage_offset, "ref_handle": b64(ref_handle), "ref_offset": ref_offset,
-                       "event_handle": b64(event_handle), "event_sync": event_sync, "ready": ready_handle}
-        buffer = cls(tensor, description)
-        buffer.ready = ready
-        return buffer
+                       "event_handle": b64(event_handle), "event_sync": event_sync}
+        return cls(tensor, description)
 
     @classmethod
     def open(cls, description: dict) -> "SharedBuffer":
@@ -102,9 +85,7 @@ class SharedBuffer:
                 tensor = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
                 return cls(tensor, description, path)
             if kind == "cuda":
-                buffer = cls(_open_cuda(description), description)
-                buffer.ready = open_ipc_event(buffer.tensor.device, description["ready"])
-                return buffer
+                return cls(_open_cuda(description), description)
         except (KeyError, TypeError, ValueError, OSError, RuntimeError) as e:
             raise BadCall(f"cannot map the client's shared buffer: {e}") from e
         raise BadCall(f"unknown shared buffer kind {kind!r}")
