@@ -361,4 +361,3 @@ class ExecutorServer:
             self._doorbells.pop(client.doorbell.request_fd, None)
             self._poller.unregister(client.doorbell.request_fd)
             client.doorbell.close(unlink=unlink)
-
