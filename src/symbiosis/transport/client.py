@@ -316,8 +316,9 @@ class RemoteSession:
             while not done.query():
                 if time.monotonic() > deadline:
                     self._release(f"the executor's results did not reach the GPU within {self.executor.timeout:g}s")
-                    self._check_open()
+                    break
                 time.sleep(50e-6)
+            self._check_open()  # the heartbeat may have released the stream meanwhile: the results are lost
 
     def _end_of_backward(self) -> None:
         self._sync_queued = False
