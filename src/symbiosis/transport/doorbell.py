@@ -43,7 +43,6 @@ from symbiosis.errors import BadCall, ExecutorUnavailable
 from symbiosis.transport import wire
 from symbiosis.transport.shm import PREFIX, SHM_DIR
 
-HEADER = struct.Struct("<QQQQI")
 U64 = struct.Struct("<Q")
 TAKEN_AT, ANSWERED_AT, ERROR_SEQ_AT, ERRORS_SEEN_AT, ERROR_LEN_AT = 0, 8, 16, 24, 32
 ERROR_AT = 64
