@@ -335,24 +335,23 @@ class RemoteSession:
             self.waited_s += time.perf_counter() - started
             return wire.frame_tensor(frames[0], reply["tensor"]).to(tensor.device, tensor.dtype, copy=True)
         self._check_open()
-        shape = (sent.shape[0], sent.shape[1]) if sent.dim() == 2 else tuple(sent.shape)
+        rows, cols = sent.shape  # [T, d_in]: _spec has checked it
         with self._call_lock, self._releasing():
-            self._ensure_capacity(sent.shape[0] * max(sent.shape[-1], out_width) * self.dtype.itemsize)
-            self.buffer.view(self.dtype, list(sent.shape)).copy_(sent)
+            self._ensure_capacity(rows * max(cols, out_width) * self.dtype.itemsize)
+            self.buffer.view(self.dtype, [rows, cols]).copy_(sent)
             started = time.perf_counter()
             if self.pipelined:
                 stream, flags, device = self.buffer.stream.cuda_stream, self.flags.tensor.data_ptr(), self.device.index
                 streamops.write(stream, flags, self.doorbell.seq + 1, device)  # the input is in the buffer
-                seq = self.doorbell.submit(op, layer_id, inference, self.dtype, shape, self.executor.timeout,
-                                           self._still_attached)
+            seq = self.doorbell.submit(op, layer_id, inference, self.dtype, (rows, cols), self.executor.timeout,
+                                       self._still_attached)
+            if self.pipelined:
                 streamops.wait_geq(stream, flags + 4, seq, device)  # the output is in the buffer
             else:
-                seq = self.doorbell.submit(op, layer_id, inference, self.dtype, shape, self.executor.timeout,
-                                           self._still_attached)
                 self.doorbell.wait(seq, self.executor.timeout, self._still_attached)
             self.waited_s += time.perf_counter() - started
             # One copy out of the buffer (the next call reuses it), cast on the way if need be.
-            return self.buffer.view(self.dtype, [sent.shape[0], out_width]).to(tensor.device, tensor.dtype, copy=True)
+            return self.buffer.view(self.dtype, [rows, out_width]).to(tensor.device, tensor.dtype, copy=True)
 
     def _spec(self, layer_id: str, tensor: torch.Tensor, op: str) -> BaseLayerSpec:
         """The layer's spec, once the call is checked as the executor would (a pipelined call's error would

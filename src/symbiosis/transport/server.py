@@ -21,6 +21,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from functools import partial
+from typing import Callable
 
 import torch
 import zmq
@@ -239,15 +240,16 @@ class ExecutorServer:
             "layers": [asdict(spec) for spec in self.executor.layer_specs.values()],
         })
 
-    def _submit(self, identity: bytes, header: dict, tensor: torch.Tensor) -> None:
+    def _submit(self, identity: bytes, header: dict, tensor: torch.Tensor,
+                gate: Callable[[], None] | None = None) -> None:
         """A layer call, from a socket frame (tcp://) or a doorbell (ipc://, `header` has its "seq")."""
         # inline: a call the policy runs at once is computed on this thread, and answered straight away.
         future = self.executor.submit(header["client"], header["op"], str(header.get("layer")), tensor,
-                                      inference=bool(header.get("inference")), inline=True)
+                                      inference=bool(header.get("inference")), inline=True, gate=gate)
         if future.done():
             self._finish(identity, header, future)
         else:
-            future.add_done_callback(lambda f: self._complete(identity, header, f))
+            future.add_done_callback(partial(self._complete, identity, header))
 
     def _take_doorbell_call(self, client_id: str) -> None:
         client = self.clients[client_id]
@@ -274,18 +276,13 @@ class ExecutorServer:
                 gate = None if client.flags is None else partial(
                     streamops.wait_geq, self._stream, client.flags.tensor.data_ptr(), request.seq,
                     self.executor.device.index)
-                future = self.executor.submit(client_id, request.op, request.layer, tensor, request.inference,
-                                              inline=True, gate=gate)
-            except Exception as error:
+                client.in_batcher = True  # until _finish answers it
+                self._submit(client.identity, header, tensor, gate)
+            except Exception as error:  # refused before it was queued
+                client.in_batcher = False
                 if not isinstance(error, SymbiosisError):
                     log.exception("doorbell call of %s failed", client_id)
                 self._answer_doorbell(client, request.seq, error)
-                continue
-            client.in_batcher = True
-            if future.done():
-                self._finish(client.identity, header, future)
-            else:
-                future.add_done_callback(partial(self._complete, client.identity, header))
 
     # --- completions ---------------------------------------------------------------------------------
 
