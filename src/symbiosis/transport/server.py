@@ -27,7 +27,7 @@ import torch
 import zmq
 
 from symbiosis.errors import BadCall, SymbiosisError, UnknownClient, Unauthorized
-from symbiosis.executor.executor import Executor
+from symbiosis.executor.executor import OPS, Executor
 from symbiosis.transport import streamops, wire
 from symbiosis.transport.doorbell import SPARE_CORES, Doorbell, Request
 from symbiosis.transport.shm import SharedBuffer
@@ -35,7 +35,6 @@ from symbiosis.transport.shm import SharedBuffer
 log = logging.getLogger("symbiosis.executor")
 # For this long after a doorbell call the I/O thread polls without sleeping (the next call comes soon).
 HOT_S = 2e-3 if SPARE_CORES else 0.0
-CALL_OPS = ("forward", "forward_nobias", "backward")
 
 
 @dataclass
@@ -163,7 +162,7 @@ class ExecutorServer:
             return None
         if op == "ping":
             return self._reply(identity, {"id": header.get("id"), "ok": True})
-        if op in CALL_OPS:
+        if op in OPS:
             if len(frames) != 1:
                 raise BadCall(f"{op} call carries {len(frames)} tensor frames, expected 1")
             return self._submit(identity, header, wire.frame_tensor(frames[0], header.get("tensor") or {}))
