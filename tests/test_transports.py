@@ -244,6 +244,29 @@ def test_doorbell_ring_runs_calls_in_order_and_reports_a_failure_at_a_later_call
     session.close()
 
 
+def test_doorbell_reports_the_failure_of_the_call_a_full_ring_waited_for_as_an_earlier_calls():
+    """A call that finds the ring full waits for the oldest call; if that one failed, the error is reported
+    as an earlier call's (this call is not made), not as the call's own."""
+    from symbiosis.transport.doorbell import SLOTS, Doorbell
+
+    client = Doorbell.create()
+    executor = Doorbell.open(client.description)
+    try:
+        def answer_the_first_with_an_error():
+            taken = executor.take_requests()
+            assert [r.seq for r in taken] == list(range(1, SLOTS + 1))
+            executor.answer(1, {"error": "UnknownLayer", "message": "this executor serves no base layer 'x'"})
+
+        for _ in range(SLOTS):
+            client.submit("forward", "x", False, torch.float32, (1, 4), 5, lambda: None)
+        with pytest.raises(UnknownLayer, match=r"^an earlier call of this client \(#1\) failed: .* layer 'x'"):
+            client.submit("forward", "x", False, torch.float32, (1, 4), 5, answer_the_first_with_an_error)
+        assert client.seq == SLOTS  # the call was not made
+    finally:
+        executor.close()
+        client.close()
+
+
 def test_ipc_leaves_no_files_behind(served, checkpoints):
     """The shared buffer and doorbell files are unlinked as soon as the executor has opened them (both
     sides keep their mappings), also when the buffer grows, so a process that dies leaves nothing behind."""

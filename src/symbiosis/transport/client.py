@@ -286,7 +286,9 @@ class RemoteSession:
         old.close()
 
     def _wait_answers(self) -> None:
-        self.doorbell.wait(self.doorbell.seq, self.executor.timeout, self._still_attached)
+        """Until every call made is answered; a failure is reported as an earlier call's."""
+        self.doorbell.wait_answered(self.doorbell.seq, self.executor.timeout, self._still_attached)
+        self.doorbell.raise_error()
 
     @contextmanager
     def _releasing(self):

@@ -141,8 +141,8 @@ class Doorbell:
             raise BadCall(f"layer id {layer[:60]!r}... is longer than {MAX_LAYER_ID} bytes")
         seq = self.seq + 1
         if seq - self.answered > SLOTS:  # the slot still holds a call the executor may not have taken
-            self.wait(seq - SLOTS, timeout, still_attached)
-        self.raise_error()
+            self.wait_answered(seq - SLOTS, timeout, still_attached)
+        self.raise_error()  # an error of any earlier call, call seq - SLOTS included, is an earlier call's
         at = _slot(seq)
         self.control[at + REQUEST.size:at + REQUEST.size + len(name)] = name
         REQUEST.pack_into(self.control, at, 0, OPS.index(op), inference, DTYPES.index(dtype), *shape, len(name))
@@ -152,11 +152,14 @@ class Doorbell:
         return seq
 
     def wait(self, seq: int, timeout: float, still_attached: Callable[[], None]) -> None:
-        """Until call `seq` (and so every call before it) is answered; then raise any unreported error.
+        """Until call `seq` (and so every call before it) is answered; then raise any unreported error."""
+        self.wait_answered(seq, timeout, still_attached)
+        self.raise_error(seq)
 
-        Every CHECK_EVERY seconds of waiting, `still_attached()` asks over the socket whether the executor
-        still knows this client (it raises if not: an executor that restarted never answers this doorbell).
-        """
+    def wait_answered(self, seq: int, timeout: float, still_attached: Callable[[], None]) -> None:
+        """Until call `seq` is answered. Every CHECK_EVERY seconds of waiting, `still_attached()` asks over
+        the socket whether the executor still knows this client (it raises if not: an executor that restarted
+        never answers this doorbell)."""
         # Spin first: a sleeping process is woken through the scheduler (and a core in a deep idle state),
         # which costs more than a short call takes.
         spin_until = time.perf_counter() + SPIN_S
@@ -172,7 +175,6 @@ class Doorbell:
                 _drain(self.reply_fd)
             elif self.answered < seq:
                 still_attached()
-        self.raise_error(seq)
 
     def raise_error(self, current: int | None = None) -> None:
         """Raise the executor's error for a call that failed, if the client has not seen it yet."""
