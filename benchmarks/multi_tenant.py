@@ -6,6 +6,7 @@ size is compared with the largest plain fleet that fitted.
 
     python benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,2,4,8
     python benchmarks/multi_tenant.py --model llama-2-13b --tenants 1,2,3   # plain fleets past the GPU memory are skipped
+    python benchmarks/multi_tenant.py --model llama-2-13b --tenants 1,8 --checkpointing   # both fleets checkpoint
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def main() -> None:
     parser.add_argument("--lora", default="lora3_r8_qkvo")
     parser.add_argument("--duration", type=float, default=15.0)
     parser.add_argument("--policy", default="opportunistic")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="every tenant, plain or symbiosis, uses transformers' gradient checkpointing")
     args = parser.parse_args()
     path = checkpoint(args.model)
     total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0.0
@@ -33,7 +36,7 @@ def main() -> None:
     memory: dict[int, tuple[float | None, float]] = {}  # tenants -> (plain GiB or None: did not fit, symbiosis GiB)
     best_plain: tuple[int, float] | None = None  # (jobs, tokens/s) of the largest plain fleet that fitted
     for n in [int(x) for x in args.tenants.split(",")]:
-        common = dict(model_dir=path, lora=args.lora, batch_size=2, seq_len=512)
+        common = dict(model_dir=path, lora=args.lora, batch_size=2, seq_len=512, checkpointing=args.checkpointing)
         # N plain jobs need N footprints: past the GPU's memory (known from N=1) they are not started.
         fits = not total_gib or 1 not in memory or n * memory[1][0] <= 0.97 * total_gib
         plain, plain_gpu = None, None
@@ -58,6 +61,7 @@ def main() -> None:
             executor.wait()
         ours_tps = sum(r["tokens_per_s"] for r in ours)
         record = dict(bench="multi_tenant", model=args.model, tenants=n, policy=args.policy,
+                      checkpointing=args.checkpointing,
                       symbiosis_tokens_per_s=round(ours_tps), symbiosis_gpu_gib=round(ours_gpu.used_gib, 1),
                       symbiosis_median_iter_s=round(max(r["median_s"] for r in ours), 4),
                       symbiosis_gpu_busy=round(ours_gpu.busy_share, 3),
@@ -85,7 +89,7 @@ def main() -> None:
         per_client = (memory[largest][1] - memory[1][1]) / (largest - 1)
         shared = memory[1][1] - per_client
         peft_fit, ours_fit = int(total_gib // per_job), int((total_gib - shared) // per_client)
-        emit(bench="capacity_estimate", model=args.model, gpu_gib=round(total_gib, 1),
+        emit(bench="capacity_estimate", model=args.model, checkpointing=args.checkpointing, gpu_gib=round(total_gib, 1),
              gib_per_peft_job=round(per_job, 2), gib_per_symbiosis_client=round(per_client, 2),
              gib_executor=round(shared, 2), peft_jobs_fit=peft_fit, symbiosis_clients_fit=ours_fit,
              ratio=round(ours_fit / max(1, peft_fit), 2))

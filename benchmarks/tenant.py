@@ -30,7 +30,10 @@ def build(args):
             if args.privacy_pool else None
         model = symbiosis.from_pretrained(args.model_dir, symbiosis.connect(args.url, timeout=300), device=device(),
                                           name=args.name, privacy=privacy)
-    return get_peft_model(model, lora(args.lora))
+    model = get_peft_model(model, lora(args.lora))
+    if args.checkpointing:  # backward recomputes each decoder layer's forward (on a split model: its calls too)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def train_loop(model, args, until: float | None, max_iters: int | None = None) -> list[float]:
@@ -82,6 +85,7 @@ def main() -> None:
     parser.add_argument("--go-file", required=True)
     parser.add_argument("--privacy-pool", type=int, default=0, help="NoiseMasking pool size (0: no masking)")
     parser.add_argument("--privacy-refresh-every", type=int, default=0)
+    parser.add_argument("--checkpointing", action="store_true", help="transformers' gradient checkpointing")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.manual_seed(hash(args.name) % 1000)

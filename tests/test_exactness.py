@@ -106,6 +106,42 @@ def train_step(model, arch: str, step: int) -> torch.Tensor:
     return out
 
 
+def saved_for_backward(model, arch: str):
+    """(output of a training forward, bytes of the tensors autograd saved for backward meanwhile)."""
+    saved = 0
+
+    def count(tensor):
+        nonlocal saved
+        saved += tensor.numel() * tensor.element_size()
+        return tensor
+
+    torch.manual_seed(100)
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor):
+        out = model(**batch(arch))
+    return out, saved
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_activation_checkpointing_is_exact_and_saves_a_fraction(arch, checkpoints, executors):
+    """transformers' gradient checkpointing on a split model: backward recomputes each decoder layer's
+    forward (its executor calls included); loss and every adapter gradient equal plain PEFT's without
+    checkpointing, and the client keeps a fraction of the activations for backward (what caps how many
+    tenants fit next to one base)."""
+    reference, split = build_pair(arch, "rslora_all_linear", checkpoints, executors)
+    split.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for model in (reference, split):
+        model.train()
+    (ref_out, ref_saved), (our_out, our_saved) = saved_for_backward(reference, arch), saved_for_backward(split, arch)
+    assert our_saved < ref_saved / 4, f"checkpointed split model saved {our_saved} bytes, plain PEFT {ref_saved}"
+    ref_out.loss.backward()
+    our_out.loss.backward()
+    assert_close(our_out.loss, ref_out.loss, "loss")
+    ref_params = dict(reference.named_parameters())
+    for name, param in split.named_parameters():
+        if param.requires_grad:
+            assert_close(param.grad, ref_params[name].grad, f"grad of {name}")
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("arch", CORE_ARCHS)
 def test_split_equals_plain_peft(arch, method, checkpoints, executors):

@@ -66,6 +66,30 @@ def test_remote_equals_in_process(arch, scheme, served, checkpoints):
     models[1].base_model.model.symbiosis_session.close()
 
 
+def test_remote_client_with_activation_checkpointing_equals_in_process_without(served, checkpoints):
+    """Checkpointing makes executor calls inside backward (the recomputed forwards); through a transport too,
+    the gradients are those of a client that keeps every activation."""
+    path, auto_class = checkpoints("llama")
+    executor, url = served("llama", "ipc")
+    models = []
+    for backend in (executor, symbiosis.connect(url, token=TOKEN, timeout=10)):
+        torch.manual_seed(3)
+        models.append(get_peft_model(symbiosis.from_pretrained(path, backend, auto_class=auto_class),
+                                     peft_config("rslora_all_linear", "llama")))
+    models[1].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    session = models[1].base_model.model.symbiosis_session
+    (local_out, local_grads), (remote_out, remote_grads) = (_train_once(m, "llama") for m in models)
+    assert_close(remote_out.loss, local_out.loss, "loss")
+    for name, grad in local_grads.items():
+        assert_close(remote_grads[name], grad, f"grad of {name}")
+    # Once the groups are learnt (the first pass): per decoder layer 4 grouped calls forward, 4 recomputed,
+    # 4 backward; lm_head forward and backward.
+    before = session.calls
+    _train_once(models[1], "llama")
+    assert session.calls - before == 2 * (4 + 4 + 4) + 2
+    session.close()
+
+
 @pytest.mark.parametrize("scheme", ["ipc", "tcp"])
 def test_heartbeats_keep_an_idle_client_attached(scheme, served, checkpoints):
     """A client that makes no calls for longer than the executor's client timeout (say, it is busy on its
