@@ -121,14 +121,15 @@ def saved_for_backward(model, arch: str):
     return out, saved
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_activation_checkpointing_is_exact_and_saves_a_fraction(arch, checkpoints, executors):
+def test_activation_checkpointing_is_exact_and_saves_a_fraction(arch, reentrant, checkpoints, executors):
     """transformers' gradient checkpointing on a split model: backward recomputes each decoder layer's
     forward (its executor calls included); loss and every adapter gradient equal plain PEFT's without
     checkpointing, and the client keeps a fraction of the activations for backward (what caps how many
     tenants fit next to one base)."""
     reference, split = build_pair(arch, "rslora_all_linear", checkpoints, executors)
-    split.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    split.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     for model in (reference, split):
         model.train()
     (ref_out, ref_saved), (our_out, our_saved) = saved_for_backward(reference, arch), saved_for_backward(split, arch)
