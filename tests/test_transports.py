@@ -48,16 +48,21 @@ def _train_once(model, arch):
     return out, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("scheme", ["ipc", "tcp"])
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
-def test_remote_equals_in_process(arch, scheme, served, checkpoints):
+def _twins(checkpoints, arch: str, executor, url: str, method: str = "lora") -> list:
+    """[a PEFT model on the in-process executor, its twin (same adapter init) on the served one at url]."""
     path, auto_class = checkpoints(arch)
-    executor, url = served(arch, scheme)
     models = []
     for backend in (executor, symbiosis.connect(url, token=TOKEN, timeout=10)):
         torch.manual_seed(3)
         models.append(get_peft_model(symbiosis.from_pretrained(path, backend, auto_class=auto_class),
-                                     peft_config("lora", arch)))
+                                     peft_config(method, arch)))
+    return models
+
+
+@pytest.mark.parametrize("scheme", ["ipc", "tcp"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+def test_remote_equals_in_process(arch, scheme, served, checkpoints):
+    models = _twins(checkpoints, arch, *served(arch, scheme))
     (local_out, local_grads), (remote_out, remote_grads) = (_train_once(m, arch) for m in models)
     assert_close(remote_out.logits, local_out.logits, "logits")
     assert_close(remote_out.loss, local_out.loss, "loss")
@@ -69,13 +74,7 @@ def test_remote_equals_in_process(arch, scheme, served, checkpoints):
 def test_remote_client_with_activation_checkpointing_equals_in_process_without(served, checkpoints):
     """Checkpointing makes executor calls inside backward (the recomputed forwards); through a transport too,
     the gradients are those of a client that keeps every activation."""
-    path, auto_class = checkpoints("llama")
-    executor, url = served("llama", "ipc")
-    models = []
-    for backend in (executor, symbiosis.connect(url, token=TOKEN, timeout=10)):
-        torch.manual_seed(3)
-        models.append(get_peft_model(symbiosis.from_pretrained(path, backend, auto_class=auto_class),
-                                     peft_config("rslora_all_linear", "llama")))
+    models = _twins(checkpoints, "llama", *served("llama", "ipc"), method="rslora_all_linear")
     models[1].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     session = models[1].base_model.model.symbiosis_session
     (local_out, local_grads), (remote_out, remote_grads) = (_train_once(m, "llama") for m in models)
@@ -317,13 +316,7 @@ def test_spinning_waits_give_the_same_results(served, checkpoints, monkeypatch):
 
     monkeypatch.setattr(doorbell, "SPIN_S", 0.002)
     monkeypatch.setattr(server, "HOT_S", 0.002)
-    path, auto_class = checkpoints("llama")
-    executor, url = served("llama", "ipc")
-    models = []
-    for backend in (executor, symbiosis.connect(url, token=TOKEN, timeout=10)):
-        torch.manual_seed(3)
-        models.append(get_peft_model(symbiosis.from_pretrained(path, backend, auto_class=auto_class),
-                                     peft_config("lora", "llama")))
+    models = _twins(checkpoints, "llama", *served("llama", "ipc"))
     (local_out, local_grads), (remote_out, remote_grads) = (_train_once(m, "llama") for m in models)
     assert_close(remote_out.logits, local_out.logits, "logits")
     for name, grad in local_grads.items():
