@@ -6,7 +6,7 @@ size is compared with the largest plain fleet that fitted.
 
     python benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,2,4,8
     python benchmarks/multi_tenant.py --model llama-2-13b --tenants 1,2,3   # plain fleets past the GPU memory are skipped
-    python benchmarks/multi_tenant.py --model llama-2-13b --tenants 1,8 --checkpointing   # both fleets checkpoint
+    python benchmarks/multi_tenant.py --model llama-2-13b --tenants 1,2,8,16 --checkpointing   # both fleets checkpoint
 """
 
 from __future__ import annotations

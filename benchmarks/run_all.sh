@@ -22,7 +22,7 @@ if [[ "${MPS:-0}" == 1 ]]; then
 fi
 
 declare -A LIMIT_S=(
-  [gpu_tests]=120 [rtt]=90 [single_1b]=150 [single_13b]=330 [multi_1b]=330 [multi_13b]=420 [multi_1b_ckpt]=240 [multi_13b_ckpt]=480
+  [gpu_tests]=180 [rtt]=90 [single_1b]=150 [single_13b]=330 [multi_1b]=330 [multi_13b]=420 [multi_1b_ckpt]=240 [multi_13b_ckpt]=570
   [policies]=200 [mixed]=200 [privacy]=320 [long_context]=330
 )
 declare -A COMMAND=(
@@ -33,7 +33,7 @@ declare -A COMMAND=(
   [multi_1b]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,2,4,8 --duration 8"
   [multi_13b]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 1,2,3 --duration 6"
   [multi_1b_ckpt]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,8 --duration 5 --checkpointing"
-  [multi_13b_ckpt]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 1,2,8 --duration 5 --checkpointing"
+  [multi_13b_ckpt]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 1,2,8,16 --duration 5 --checkpointing"
   [policies]="$PY benchmarks/policies.py --model llama-3.2-1b --duration 8"
   [mixed]="$PY benchmarks/mixed_work.py --model llama-3.2-1b --duration 8"
   [privacy]="$PY benchmarks/privacy.py --model llama-3.2-1b --duration 5"

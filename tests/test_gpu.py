@@ -101,6 +101,12 @@ def test_fusing_a_group_hands_back_the_members_old_memory(tmp_path):
     assert torch.cuda.memory_reserved() - before < fused.weight.nbytes // 2  # not a second copy
 
 
+def _lora_model(path, executor, seed: int = 0, name: str = "client"):
+    torch.manual_seed(seed)
+    return get_peft_model(symbiosis.from_pretrained(path, executor, device="cuda", name=name),
+                          peft_config("lora", "llama"))
+
+
 def _adamw_steps(model, device, steps=3) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(5)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -122,17 +128,12 @@ def test_pipelined_calls_train_exactly_and_a_dead_executor_releases_the_stream(c
 
     torch.backends.cuda.matmul.allow_tf32 = False
     path, _ = checkpoints("llama")
-
-    def build(executor):
-        torch.manual_seed(0)
-        return get_peft_model(symbiosis.from_pretrained(path, executor, device="cuda"), peft_config("lora", "llama"))
-
-    expected = _adamw_steps(build(symbiosis.Executor.from_pretrained(path, device="cuda", dtype=torch.float32)),
-                            "cuda")
+    expected = _adamw_steps(_lora_model(path, symbiosis.Executor.from_pretrained(path, device="cuda",
+                                                                                 dtype=torch.float32)), "cuda")
     url = f"ipc://{tmp_path}/pipelined.sock"
     process = start_executor(path, url, tmp_path, device="cuda:0", dtype="float32", client_timeout=30)
     try:
-        model = build(symbiosis.connect(url, token=TOKEN, timeout=5))
+        model = _lora_model(path, symbiosis.connect(url, token=TOKEN, timeout=5))
         session = model.base_model.model.symbiosis_session
         assert session.pipelined
         for name, value in _adamw_steps(model, "cuda").items():
@@ -163,9 +164,7 @@ def test_one_pipelined_client_per_process_and_device(checkpoints, tmp_path):
     path, _ = checkpoints("llama")
 
     def build(executor, seed):
-        torch.manual_seed(seed)
-        return get_peft_model(symbiosis.from_pretrained(path, executor, device="cuda", name=f"t{seed}"),
-                              peft_config("lora", "llama"))
+        return _lora_model(path, executor, seed, name=f"t{seed}")
 
     local = symbiosis.Executor.from_pretrained(path, device="cuda", dtype=torch.float32)
     expected = [_adamw_steps(build(local, seed), "cuda", steps=2) for seed in (0, 1)]
@@ -183,6 +182,26 @@ def test_one_pipelined_client_per_process_and_device(checkpoints, tmp_path):
                 assert _rel(got[name], value) < 1e-5, name
         sessions[0].close()
         assert build(executor, 2).base_model.model.symbiosis_session.pipelined  # the device is free again
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_pipelined_calls_with_activation_checkpointing_train_exactly(checkpoints, tmp_path):
+    """Checkpointing puts a pipelined client's recomputed forward calls inside backward, between its
+    backward calls: two AdamW steps still equal in-process ones without checkpointing."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path, _ = checkpoints("llama")
+    expected = _adamw_steps(_lora_model(path, symbiosis.Executor.from_pretrained(path, device="cuda",
+                                                                                 dtype=torch.float32)), "cuda", 2)
+    url = f"ipc://{tmp_path}/checkpointed.sock"
+    process = start_executor(path, url, tmp_path, device="cuda:0", dtype="float32", client_timeout=30)
+    try:
+        model = _lora_model(path, symbiosis.connect(url, token=TOKEN, timeout=5))
+        model.gradient_checkpointing_enable()
+        assert model.base_model.model.symbiosis_session.pipelined
+        for name, value in _adamw_steps(model, "cuda", 2).items():
+            assert _rel(value, expected[name]) < 1e-5, name
     finally:
         process.kill()
         process.wait()
