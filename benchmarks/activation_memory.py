@@ -49,7 +49,7 @@ def measure(name: str, layers: int, lora_name: str, batch_size: int, seq_len: in
         torch.manual_seed(0)
         LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
         plain = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), lora(lora_name))
-        executor = symbiosis.Executor.from_pretrained(path, dtype=torch.bfloat16)
+        executor = symbiosis.Executor.from_pretrained(path, device="cpu", dtype=torch.bfloat16)
         executor.attach(executor.fingerprint, "bystander")  # calls take the executor path, as from a client process
         split = get_peft_model(symbiosis.from_pretrained(path, executor), lora(lora_name))
         weights = {p.untyped_storage().data_ptr() for p in plain.parameters()}
