@@ -4,7 +4,6 @@ overtakes training; waits shrink as work queues up."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -136,22 +135,25 @@ def test_no_batching_runs_calls_alone_inference_first():
 
 def test_inference_calls_overtake_a_queued_training_burst():
     """A busy executor with training calls queued: an inference call that arrives later is served first."""
-    order = []
+    order, first_running, release = [], threading.Event(), threading.Event()
 
-    def slow_layer(key, x):
-        time.sleep(0.02)
+    def layer(key, x):
+        if not first_running.is_set():  # the first training call holds the batcher until the rest are queued
+            first_running.set()
+            release.wait(5)
         order.append(key[0])
         return x
 
-    batcher = Batcher(slow_layer, NoBatching(), lambda: 2, ExecutorStats(torch.device("cpu")))
+    batcher = Batcher(layer, NoBatching(), lambda: 2, ExecutorStats(torch.device("cpu")))
     training = [batcher.submit("trainer", (f"train{i}", "forward"), torch.zeros(4, 2), False) for i in range(5)]
-    time.sleep(0.005)  # the first training call is running; the rest are queued
+    assert first_running.wait(5)
     inference = batcher.submit("chat", ("infer", "forward"), torch.zeros(1, 2), True)
+    release.set()
     inference.result(timeout=5)
     for f in training:
         f.result(timeout=5)
     batcher.close()
-    assert order.index("infer") <= 1, order
+    assert order == ["train0", "infer", "train1", "train2", "train3", "train4"], order
 
 
 def test_out_of_memory_fails_only_the_call_that_does_not_fit(checkpoints, tmp_path, monkeypatch):
