@@ -94,9 +94,9 @@ def test_heartbeats_keep_an_idle_client_attached(scheme, served, checkpoints):
     """A client that makes no calls for longer than the executor's client timeout (say, it is busy on its
     own side) stays attached as long as its heartbeat thread runs."""
     path, _ = checkpoints("llama")
-    executor, url = served("llama", scheme, client_timeout=0.6)
+    executor, url = served("llama", scheme, client_timeout=1.0)
     session = symbiosis.connect(url, token=TOKEN, timeout=10).attach(executor.fingerprint, "idle")
-    time.sleep(2.0)
+    time.sleep(2.5)
     layer = "model.layers.0.mlp.up_proj"
     x = torch.randn(3, executor.layer_specs[layer].in_features, dtype=torch.float64)
     assert_close(session.forward(layer, x), executor.weights.layers[layer].forward(x, True), "after idling")
