@@ -49,6 +49,22 @@ def test_masked_equals_unmasked(arch, method, checkpoints):
             assert_close(param.grad, reference[name].grad, f"grad of {name}")
 
 
+def test_masked_with_activation_checkpointing_equals_unmasked(checkpoints):
+    """Backward's recomputed forward calls draw fresh noise: the gradients still equal a clear client's that
+    keeps every activation."""
+    path, auto_class = checkpoints("llama")
+    executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
+    clear = _model(path, executor, "llama", "lora", auto_class)
+    masked = _model(path, executor, "llama", "lora", auto_class, privacy=MASK)
+    masked.gradient_checkpointing_enable()
+    ours, theirs = _step(masked, "llama"), _step(clear, "llama")
+    assert_close(ours.loss, theirs.loss, "loss")
+    reference = dict(clear.named_parameters())
+    for name, param in masked.named_parameters():
+        if param.requires_grad:
+            assert_close(param.grad, reference[name].grad, f"grad of {name}")
+
+
 def test_masked_decoding_equals_unmasked(checkpoints):
     """Decoding with a KV cache makes one-token calls, which draw their noise row without a permutation:
     the logits of every step still equal the unmasked model's."""
