@@ -36,8 +36,8 @@ def _step(model, arch, seed=0):
     ("llama", "lora", True),  # backward's recomputed forward calls draw fresh noise
 ])
 def test_masked_equals_unmasked(arch, method, checkpointing, checkpoints):
-    """A masked client (with activation checkpointing: one that keeps no activations) computes what a clear
-    one that keeps them all does."""
+    """A masked client computes what a clear one does; with activation checkpointing too, where it recomputes
+    its layers in backward and the clear one keeps every activation."""
     path, auto_class = checkpoints(arch)
     executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
     clear = _model(path, executor, arch, method, auto_class)
