@@ -1,6 +1,6 @@
 """What one fine-tuning tenant holds for backward, by model shape: plain PEFT vs a symbiosis client, with and
 without transformers' gradient checkpointing. Device-independent (it counts the bytes of the tensors autograd
-saves during a training forward, each storage once, base weights left out), so it runs on a CPU in minutes
+saves during a training forward, each storage once, parameters left out), so it runs on a CPU in minutes
 for shapes whose weights would not fit there: it builds the model with 1 and with 2 decoder layers, and
 since every decoder layer saves the same, gives the full depth as (1-layer figure) + (layers - 1) x (the
 difference). These are the activations alone; a process also holds its CUDA context, and a symbiosis
@@ -21,12 +21,15 @@ from peft import get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import symbiosis
+from symbiosis.client.virtual import VirtualWeight
 from common import CONFIGS, emit, lora
 
 
-def saved_bytes(model, ids: torch.Tensor, weights: set[int]) -> int:
-    """Bytes autograd saves in one training forward (each storage once), leaving out `weights` (storages
-    of base weights: they are held anyway, not per step), plus the logits the caller gets back."""
+def saved_bytes(model, ids: torch.Tensor) -> int:
+    """Bytes autograd saves in one training forward (each storage once), leaving out the model's parameters
+    (held anyway, not per step; a split model's base weights are in the executor, which saves nothing),
+    plus the logits the caller gets back."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters() if not isinstance(p, VirtualWeight)}
     storages: dict[int, int] = {}
 
     def count(tensor: torch.Tensor) -> torch.Tensor:
@@ -52,13 +55,12 @@ def measure(name: str, layers: int, lora_name: str, batch_size: int, seq_len: in
         executor = symbiosis.Executor.from_pretrained(path, device="cpu", dtype=torch.bfloat16)
         executor.attach(executor.fingerprint, "bystander")  # calls take the executor path, as from a client process
         split = get_peft_model(symbiosis.from_pretrained(path, executor), lora(lora_name))
-        weights = {p.untyped_storage().data_ptr() for p in plain.parameters()}
         figures = {}
         for checkpointing in (False, True):
             for mode, model in (("plain", plain), ("symbiosis", split)):
                 if checkpointing:
                     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-                figures[f"{mode}{'_checkpointing' if checkpointing else ''}"] = saved_bytes(model, ids, weights)
+                figures[f"{mode}{'_checkpointing' if checkpointing else ''}"] = saved_bytes(model, ids)
         return figures
 
 
