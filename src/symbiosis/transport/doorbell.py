@@ -45,6 +45,7 @@ from symbiosis.transport import wire
 from symbiosis.transport.shm import PREFIX, SHM_DIR
 
 U64 = struct.Struct("<Q")
+U32 = struct.Struct("<I")
 TAKEN_AT, ANSWERED_AT, ERROR_SEQ_AT, ERRORS_SEEN_AT, ERROR_LEN_AT = 0, 8, 16, 24, 32
 ERROR_AT = 64
 SLOTS_AT = 4096
@@ -181,7 +182,7 @@ class Doorbell:
         error_seq, seen = (U64.unpack_from(self.control, at)[0] for at in (ERROR_SEQ_AT, ERRORS_SEEN_AT))
         if error_seq <= seen:
             return
-        length = struct.unpack_from("<I", self.control, ERROR_LEN_AT)[0]
+        length = U32.unpack_from(self.control, ERROR_LEN_AT)[0]
         U64.pack_into(self.control, ERRORS_SEEN_AT, error_seq)
         try:
             reply = json.loads(self.control[ERROR_AT:ERROR_AT + min(length, MAX_MESSAGE)])
@@ -221,7 +222,7 @@ class Doorbell:
             error = {**error, "seq": seq, "message": str(error.get("message"))[:MAX_MESSAGE // 8]}  # fits as UTF-8
             message = json.dumps(error).encode()
             self.control[ERROR_AT:ERROR_AT + len(message)] = message
-            struct.pack_into("<I", self.control, ERROR_LEN_AT, len(message))
+            U32.pack_into(self.control, ERROR_LEN_AT, len(message))
             U64.pack_into(self.control, ERROR_SEQ_AT, seq)
         # `answered` goes last: a client spinning on it must find the error already written (x86 makes stores
         # visible in program order, and only there do clients spin; elsewhere they wait for the FIFO byte,
