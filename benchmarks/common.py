@@ -90,7 +90,10 @@ def train_step(model, optimizer, batch_size: int, seq_len: int, vocab: int) -> N
     optimizer.zero_grad(set_to_none=True)
 
 
-def time_interleaved(models: dict, batch_size=2, seq_len=512, warmup=3, iters=10) -> dict[str, float]:
+WARMUP_ITERS = 3  # iterations run before timing starts
+
+
+def time_interleaved(models: dict, batch_size=2, seq_len=512, warmup=WARMUP_ITERS, iters=10) -> dict[str, float]:
     """Median seconds per fine-tuning iteration (forward, backward, AdamW step) of each model, their
     iterations taken in turn (a, b, c, a, b, c, ...): a drift of the machine's speed, which on a CPU-bound
     step moves a baseline by up to 20% between runs, then falls on every model alike."""

@@ -37,8 +37,10 @@ def main() -> None:
     best_plain: tuple[int, float] | None = None  # (jobs, tokens/s) of the largest plain fleet that fitted
     for n in [int(x) for x in args.tenants.split(",")]:
         common = dict(model_dir=path, lora=args.lora, batch_size=2, seq_len=512, checkpointing=args.checkpointing)
-        # N plain jobs need N footprints: past the GPU's memory (known from N=1) they are not started.
-        fits = not total_gib or 1 not in memory or n * memory[1][0] <= 0.97 * total_gib
+        # N plain jobs need N footprints: past the GPU's memory (known from N=1; none if one job failed) they
+        # are not started.
+        one_job = memory[1][0] if 1 in memory else None
+        fits = not total_gib or 1 not in memory or (one_job is not None and n * one_job <= 0.97 * total_gib)
         plain, plain_gpu = None, None
         try:
             if fits:

@@ -18,7 +18,8 @@ from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
 import symbiosis
-from common import LORAS, checkpoint, device, dtype, emit, lora, peak_gib, reset_peak, start_executor, time_interleaved
+from common import (LORAS, WARMUP_ITERS, checkpoint, device, dtype, emit, lora, peak_gib, reset_peak, start_executor,
+                    time_interleaved)
 
 MODES = {"plain": "plain_peft", "in_process": "symbiosis_in_process", "separate": "symbiosis_separate_process"}
 
@@ -62,7 +63,7 @@ def main() -> None:
                                   s_per_iter=round(s, 5), tokens_per_s=round(tokens / s, 1),
                                   vs_plain_peft=round(s / seconds["plain"], 3))
                     if mode == "separate":  # per iteration (warm-up included): calls, and time waiting on them
-                        iters = 3 + args.iters
+                        iters = WARMUP_ITERS + args.iters
                         record.update(calls_per_iter=round((remote_session.calls - before[0]) / iters, 1),
                                       wait_ms_per_iter=round(1e3 * (remote_session.waited_s - before[1]) / iters, 2))
                     emit(**record)
