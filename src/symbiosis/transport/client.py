@@ -199,12 +199,12 @@ class RemoteSession:
         self._heartbeat_stop.set()  # the old heartbeat thread ends; _attach starts one for the new id
         self.channel.close()
         self.channel = _Channel(self.executor.url, self.executor.timeout)
-        old = (self.buffer, self.doorbell)
+        old_buffer, old_doorbell = self.buffer, self.doorbell
         if self.flags is not None:
             self._release("reconnecting")  # the old executor will never answer what it still owed
             self.flags = None
-        self._attach(old[0].nbytes if old[0] is not None else 0)
-        for shared in old:
+        self._attach(old_buffer.nbytes if old_buffer is not None else 0)
+        for shared in (old_buffer, old_doorbell):
             if shared is not None:
                 shared.close()
 
