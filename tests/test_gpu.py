@@ -26,6 +26,7 @@ def _train_step(path, executor, device, dtype=None, privacy=None):
     out = model(**inputs)
     out.loss.backward()
     grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    model.base_model.model.symbiosis_session.close()  # a pipelined one leaves the device to the next test's
     return out.logits.detach().float().cpu(), grads
 
 
@@ -158,6 +159,7 @@ def test_one_pipelined_client_per_process_and_device(checkpoints, tmp_path):
     """Sessions of one process share its CUDA stream, and the executor may take their calls in another order
     than that stream queued them: so only the first is pipelined, the second waits for its answers (through
     a host buffer). Trained in two threads at once, each equals its in-process twin."""
+    import gc
     from concurrent.futures import ThreadPoolExecutor
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -181,7 +183,14 @@ def test_one_pipelined_client_per_process_and_device(checkpoints, tmp_path):
             for name, value in want.items():
                 assert _rel(got[name], value) < 1e-5, name
         sessions[0].close()
-        assert build(executor, 2).base_model.model.symbiosis_session.pipelined  # the device is free again
+        third = build(executor, 2)
+        assert third.base_model.model.symbiosis_session.pipelined  # the device is free again
+        del third  # dropped without close(): collecting the session gives the device up too
+        gc.collect()
+        fourth = build(executor, 3).base_model.model.symbiosis_session
+        assert fourth.pipelined
+        for session in (sessions[1], fourth):
+            session.close()
     finally:
         process.kill()
         process.wait()

@@ -104,6 +104,32 @@ def test_heartbeats_keep_an_idle_client_attached(scheme, served, checkpoints):
     session.close()
 
 
+def test_a_session_nobody_holds_is_collected_and_the_executor_reaps_it(served, checkpoints):
+    """Dropping a model without closing its session must not leak: the heartbeat thread holds the session
+    weakly, so the session is collected, its heartbeats stop, and the executor detaches it after its client
+    timeout (a session that heartbeats forever would stay attached forever)."""
+    import gc
+    import threading
+    import weakref
+
+    path, auto_class = checkpoints("llama")
+    executor, url = served("llama", "ipc", client_timeout=1.0)
+    model = get_peft_model(symbiosis.from_pretrained(path, symbiosis.connect(url, token=TOKEN, timeout=10),
+                                                     auto_class=auto_class), peft_config("lora", "llama"))
+    _train_once(model, "llama")
+    session = weakref.ref(model.base_model.model.symbiosis_session)
+    assert len(executor.clients) == 1
+    del model
+    gc.collect()
+    assert session() is None
+    deadline = time.monotonic() + 10
+    while (executor.clients or any(t.name == "symbiosis-heartbeat" for t in threading.enumerate())) and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not executor.clients, "the executor still holds the dropped client"
+    assert not any(t.name == "symbiosis-heartbeat" for t in threading.enumerate()), "a heartbeat thread outlived it"
+
+
 def test_wrong_or_missing_token_is_refused(served, checkpoints):
     path, auto_class = checkpoints("llama")
     _, url = served("llama", "tcp")

@@ -22,6 +22,7 @@ import itertools
 import secrets
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from urllib.parse import urlparse
 
@@ -140,7 +141,9 @@ class RemoteSession:
         self._retired_flags: list[SharedBuffer] = []  # released flags a stream may still wait on: kept alive
         self._broken: str | None = None  # why calls can no longer be made (the executor stopped answering)
         self._release_stream: int | None = None  # where _release writes the output flag
-        self._holds_pipeline = False  # this session is its process's pipelined one on its device
+        # Set while this session is its process's pipelined one on its device; calling it (or collecting
+        # the session) gives the device up.
+        self._pipeline_claim: weakref.finalize | None = None
         self._call_lock = threading.Lock()  # one call at a time uses the buffer
         self._sync_queued = False  # a synchronize() is queued for the end of the running backward pass
         # Layer calls made, and seconds this client's thread spent waiting for their replies (the executor's
@@ -185,14 +188,24 @@ class RemoteSession:
         self.layer_specs = {d["layer_id"]: BaseLayerSpec(**d) for d in reply["layers"]}
         self._broken = None
         self._heartbeat_stop.clear()
-        threading.Thread(target=self._heartbeat, args=(self.client_id,), name="symbiosis-heartbeat", daemon=True).start()
+        # The thread holds the session weakly: a session nobody holds any more is collected (its claim on
+        # pipelining given up), its heartbeats stop, and the executor reaps it.
+        threading.Thread(target=_heartbeat, args=(weakref.ref(self), self.client_id, self._heartbeat_stop),
+                         name="symbiosis-heartbeat", daemon=True).start()
 
     def _claim_pipeline(self) -> bool:
         with _PIPELINED_LOCK:
-            if not self._holds_pipeline and self.device.index not in _PIPELINED_DEVICES:
+            if self._pipeline_claim is None and self.device.index not in _PIPELINED_DEVICES:
                 _PIPELINED_DEVICES.add(self.device.index)
-                self._holds_pipeline = True
-            return self._holds_pipeline
+                self._pipeline_claim = weakref.finalize(self, _PIPELINED_DEVICES.discard, self.device.index)
+            return self._pipeline_claim is not None
+
+    def _give_up_pipeline(self) -> None:
+        """Let another session of this process pipeline on this device (this one is closed or broken)."""
+        if self._pipeline_claim is not None:
+            with _PIPELINED_LOCK:
+                self._pipeline_claim()
+            self._pipeline_claim = None
 
     def reconnect(self) -> None:
         """Attach again (after the executor restarted): a new client id; the model and its state are kept."""
@@ -208,27 +221,6 @@ class RemoteSession:
             if shared is not None:
                 shared.close()
 
-    def _heartbeat(self, client_id: str) -> None:
-        """Keeps the executor from reaping this client. A pipelined client pings instead: an executor that
-        stops answering would otherwise leave the client's stream waiting for a flag forever, and a CPU
-        that synchronises with it (`loss.item()`) hanging; then the stream is released and the session
-        marked broken, so its next call raises."""
-        channel = _Channel(self.executor.url, self.executor.timeout)
-        stop = self._heartbeat_stop
-        try:
-            while not stop.wait(self.heartbeat_s) and client_id == self.client_id:
-                if not self.pipelined:
-                    channel.send({"op": "heartbeat", "client": client_id})
-                    continue
-                try:
-                    channel.request({"op": "ping", "client": client_id})
-                except SymbiosisError as e:
-                    if not stop.is_set():
-                        self._release(f"the executor at {self.executor.url} stopped answering ({e})")
-                    return
-        finally:
-            channel.close()
-
     def _release(self, why: str) -> None:
         """Mark the session broken, and let the client's stream run past every wait on the executor's flag
         (what it computes from there on is garbage, and the next call or synchronize() raises)."""
@@ -240,6 +232,7 @@ class RemoteSession:
         streamops.write(self._release_stream, flags.tensor.data_ptr() + 4, self.doorbell.seq + RELEASE_AHEAD,
                         flags.tensor.device.index)
         self._retired_flags.append(flags)
+        self._give_up_pipeline()  # reconnect() claims again
 
     def _request(self, header: dict, *tensors: torch.Tensor, channel: _Channel | None = None) -> tuple[dict, list]:
         self._check_open()
@@ -402,10 +395,36 @@ class RemoteSession:
             if self.buffer is not None:
                 self.buffer.close()
                 self.doorbell.close()
-            if self._holds_pipeline:
-                with _PIPELINED_LOCK:
-                    _PIPELINED_DEVICES.discard(self.device.index)
-                self._holds_pipeline = False
+            self._give_up_pipeline()
+
+
+def _heartbeat(session_ref: weakref.ref, client_id: str, stop: threading.Event) -> None:
+    """Keeps the executor from reaping a session while it exists. A pipelined session pings instead: an
+    executor that stops answering would otherwise leave the client's stream waiting for a flag forever, and
+    a CPU that synchronises with it (`loss.item()`) hanging; then the stream is released and the session
+    marked broken, so its next call raises."""
+    session = session_ref()
+    channel = _Channel(session.executor.url, session.executor.timeout)
+    period, url = session.heartbeat_s, session.executor.url
+    del session  # held only while it is used
+    try:
+        while not stop.wait(period):
+            session = session_ref()
+            if session is None or session.client_id != client_id:
+                return  # collected, or attached again under a new id (with a heartbeat of its own)
+            if not session.pipelined:
+                channel.send({"op": "heartbeat", "client": client_id})
+                del session
+                continue
+            try:
+                channel.request({"op": "ping", "client": client_id})
+            except SymbiosisError as e:
+                if not stop.is_set():
+                    session._release(f"the executor at {url} stopped answering ({e})")
+                return
+            del session
+    finally:
+        channel.close()
 
 
 def connect(url: str, token: str | None = None, timeout: float = 60.0) -> RemoteExecutor:
