@@ -214,3 +214,39 @@ def test_pipelined_calls_with_activation_checkpointing_train_exactly(checkpoints
     finally:
         process.kill()
         process.wait()
+
+
+def test_pipelined_client_processes_share_the_stream_and_a_dying_one_holds_no_one_up(checkpoints, tmp_path):
+    """Three client processes on the executor's GPU make pipelined calls at once, so their calls share the
+    executor's stream (interleaved, a bounded number each). One is killed in the middle of its backward pass,
+    possibly with calls queued on that stream behind inputs it will never write: once it is reaped, the
+    executor lets the stream run past them, and the other two finish with exactly the in-process results."""
+    import signal
+
+    from tenant_process import build, train
+    from test_faults import attached, start_tenant, wait_until
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path, _ = checkpoints("llama")
+    url = f"ipc://{tmp_path}/fleet.sock"
+    process = start_executor(path, url, tmp_path, device="cuda:0", dtype="float32", client_timeout=2)
+    survivors = {1: "lora", 2: "ia3"}
+    try:
+        on_gpu = ("--device", "cuda", "--dtype", "float32")
+        victim = start_tenant(path, url, "lora", 0, tmp_path / "victim.pt", "--die-in", "backward", *on_gpu)
+        workers = {seed: start_tenant(path, url, method, seed, tmp_path / f"{seed}.pt", *on_gpu)
+                   for seed, method in survivors.items()}
+        assert victim.wait(timeout=120) == -signal.SIGKILL
+        for seed, worker in workers.items():
+            assert worker.wait(timeout=180) == 0, f"survivor {seed} failed"
+        assert wait_until(lambda: not any(c.startswith("tenant0-") for c in attached(url)))
+        assert process.poll() is None
+    finally:
+        process.kill()
+        process.wait()
+    local = symbiosis.Executor.from_pretrained(path, device="cuda", dtype=torch.float32)
+    for seed, method in survivors.items():
+        expected = train(build(path, local, method, seed, "cuda", torch.float32), seed)
+        ours = torch.load(tmp_path / f"{seed}.pt")
+        for name, value in expected.items():
+            assert _rel(ours[name], value.cpu()) < 1e-5, f"survivor {seed}: {name}"

@@ -35,6 +35,13 @@ from symbiosis.transport.shm import SharedBuffer
 log = logging.getLogger("symbiosis.executor")
 # For this long after a doorbell call the I/O thread polls without sleeping (the next call comes soon).
 HOT_S = 2e-3 if SPARE_CORES else 0.0
+# While several pipelined clients have calls, each may have this many queued on the executor's stream and
+# not yet run there. The stream runs calls in the order they were queued, each behind its input's flag: a
+# client whose CPU is far ahead of its GPU would otherwise queue a burst of calls (up to a doorbell ring) that
+# all wait, one after the other, for its GPU, with every other client's ready calls stuck behind them. Two
+# keep a call of each client queued while its previous one runs (hiding this thread's time per call), and
+# interleave the clients' calls so that each has the others' GEMMs' time to produce its next input.
+SHARED_STREAM_DEPTH = 2
 
 
 @dataclass
@@ -47,6 +54,7 @@ class RemoteClient:
     flags: SharedBuffer | None = None  # a pipelined client's int32 [input seq, output seq] (client.py)
     pending: deque = field(default_factory=deque)  # doorbell requests taken, not yet submitted (in order)
     in_batcher: bool = False  # one of its doorbell calls is submitted and not answered yet
+    on_stream: int = 0  # pipelined: its answered calls the executor's stream has not run yet
 
 
 class ExecutorServer:
@@ -72,7 +80,17 @@ class ExecutorServer:
         # Pipelined clients: the stream the executor computes on (its threads' current stream) waits for
         # their input flags and writes their output flags.
         self._stream_ops = streamops.available(executor.device)
-        self._stream = torch.cuda.current_stream(executor.device).cuda_stream if self._stream_ops else None
+        torch_stream = torch.cuda.current_stream(executor.device) if self._stream_ops else None
+        self._stream = torch_stream.cuda_stream if torch_stream is not None else None
+        self._torch_stream = torch_stream
+        # Pipelined calls answered (queued) and not yet run by the stream, oldest first: (event recorded after
+        # the call's output flag, client id). The stream runs them in this order.
+        self._on_stream: deque[tuple[torch.cuda.Event, str]] = deque()
+        self._spare_events: list[torch.cuda.Event] = []
+        # A departed pipelined client's buffer and flags, kept mapped until the stream has run its last
+        # queued call (it may still wait on them); then closed.
+        self._departed: list[tuple[torch.cuda.Event, list[SharedBuffer]]] = []
+        self._side_stream = streamops.side_stream(executor.device.index) if self._stream_ops else None
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -97,8 +115,13 @@ class ExecutorServer:
                 # Spinning (polling with timeout 0) while the batcher has work would keep the GIL from its
                 # thread for up to the switch interval each time; then sleep in poll() instead.
                 hot = time.monotonic() - last_call < HOT_S and not self.executor.batcher.busy
-                events = dict(poller.poll(timeout=0 if hot else 200))
+                # Calls held back by the stream's depth: watch the stream (a millisecond at most while the
+                # batcher thread needs the GIL).
+                held = bool(self._on_stream) and not hot
+                spin = hot or (held and SPARE_CORES and not self.executor.batcher.busy)
+                events = dict(poller.poll(timeout=0 if spin else (1 if held else 200)))
                 started = time.perf_counter()
+                retired = self._retire_stream_calls() if self._on_stream or self._departed else False
                 for fd in events:
                     if fd in self._doorbells:
                         self._take_doorbell_call(self._doorbells[fd])
@@ -107,7 +130,7 @@ class ExecutorServer:
                     self._drain_requests()
                 if self._wake_read in events:
                     self._drain_completions()
-                if events:
+                if events or retired:
                     self.executor.stats.add_busy("io", time.perf_counter() - started)
                 if time.monotonic() >= next_reap:
                     self._reap()
@@ -265,6 +288,8 @@ class ExecutorServer:
         leave the stream waiting for a flag that can only come after it."""
         client = self.clients.get(client_id)
         while client is not None and client.pending and not client.in_batcher:
+            if client.flags is not None and client.on_stream >= SHARED_STREAM_DEPTH and self._shared_stream():
+                return  # _retire_stream_calls pumps it again
             request: Request = client.pending.popleft()
             header = {"op": request.op, "layer": request.layer, "inference": request.inference,
                       "client": client_id, "seq": request.seq}
@@ -281,7 +306,41 @@ class ExecutorServer:
                 client.in_batcher = False
                 if not isinstance(error, SymbiosisError):
                     log.exception("doorbell call of %s failed", client_id)
-                self._answer_doorbell(client, request.seq, error)
+                self._answer_doorbell(client_id, client, request.seq, error)
+
+    def _shared_stream(self) -> bool:
+        """Whether another pipelined client has calls taken or queued on the stream too."""
+        busy = 0
+        for client in self.clients.values():
+            busy += client.flags is not None and bool(client.pending or client.on_stream)
+            if busy > 1:
+                return True
+        return False
+
+    def _retire_stream_calls(self) -> bool:
+        """Take the calls the stream has run off `_on_stream` (it runs them in order: stop at the first that
+        has not run), and pump their clients. Whether any had run."""
+        retired = set()
+        while self._departed and self._departed[0][0].query():
+            for shared in self._departed.pop(0)[1]:
+                shared.close()
+        while self._on_stream and self._on_stream[0][0].query():
+            event, client_id = self._on_stream.popleft()
+            self._spare_events.append(event)
+            client = self.clients.get(client_id)
+            if client is not None:
+                client.on_stream -= 1
+                retired.add(client_id)
+        for client_id in retired:
+            self._pump(client_id)
+        return bool(retired)
+
+    def _mark_queued(self, client: RemoteClient, client_id: str) -> None:
+        """A pipelined call of `client` is queued on the stream, up to its output flag."""
+        event = self._spare_events.pop() if self._spare_events else torch.cuda.Event()
+        event.record(self._torch_stream)
+        self._on_stream.append((event, client_id))
+        client.on_stream += 1
 
     # --- completions ---------------------------------------------------------------------------------
 
@@ -314,18 +373,19 @@ class ExecutorServer:
                 result = future.result()
                 client.buffer.view(result.dtype, list(result.shape)).copy_(result)
             except Exception as error:
-                return self._answer_doorbell(client, header["seq"], error)
-            return self._answer_doorbell(client, header["seq"])
+                return self._answer_doorbell(header["client"], client, header["seq"], error)
+            return self._answer_doorbell(header["client"], client, header["seq"])
         try:  # a socket call: the result goes back as a frame
             result = future.result()
             self._reply(identity, {"id": header.get("id"), "ok": True, "tensor": wire.describe(result)}, result.cpu())
         except Exception as error:
             self._reply(identity, wire.error_reply(header.get("id"), error))
 
-    def _answer_doorbell(self, client: RemoteClient, seq: int, error: BaseException | None = None) -> None:
+    def _answer_doorbell(self, client_id: str, client: RemoteClient, seq: int, error: BaseException | None = None) -> None:
         if client.flags is not None:  # behind the output copy on the stream, or at once for a failed call
             try:
                 streamops.write(self._stream, client.flags.tensor.data_ptr() + 4, seq, self.executor.device.index)
+                self._mark_queued(client, client_id)
             except RuntimeError as e:
                 log.error("could not release client %s's stream: %s", client.name, e)
         client.doorbell.answer(seq, None if error is None else wire.error_reply(None, error))
@@ -337,6 +397,22 @@ class ExecutorServer:
             log.warning("could not answer %r: %s", identity, e)
 
     # --- departures ----------------------------------------------------------------------------------
+
+    def _let_stream_pass(self, client: RemoteClient, unlink: bool) -> None:
+        """A pipelined client left (or died): calls of it that the stream has queued must not wait for
+        inputs that will never come, or every client behind them would wait forever. Its input flag is set
+        far ahead from a stream of its own, and its buffer and flags stay mapped until the stream is past."""
+        try:
+            streamops.write(self._side_stream, client.flags.tensor.data_ptr(), client.doorbell.seq + (1 << 20),
+                            self.executor.device.index)
+        except RuntimeError as e:
+            log.error("could not release the executor's stream from %s's flags: %s", client.name, e)
+        done = torch.cuda.Event()
+        done.record(self._torch_stream)
+        if unlink:
+            for shared in (client.buffer, client.flags):
+                shared.unlink()
+        self._departed.append((done, [client.buffer, client.flags]))
 
     def _reap(self) -> None:
         now = time.monotonic()
@@ -350,9 +426,10 @@ class ExecutorServer:
         self.executor.detach(client_id)
         if client is None:
             return
-        for shared in (client.buffer, client.flags):
-            if shared is not None:
-                shared.close(unlink=unlink)
+        if client.flags is not None:
+            self._let_stream_pass(client, unlink)
+        elif client.buffer is not None:
+            client.buffer.close(unlink=unlink)
         if client.doorbell is not None:
             self._doorbells.pop(client.doorbell.request_fd, None)
             self._poller.unregister(client.doorbell.request_fd)
