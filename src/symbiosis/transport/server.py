@@ -31,6 +31,7 @@ from symbiosis.executor.executor import OPS, Executor
 from symbiosis.transport import streamops, wire
 from symbiosis.transport.doorbell import SPARE_CORES, Doorbell, Request
 from symbiosis.transport.shm import SharedBuffer
+from symbiosis.transport.streamledger import StreamLedger
 
 log = logging.getLogger("symbiosis.executor")
 # For this long after a doorbell call the I/O thread polls without sleeping (the next call comes soon).
@@ -83,13 +84,9 @@ class ExecutorServer:
         torch_stream = torch.cuda.current_stream(executor.device) if self._stream_ops else None
         self._stream = torch_stream.cuda_stream if torch_stream is not None else None
         self._torch_stream = torch_stream
-        # Pipelined calls answered (queued) and not yet run by the stream, oldest first: (event recorded after
-        # the call's output flag, client id). The stream runs them in this order.
-        self._on_stream: deque[tuple[torch.cuda.Event, str]] = deque()
-        self._spare_events: list[torch.cuda.Event] = []
-        # A departed pipelined client's buffer and flags, kept mapped until the stream has run its last
-        # queued call (it may still wait on them); then closed.
-        self._departed: list[tuple[torch.cuda.Event, list[SharedBuffer]]] = []
+        # Pipelined calls queued and not yet run by the stream, and departed clients' buffers to unmap once
+        # it is past their calls.
+        self._ledger = StreamLedger(torch.cuda.Event)
         self._side_stream = streamops.side_stream(executor.device.index) if self._stream_ops else None
 
     # --- lifecycle -----------------------------------------------------------------------------------
@@ -117,11 +114,11 @@ class ExecutorServer:
                 hot = time.monotonic() - last_call < HOT_S and not self.executor.batcher.busy
                 # Calls held back by the stream's depth: watch the stream (a millisecond at most while the
                 # batcher thread needs the GIL).
-                held = bool(self._on_stream) and not hot
+                held = bool(self._ledger) and not hot
                 spin = hot or (held and SPARE_CORES and not self.executor.batcher.busy)
                 events = dict(poller.poll(timeout=0 if spin else (1 if held else 200)))
                 started = time.perf_counter()
-                retired = self._retire_stream_calls() if self._on_stream or self._departed else False
+                retired = self._ledger.run_passed() if self._ledger else 0
                 for fd in events:
                     if fd in self._doorbells:
                         self._take_doorbell_call(self._doorbells[fd])
@@ -289,7 +286,7 @@ class ExecutorServer:
         client = self.clients.get(client_id)
         while client is not None and client.pending and not client.in_batcher:
             if client.flags is not None and client.on_stream >= SHARED_STREAM_DEPTH and self._shared_stream():
-                return  # _retire_stream_calls pumps it again
+                return  # pumped again when the stream has run one (_ran_on_stream)
             request: Request = client.pending.popleft()
             header = {"op": request.op, "layer": request.layer, "inference": request.inference,
                       "client": client_id, "seq": request.seq}
@@ -317,30 +314,11 @@ class ExecutorServer:
                 return True
         return False
 
-    def _retire_stream_calls(self) -> bool:
-        """Take the calls the stream has run off `_on_stream` (it runs them in order: stop at the first that
-        has not run), and pump their clients. Whether any had run."""
-        retired = set()
-        while self._departed and self._departed[0][0].query():
-            for shared in self._departed.pop(0)[1]:
-                shared.close()
-        while self._on_stream and self._on_stream[0][0].query():
-            event, client_id = self._on_stream.popleft()
-            self._spare_events.append(event)
-            client = self.clients.get(client_id)
-            if client is not None:
-                client.on_stream -= 1
-                retired.add(client_id)
-        for client_id in retired:
+    def _ran_on_stream(self, client_id: str) -> None:
+        client = self.clients.get(client_id)
+        if client is not None:
+            client.on_stream -= 1
             self._pump(client_id)
-        return bool(retired)
-
-    def _mark_queued(self, client: RemoteClient, client_id: str) -> None:
-        """A pipelined call of `client` is queued on the stream, up to its output flag."""
-        event = self._spare_events.pop() if self._spare_events else torch.cuda.Event()
-        event.record(self._torch_stream)
-        self._on_stream.append((event, client_id))
-        client.on_stream += 1
 
     # --- completions ---------------------------------------------------------------------------------
 
@@ -385,7 +363,8 @@ class ExecutorServer:
         if client.flags is not None:  # behind the output copy on the stream, or at once for a failed call
             try:
                 streamops.write(self._stream, client.flags.tensor.data_ptr() + 4, seq, self.executor.device.index)
-                self._mark_queued(client, client_id)
+                self._ledger.after(self._torch_stream, partial(self._ran_on_stream, client_id))
+                client.on_stream += 1
             except RuntimeError as e:
                 log.error("could not release client %s's stream: %s", client.name, e)
         client.doorbell.answer(seq, None if error is None else wire.error_reply(None, error))
@@ -407,12 +386,10 @@ class ExecutorServer:
                             self.executor.device.index)
         except RuntimeError as e:
             log.error("could not release the executor's stream from %s's flags: %s", client.name, e)
-        done = torch.cuda.Event()
-        done.record(self._torch_stream)
-        if unlink:
-            for shared in (client.buffer, client.flags):
+        for shared in (client.buffer, client.flags):
+            if unlink:
                 shared.unlink()
-        self._departed.append((done, [client.buffer, client.flags]))
+            self._ledger.after(self._torch_stream, shared.close)
 
     def _reap(self) -> None:
         now = time.monotonic()
