@@ -92,6 +92,30 @@ def test_client_killed_mid_pass(die_in, checkpoints, tmp_path):
             assert_close(ours[name], value, f"survivor {seed}: {name}")
 
 
+def test_a_client_process_that_dies_is_detached_at_once_not_after_its_timeout(checkpoints, tmp_path):
+    """An ipc:// client holds a lock on its doorbell while its process lives: the executor detaches a killed
+    client within a second or so, not after its heartbeat timeout (60 s here), which matters most when
+    other tenants' calls wait behind the dead one's (lockstep batching here; a pipelined client's calls on
+    the executor's GPU stream)."""
+    model_dir, _ = checkpoints("llama")
+    url = f"ipc://{tmp_path}/executor.sock"
+    executor = start_executor(model_dir, url, tmp_path, policy="lockstep", client_timeout=60)
+    try:
+        victim = start_tenant(model_dir, url, "lora", 0, tmp_path / "victim.pt", "--die-in", "backward")
+        assert victim.wait(timeout=120) == -signal.SIGKILL
+        died = time.time()
+        assert wait_until(lambda: not any(c.startswith("tenant0-") for c in attached(url)), timeout=10)
+        assert time.time() - died < 10
+        assert wait_until(lambda: not glob.glob(str(SHM_DIR / f"symbiosis-{victim.pid}-*")))
+        worker = start_tenant(model_dir, url, "lora", 1, tmp_path / "1.pt")
+        assert worker.wait(timeout=120) == 0
+        # The worker exited without closing its session: detached as soon as the reaper looks, too.
+        assert wait_until(lambda: attached(url) == [], timeout=10)
+    finally:
+        executor.terminate()
+        executor.wait(timeout=30)
+
+
 def test_frozen_client_holds_no_one_up(checkpoints, tmp_path):
     model_dir, _ = checkpoints("llama")
     url = "tcp://127.0.0.1:46731"

@@ -24,6 +24,7 @@ while the client has not seen the last one (errors_seen < error_seq), later ones
 
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
@@ -92,6 +93,12 @@ class Doorbell:
         # to handle (timeouts and the heartbeat reaper catch that).
         self.request_fd = os.open(paths["request"], os.O_RDWR | os.O_NONBLOCK)
         self.reply_fd = os.open(paths["reply"], os.O_RDWR | os.O_NONBLOCK)
+        # The client holds an exclusive lock on its control block for as long as its process lives (the
+        # kernel drops it when the process dies, however it dies): the executor tells a dead client from a
+        # busy one at once (`peer_alive`) instead of after its heartbeat timeout. Works across PID namespaces.
+        self._lock_fd = os.open(paths["control"], os.O_RDONLY | os.O_CLOEXEC)
+        if owner:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._reply_poll = select.poll()
         self._reply_poll.register(self.reply_fd, select.POLLIN)
         # Client: the last call made. Executor: the last call taken (it takes only the calls after this).
@@ -236,8 +243,18 @@ class Doorbell:
             if path.name.startswith(PREFIX):
                 path.unlink(missing_ok=True)
 
+    def peer_alive(self) -> bool:
+        """Executor: whether the client's process still holds its doorbell (it has not exited or died, nor
+        closed it)."""
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        return False
+
     def close(self, unlink: bool = False) -> None:
-        for fd in (self.request_fd, self.reply_fd):
+        for fd in (self.request_fd, self.reply_fd, self._lock_fd):
             os.close(fd)
         self.control.close()
         if self.owner or unlink:

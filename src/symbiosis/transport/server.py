@@ -4,7 +4,7 @@ One I/O thread owns the socket and the clients' doorbells (`doorbell.py`: on `ip
 through a shared control block and a FIFO byte instead of the socket). Requests are decoded and submitted to the executor's batcher; when a
 call's future resolves (on the batcher thread) it is queued here and the I/O thread is woken through a
 pipe, so only the I/O thread ever touches the socket. A client that stops sending anything (calls or
-heartbeats) for `client_timeout` seconds is detached: its queued calls are dropped, its shared buffer
+heartbeats) for `client_timeout` seconds, or an ipc:// client whose process has exited, is detached: its queued calls are dropped, its shared buffer
 unmapped and removed, and batching stops waiting for it.
 """
 
@@ -394,7 +394,10 @@ class ExecutorServer:
     def _reap(self) -> None:
         now = time.monotonic()
         for client_id, client in list(self.clients.items()):
-            if now - client.last_seen > self.client_timeout:
+            if client.doorbell is not None and not client.doorbell.peer_alive():
+                log.warning("client %s exited without detaching: detaching it", client_id)
+                self._drop(client_id, unlink=True)
+            elif now - client.last_seen > self.client_timeout:
                 log.warning("client %s silent for %.1fs: detaching it", client_id, now - client.last_seen)
                 self._drop(client_id, unlink=True)
 
