@@ -23,7 +23,7 @@ fi
 
 declare -A LIMIT_S=(
   [gpu_tests]=180 [rtt]=90 [single_1b]=150 [single_13b]=330 [multi_1b]=330 [multi_1b_8]=200 [multi_13b]=420 [multi_1b_ckpt]=240 [multi_13b_ckpt]=570
-  [policies]=200 [mixed]=200 [privacy]=320 [long_context]=330
+  [policies]=420 [mixed]=330 [privacy]=320 [long_context]=330
 )
 declare -A COMMAND=(
   [gpu_tests]="$PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider"
