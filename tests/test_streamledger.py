@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import os
 
+import pytest
+import torch
+import zmq
+
 from symbiosis.transport.streamledger import StreamLedger
 
 
@@ -55,65 +59,110 @@ def test_a_callback_that_adds_a_point_has_it_checked_in_the_same_pass():
     assert ledger.run_passed() == 2 and ran == ["second"]
 
 
-def test_pipelined_clients_sharing_the_stream_have_two_calls_each_waiting_there(checkpoints, monkeypatch):
-    """The executor service's rule (`server.py`): while several pipelined clients have calls, each may have
-    SHARED_STREAM_DEPTH queued on the stream and not yet run, so their calls interleave there; a lone client
-    is not held back. Run on the CPU with the stream's driver calls stubbed and stand-in events."""
+@pytest.fixture
+def stub_server(checkpoints, monkeypatch):
+    """An executor service on the CPU with two attached "pipelined" clients A and B: their flags are host
+    memory, the stream's driver calls are stubbed and logged, its events are stand-ins the test passes.
+    Yields (server, {name: client id}, gates: calls in the order their gates were queued, writes)."""
     import torch
 
     import symbiosis
     from symbiosis.transport import server as server_module
-    from symbiosis.transport.doorbell import Doorbell, Request
-    from symbiosis.transport.server import SHARED_STREAM_DEPTH, ExecutorServer, RemoteClient
+    from symbiosis.transport.doorbell import Doorbell
+    from symbiosis.transport.server import ExecutorServer, RemoteClient
     from symbiosis.transport.shm import SharedBuffer
 
-    assert SHARED_STREAM_DEPTH == 2
     path, _ = checkpoints("llama")
     executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64, policy="none")
-    layer = "model.layers.0.mlp.up_proj"
-    width = executor.layer_specs[layer].in_features
-    ran: list[str] = []  # the order in which calls reach the stream, by their gates
-    monkeypatch.setattr(server_module.streamops, "write", lambda *args: None)
-    monkeypatch.setattr(server_module.streamops, "wait_geq", lambda stream, address, seq, device: ran.append(
+    names, gates, writes = {}, [], []
+    monkeypatch.setattr(server_module.streamops, "write", lambda stream, address, value, device: writes.append(
+        (stream, address, value)))
+    monkeypatch.setattr(server_module.streamops, "wait_geq", lambda stream, address, seq, device: gates.append(
         f"{names[address]}{seq}"))
-    server = ExecutorServer(executor, "inproc://depth-test")
+    server = ExecutorServer(executor, "inproc://stub-server")
     server._ledger = StreamLedger(FakeEvent)
+    server._side_stream = "side"
     FakeEvent.made, FakeEvent.recorded = [], []
-    names, opened = {}, []
+    ids, opened = {}, []
     for name in "AB":
         buffer, flags = SharedBuffer.create(1 << 16, torch.device("cpu")), SharedBuffer.create(8, torch.device("cpu"))
         doorbell = Doorbell.create()
         opened += [buffer, flags, doorbell]
-        client_id = executor.register(executor.fingerprint, name)
-        server.clients[client_id] = RemoteClient(b"", name, buffer, 0.0, doorbell, flags)
+        ids[name] = executor.register(executor.fingerprint, name)
+        server.clients[ids[name]] = RemoteClient(b"", name, buffer, 0.0, doorbell, flags)
+        server._doorbells[doorbell.request_fd] = ids[name]
+        server._poller.register(doorbell.request_fd, zmq.POLLIN)
         names[flags.tensor.data_ptr()] = name
-    try:
-        a, b = server.clients
-        calls = [Request(seq, "forward", layer, False, torch.float64, (3, width)) for seq in range(1, 6)]
-        server.clients[a].pending.extend(calls)
-        server._pump(a)  # alone: all five go on the stream
-        assert ran == ["A1", "A2", "A3", "A4", "A5"] and server.clients[a].on_stream == 5
-        for event in FakeEvent.recorded:
-            event.passed = True
-        assert server._ledger.run_passed() == 5 and server.clients[a].on_stream == 0
-        ran.clear()
-        FakeEvent.recorded = []
-        for client_id in (a, b):
-            server.clients[client_id].pending.extend(
-                Request(seq, "forward", layer, False, torch.float64, (3, width)) for seq in range(6, 10))
-        server._pump(a)
-        server._pump(b)
-        assert ran == ["A6", "A7", "B6", "B7"]  # two each while both have calls
-        FakeEvent.recorded[0].passed = True  # the stream ran A6: A queues its next one
-        server._ledger.run_passed()
-        assert ran == ["A6", "A7", "B6", "B7", "A8"]
-        for event in FakeEvent.recorded[1:3]:  # A7, B6
-            event.passed = True
-        server._ledger.run_passed()
-        assert ran == ["A6", "A7", "B6", "B7", "A8", "A9", "B8"]
-    finally:
-        server._socket.close(linger=0)
-        os.close(server._wake_read)
-        os.close(server._wake_write)
-        for shared in opened:
+    yield server, ids, gates, writes
+    server._socket.close(linger=0)
+    os.close(server._wake_read)
+    os.close(server._wake_write)
+    for shared in opened:
+        try:
             shared.close()
+        except OSError:
+            pass  # a doorbell the server closed already
+
+
+def _calls(server, client_id: str, seqs) -> None:
+    from symbiosis.transport.doorbell import Request
+
+    layer = "model.layers.0.mlp.up_proj"
+    width = server.executor.layer_specs[layer].in_features
+    server.clients[client_id].pending.extend(Request(seq, "forward", layer, False, torch.float64, (3, width))
+                                             for seq in seqs)
+    server._pump(client_id)
+
+
+def test_pipelined_clients_sharing_the_stream_have_two_calls_each_waiting_there(stub_server):
+    """The executor service's rule (`server.py`): while several pipelined clients have calls, each may have
+    SHARED_STREAM_DEPTH queued on the stream and not yet run, so their calls interleave there; a lone client
+    is not held back."""
+    from symbiosis.transport.server import SHARED_STREAM_DEPTH
+
+    server, ids, gates, _ = stub_server
+    a, b = ids["A"], ids["B"]
+    assert SHARED_STREAM_DEPTH == 2
+    _calls(server, a, range(1, 6))  # alone: all five go on the stream
+    assert gates == ["A1", "A2", "A3", "A4", "A5"] and server.clients[a].on_stream == 5
+    for event in FakeEvent.recorded:
+        event.passed = True
+    assert server._ledger.run_passed() == 5 and server.clients[a].on_stream == 0
+    gates.clear()
+    FakeEvent.recorded = []
+    server.clients[b].pending.append(None)  # B has a call taken (not yet pumped): A is not alone
+    _calls(server, a, range(6, 10))
+    assert gates == ["A6", "A7"]
+    server.clients[b].pending.clear()
+    _calls(server, b, range(6, 10))
+    assert gates == ["A6", "A7", "B6", "B7"]
+    FakeEvent.recorded[0].passed = True  # the stream ran A6: A queues its next one
+    server._ledger.run_passed()
+    assert gates == ["A6", "A7", "B6", "B7", "A8"]
+    for event in FakeEvent.recorded[1:3]:  # A7, B6
+        event.passed = True
+    server._ledger.run_passed()
+    assert gates == ["A6", "A7", "B6", "B7", "A8", "A9", "B8"]
+
+
+def test_a_departed_pipelined_client_lets_the_stream_pass_its_calls(stub_server):
+    """A pipelined client that leaves with calls queued on the stream: its input flag is set far ahead from
+    the side stream (so those calls' waits end, and the calls behind them run), and its buffer and flags
+    stay mapped until the stream is past its last call."""
+    server, ids, gates, writes = stub_server
+    a = ids["A"]
+    client = server.clients[a]
+    _calls(server, a, range(1, 4))
+    writes.clear()
+    client.doorbell.seq = 3  # as if the executor had taken them from the ring
+    server._drop(a, unlink=False)
+    assert writes == [("side", client.flags.tensor.data_ptr(), 3 + (1 << 20))]
+    assert client.buffer.tensor is not None and client.flags.tensor is not None  # the stream may still read them
+    for event in FakeEvent.recorded[:3]:
+        event.passed = True
+    server._ledger.run_passed()
+    assert client.buffer.tensor is not None, "closed before the stream was past the calls"
+    for event in FakeEvent.recorded[3:]:
+        event.passed = True
+    server._ledger.run_passed()
+    assert client.buffer.tensor is None and client.flags.tensor is None
