@@ -131,6 +131,7 @@ def run_tenant(role: str, model_dir: Path, url: str, token: str, steps: int, out
     if role == "writer":
         for prompt in WRITER_PROMPTS:
             say(f"{prompt!r} -> {_complete(model, tokenizer, prompt)!r}")
+        model.symbiosis_session.close()
         return
     make_config, lr, line, prompt = TENANTS[role]
     model = get_peft_model(model, make_config())
@@ -153,6 +154,7 @@ def run_tenant(role: str, model_dir: Path, url: str, token: str, steps: int, out
     say(f"after:  {prompt!r} -> {_complete(model, tokenizer, prompt)!r}")
     save_adapter(model, out_dir / role)
     say(f"adapter saved to {out_dir / role} (PEFT format)")
+    model.get_base_model().symbiosis_session.close()
 
 
 def _wait_for_executor(url: str, token: str, process: subprocess.Popen, timeout: float = 120.0) -> dict:
