@@ -1,5 +1,7 @@
-"""The executor's record of what its CUDA stream has queued and not yet run (`transport/streamledger.py`),
-with stand-in events whose completion the test sets (a stream passes its events in recording order)."""
+"""The executor service's rules for pipelined clients' calls on its CUDA stream, run on the CPU: the ledger of
+what the stream has queued and not run (`transport/streamledger.py`, with stand-in events whose completion
+the test sets; a stream passes its events in recording order), the depth each client may have there, the
+release of a departed client's calls, and where MPS is looked for."""
 
 from __future__ import annotations
 
@@ -166,3 +168,12 @@ def test_a_departed_pipelined_client_lets_the_stream_pass_its_calls(stub_server)
         event.passed = True
     server._ledger.run_passed()
     assert client.buffer.tensor is None and client.flags.tensor is None
+
+
+def test_mps_is_found_where_cuda_looks_for_its_pipe(tmp_path, monkeypatch):
+    from symbiosis.transport.server import mps_running
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert not mps_running()
+    (tmp_path / "control").touch()  # the daemon's control pipe
+    assert mps_running()
