@@ -35,29 +35,29 @@ def main() -> None:
     url = "ipc:///tmp/symbiosis-multi.sock"
     memory: dict[int, tuple[float | None, float]] = {}  # tenants -> (plain GiB or None: did not fit, symbiosis GiB)
     best_plain: tuple[int, float] | None = None  # (jobs, tokens/s) of the largest plain fleet that fitted
+    usable_gib = 0.97 * total_gib
     for n in [int(x) for x in args.tenants.split(",")]:
         common = dict(model_dir=path, lora=args.lora, batch_size=2, seq_len=512, checkpointing=args.checkpointing)
+
+        def plain_fleet(jobs: int):
+            try:
+                return run_fleet([dict(common, mode="plain", name=f"peft{i}") for i in range(jobs)], args.duration)
+            except RuntimeError as e:  # a job ran out of memory after all: this many do not fit
+                print(f"{jobs} plain PEFT jobs: {e}", flush=True)
+                return None, None
+
         # N plain jobs need N footprints: past the GPU's memory (known from N=1; none if one job failed) they
         # are not started.
         one_job = memory[1][0] if 1 in memory else None
-        fits = not total_gib or 1 not in memory or (one_job is not None and n * one_job <= 0.97 * total_gib)
-        plain, plain_gpu = None, None
-        try:
-            if fits:
-                plain, plain_gpu = run_fleet([dict(common, mode="plain", name=f"peft{i}") for i in range(n)],
-                                             args.duration)
-        except RuntimeError as e:  # a job ran out of memory after all: this many do not fit
-            print(f"{n} plain PEFT jobs: {e}", flush=True)
+        fits = not total_gib or 1 not in memory or (one_job is not None and n * one_job <= usable_gib)
+        plain, plain_gpu = plain_fleet(n) if fits else (None, None)
         # N jobs do not fit: the baseline is what the GPU can run of them, as many at once as fit (measured
         # here if no fleet that large has run yet).
-        most = int(0.97 * total_gib // one_job) if one_job and total_gib else 0
+        most = int(usable_gib // one_job) if one_job and total_gib else 0
         if plain is None and 1 < most < n and (best_plain is None or best_plain[0] < most):
-            try:
-                fleet, _ = run_fleet([dict(common, mode="plain", name=f"peft{i}") for i in range(most)],
-                                     args.duration)
+            fleet, _ = plain_fleet(most)
+            if fleet is not None:
                 best_plain = (most, sum(r["tokens_per_s"] for r in fleet))
-            except RuntimeError as e:
-                print(f"{most} plain PEFT jobs: {e}", flush=True)
         before_executor = gpu_memory_mib()  # the executor's weights and context count as the fleet's memory
         executor = start_executor(path, url, args.policy)
         try:

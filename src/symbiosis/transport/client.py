@@ -43,7 +43,6 @@ INITIAL_BUFFER_BYTES = 8 << 20
 _PIPELINED_DEVICES: set[int] = set()
 _PIPELINED_LOCK = threading.Lock()
 FLAG_BYTES = 8  # int32 [input seq (the client writes), output seq (the executor writes)]
-RELEASE_AHEAD = 1 << 20  # a released stream's flag is set this far ahead of the last call: no wait can hold
 
 
 class _Channel:
@@ -229,8 +228,8 @@ class RemoteSession:
         self._broken = why
         flags = self.flags
         # On a stream of its own: the client's stream may be stuck waiting.
-        streamops.write(self._release_stream, flags.tensor.data_ptr() + 4, self.doorbell.seq + RELEASE_AHEAD,
-                        flags.tensor.device.index)
+        streamops.release(self._release_stream, flags.tensor.data_ptr() + 4, self.doorbell.seq,
+                          flags.tensor.device.index)
         self._retired_flags.append(flags)
         self._give_up_pipeline()  # reconnect() claims again
 

@@ -125,7 +125,7 @@ class ExecutorServer:
                 spin = hot or (held and SPARE_CORES and not self.executor.batcher.busy)
                 events = dict(poller.poll(timeout=0 if spin else (1 if held else 200)))
                 started = time.perf_counter()
-                retired = self._ledger.run_passed() if self._ledger else 0
+                retired = self._ledger.run_passed()
                 for fd in events:
                     if fd in self._doorbells:
                         self._take_doorbell_call(self._doorbells[fd])
@@ -395,8 +395,8 @@ class ExecutorServer:
         inputs that will never come, or every client behind them would wait forever. Its input flag is set
         far ahead from a stream of its own, and its buffer and flags stay mapped until the stream is past."""
         try:
-            streamops.write(self._side_stream, client.flags.tensor.data_ptr(), client.doorbell.seq + (1 << 20),
-                            self.executor.device.index)
+            streamops.release(self._side_stream, client.flags.tensor.data_ptr(), client.doorbell.seq,
+                              self.executor.device.index)
         except RuntimeError as e:
             log.error("could not release the executor's stream from %s's flags: %s", client.name, e)
         for shared in (client.buffer, client.flags):

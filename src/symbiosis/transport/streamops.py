@@ -19,6 +19,7 @@ import torch
 
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: cyclic >=
 WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: earlier writes of the stream are visible first
+RELEASE_AHEAD = 1 << 20  # a released flag is set this far past the last call: no wait queued on it can hold
 _driver: ctypes.CDLL | None = None
 _functions: dict[str, ctypes._CFuncPtr] = {}
 _thread = threading.local()  # devices whose primary context this thread has made current
@@ -101,3 +102,9 @@ def write(stream: int, address: int, value: int, device_index: int) -> None:
     _use_context(device_index)
     _check(_functions["cuStreamWriteValue32"](stream, address, value & 0xFFFFFFFF, WRITE_DEFAULT),
            "cuStreamWriteValue32")
+
+
+def release(stream: int, address: int, last_seq: int, device_index: int) -> None:
+    """Let every wait on the flag at `address` for a call up to `last_seq` end: the other side will never
+    write it (it died, or stopped answering). `stream` must be one that is not itself stuck on such a wait."""
+    write(stream, address, last_seq + RELEASE_AHEAD, device_index)
