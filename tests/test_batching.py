@@ -119,6 +119,18 @@ def test_opportunistic_stops_waiting_when_company_never_comes_and_probes_again()
     assert policy.decide(lone, 0.0, counts).key is None
 
 
+def test_opportunistic_never_holds_a_pipelined_call_but_batches_what_is_queued_with_it():
+    policy = Opportunistic(max_wait=0.010, target_tokens=1000)  # waiting pays (company_rate 1.0)
+    counts = ClientCounts(attached=4, active=4)
+    assert policy.decide(_queues(("l0", "a", 100, False, 0.0)), 0.0, counts).key is None  # a plain call waits
+    queues = _queues(("l0", "a", 100, False, 0.0), ("l1", "b", 100, False, 0.001), ("l1", "c", 100, False, 0.002))
+    queues.by_key[("l1", "forward")][0].may_wait = False  # b's is pipelined: its key runs now, c's call with it
+    assert policy.decide(queues, 0.003, counts).key == ("l1", "forward")
+    inference = _queues(("l1", "b", 100, False, 0.0), ("l2", "d", 1, True, 0.001))
+    inference.by_key[("l1", "forward")][0].may_wait = False
+    assert policy.decide(inference, 0.002, counts).key == ("l2", "forward")  # inference still goes first
+
+
 def test_lockstep_waits_for_every_attached_client_then_gives_up():
     policy = Lockstep(max_wait=0.05)
     two = _queues(("l0", "a", 5, False, 0.0), ("l0", "b", 5, False, 0.0))

@@ -106,12 +106,12 @@ def stub_server(checkpoints, monkeypatch):
             pass  # a doorbell the server closed already
 
 
-def _calls(server, client_id: str, seqs) -> None:
+def _calls(server, client_id: str, seqs, inference: bool = False) -> None:
     from symbiosis.transport.doorbell import Request
 
     layer = "model.layers.0.mlp.up_proj"
     width = server.executor.layer_specs[layer].in_features
-    server.clients[client_id].pending.extend(Request(seq, "forward", layer, False, torch.float64, (3, width))
+    server.clients[client_id].pending.extend(Request(seq, "forward", layer, inference, torch.float64, (3, width))
                                              for seq in seqs)
     server._pump(client_id)
 
@@ -145,6 +145,21 @@ def test_pipelined_clients_sharing_the_stream_have_two_calls_each_waiting_there(
         event.passed = True
     server._ledger.run_passed()
     assert gates == ["A6", "A7", "B6", "B7", "A8", "A9", "B8"]
+
+
+def test_a_decoding_clients_inference_calls_are_not_held_behind_the_training_calls(stub_server):
+    """Inference calls go on the stream as they come, however many of the client's are there; a training
+    client sharing the stream keeps its depth."""
+    server, ids, gates, _ = stub_server
+    a, b = ids["A"], ids["B"]
+    _calls(server, b, range(1, 4))  # B trains: alone, all three go
+    _calls(server, a, range(1, 5), inference=True)
+    assert gates == ["B1", "B2", "B3", "A1", "A2", "A3", "A4"]
+    _calls(server, b, range(4, 6))  # B is past the depth while A's calls are on the stream
+    _calls(server, a, range(5, 7), inference=True)
+    assert gates[7:] == ["A5", "A6"]
+    _calls(server, a, [7])  # a training call of A's is held like any other
+    assert gates[9:] == []
 
 
 def test_a_departed_pipelined_client_lets_the_stream_pass_its_calls(stub_server):

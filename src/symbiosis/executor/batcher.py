@@ -64,7 +64,7 @@ class Batcher:
         """Queue a call. With `inline`, a call the policy would run at once (say, the only active client's)
         runs on the caller's thread, saving the hand-off to the worker: the in-process fast path. `gate` is
         called right before the call's input is read (a pipelined client's input may not be there yet)."""
-        call = PendingCall(client_id, tensor.shape[0], inference, time.perf_counter(), tensor, gate=gate)
+        call = PendingCall(client_id, tensor.shape[0], inference, time.perf_counter(), gate is None, tensor, gate=gate)
         with self._cond:
             self.last_call[client_id] = call.arrived
             self.queues.by_key.setdefault(key, []).append(call)

@@ -42,6 +42,10 @@ HOT_S = 2e-3 if SPARE_CORES else 0.0
 # all wait, one after the other, for its GPU, with every other client's ready calls stuck behind them. Two
 # keep a call of each client queued while its previous one runs (hiding this thread's time per call), and
 # interleave the clients' calls so that each has the others' GEMMs' time to produce its next input.
+# Inference calls are not held: they go first (as in the batching policies), and a decoding client's calls,
+# each needing the one before, would otherwise wait behind every training client's queued calls in turn
+# (decode under four fine-tuning tenants took 1.71x its time alone, docs/PERFORMANCE.md section 4). Queued
+# as its CPU posts them, they hold the stream only for its own short kernels between calls.
 SHARED_STREAM_DEPTH = 2
 
 
@@ -298,7 +302,8 @@ class ExecutorServer:
         leave the stream waiting for a flag that can only come after it."""
         client = self.clients.get(client_id)
         while client is not None and client.pending and not client.in_batcher:
-            if client.flags is not None and client.on_stream >= SHARED_STREAM_DEPTH and self._shared_stream():
+            if client.flags is not None and client.on_stream >= SHARED_STREAM_DEPTH and \
+                    not client.pending[0].inference and self._shared_stream():
                 return  # pumped again when the stream has run one (_ran_on_stream)
             request: Request = client.pending.popleft()
             header = {"op": request.op, "layer": request.layer, "inference": request.inference,
