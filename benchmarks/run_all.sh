@@ -17,13 +17,14 @@ if [[ "${MPS:-0}" == 1 ]]; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/symbiosis-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/symbiosis-mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   nvidia-cuda-mps-control -d || { echo "could not start the MPS control daemon" >&2; exit 1; }
-  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  # quit waits for every MPS client to go; one whose GPU work can never finish would hold it for ever
+  trap 'echo quit | timeout 20 nvidia-cuda-mps-control || echo "!! MPS control daemon did not quit" >&2' EXIT
   echo "== MPS control daemon started"
 fi
 
 declare -A LIMIT_S=(
-  [gpu_tests]=180 [rtt]=90 [single_1b]=150 [single_13b]=330 [multi_1b]=330 [multi_1b_8]=200 [multi_13b]=420 [multi_1b_ckpt]=240 [multi_13b_ckpt]=570
-  [policies]=420 [mixed]=330 [privacy]=320 [long_context]=330
+  [gpu_tests]=240 [rtt]=90 [single_1b]=150 [single_13b]=330 [multi_1b]=330 [multi_1b_8]=200 [multi_13b]=420 [multi_1b_ckpt]=240 [multi_13b_ckpt]=570
+  [policies]=300 [mixed]=240 [privacy]=320 [long_context]=330
 )
 declare -A COMMAND=(
   [gpu_tests]="$PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider"
@@ -35,8 +36,8 @@ declare -A COMMAND=(
   [multi_13b]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 1,2,3 --duration 6"
   [multi_1b_ckpt]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,8 --duration 5 --checkpointing"
   [multi_13b_ckpt]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 1,2,8,16 --duration 5 --checkpointing"
-  [policies]="$PY benchmarks/policies.py --model llama-3.2-1b --duration 8"
-  [mixed]="$PY benchmarks/mixed_work.py --model llama-3.2-1b --duration 8"
+  [policies]="$PY benchmarks/policies.py --model llama-3.2-1b --duration 5"
+  [mixed]="$PY benchmarks/mixed_work.py --model llama-3.2-1b --duration 5"
   [privacy]="$PY benchmarks/privacy.py --model llama-3.2-1b --duration 5"
   [long_context]="$PY benchmarks/long_context.py --model llama-3-8b --steps 4 --decode-dtypes bfloat16"
 )
