@@ -83,11 +83,23 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def sync_stream() -> None:
+    """Wait for this thread's current CUDA stream only (other threads' tenants keep their GPU work)."""
+    if torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()
+
+
 def train_step(model, optimizer, batch_size: int, seq_len: int, vocab: int) -> None:
-    ids = torch.randint(0, vocab, (batch_size, seq_len), device=model.device)
-    model(input_ids=ids, labels=ids).loss.backward()
+    fit_step(model, optimizer, torch.randint(0, vocab, (batch_size, seq_len), device=model.device))
+
+
+def fit_step(model, optimizer, ids: torch.Tensor) -> torch.Tensor:
+    """One fine-tuning step on `ids` [batch, seq] (as input and labels); returns the loss."""
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return loss
 
 
 WARMUP_ITERS = 3  # iterations run before timing starts

@@ -32,7 +32,8 @@ def gpu_memory_mib() -> int:
 
 def run_fleet(tenants: list[dict], duration: float, on_go: Callable[[], None] | None = None,
               baseline_mib: int | None = None) -> tuple[list[dict], FleetGpu]:
-    """tenants: keyword arguments of tenant.py per process; `on_go` is called as they start working.
+    """tenants: keyword arguments of tenant.py per process (one process may hold several tenants: its results
+    are all returned, in order); `on_go` is called as they start working.
     baseline_mib: device memory in use before the fleet's executor started (`gpu_memory_mib()`), so that
     the executor's memory counts as the fleet's; by default, what is in use when the tenants start."""
     go_file = Path(tempfile.mkdtemp()) / "go"
@@ -63,7 +64,8 @@ def run_fleet(tenants: list[dict], duration: float, on_go: Callable[[], None] | 
             out = p.stdout.read().strip().splitlines()
             if p.wait() != 0 or not out:
                 raise RuntimeError(f"a tenant failed (code {p.returncode})")
-            results.append(json.loads(out[-1]))
+            result = json.loads(out[-1])  # one tenant's, or a list (one process of several tenants)
+            results.extend(result if isinstance(result, list) else [result])
     return results, FleetGpu(memory.used_gib, memory.busy_share(went, went + duration))
 
 

@@ -7,6 +7,12 @@ size is compared with the largest plain fleet that fitted.
     python benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,2,4,8
     python benchmarks/multi_tenant.py --model llama-2-13b --tenants 1,2,3   # plain fleets past the GPU memory are skipped
     python benchmarks/multi_tenant.py --model llama-2-13b --tenants 1,2,8,16 --checkpointing   # both fleets checkpoint
+    python benchmarks/multi_tenant.py --tenants 8 --clients threads --compile symbiosis   # one process, N threads
+
+`--clients threads` runs the symbiosis fleet as one process: an in-process executor (policy `none`) and N
+clients on threads and CUDA streams of their own, each running its GEMMs itself. `--compile` and
+`--capture` say which fleets go through `torch.compile` and replay each step as a CUDA graph
+(`symbiosis`: the symbiosis clients, which must then be threads; `both`: the plain PEFT jobs too).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import statistics
 import torch
 
 from common import checkpoint, emit, start_executor
-from fleet import ExecutorWindow, gpu_memory_mib, run_fleet
+from fleet import ExecutorWindow, FleetGpu, gpu_memory_mib, run_fleet
 
 
 def main() -> None:
@@ -29,7 +35,15 @@ def main() -> None:
     parser.add_argument("--policy", default="opportunistic")
     parser.add_argument("--checkpointing", action="store_true",
                         help="every tenant, plain or symbiosis, uses transformers' gradient checkpointing")
+    parser.add_argument("--clients", choices=["processes", "threads"], default="processes",
+                        help="symbiosis clients as processes on an executor process, or threads of one process")
+    parser.add_argument("--compile", choices=["none", "symbiosis", "both"], default="none",
+                        help="which fleets torch.compile their tenants' models")
+    parser.add_argument("--capture", choices=["none", "symbiosis", "both"], default="none",
+                        help="which fleets replay their tenants' steps as CUDA graphs (symbiosis.CapturedStep)")
     args = parser.parse_args()
+    if args.clients == "processes" and "none" not in (args.compile, args.capture):
+        parser.error("--compile and --capture apply to symbiosis clients on threads (--clients threads)")
     path = checkpoint(args.model)
     total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0.0
     url = "ipc:///tmp/symbiosis-multi.sock"
@@ -41,7 +55,8 @@ def main() -> None:
 
         def plain_fleet(jobs: int):
             try:
-                return run_fleet([dict(common, mode="plain", name=f"peft{i}") for i in range(jobs)], args.duration)
+                return run_fleet([dict(common, mode="plain", name=f"peft{i}", compile=args.compile == "both",
+                                       capture=args.capture == "both") for i in range(jobs)], args.duration)
             except RuntimeError as e:  # a job ran out of memory after all: this many do not fit
                 print(f"{jobs} plain PEFT jobs: {e}", flush=True)
                 return None, None
@@ -58,27 +73,20 @@ def main() -> None:
             fleet, _ = plain_fleet(most)
             if fleet is not None:
                 best_plain = (most, sum(r["tokens_per_s"] for r in fleet))
-        before_executor = gpu_memory_mib()  # the executor's weights and context count as the fleet's memory
-        executor = start_executor(path, url, args.policy)
         try:
-            window = ExecutorWindow(url)
-            ours, ours_gpu = run_fleet([dict(common, mode="symbiosis", url=url, name=f"t{i}") for i in range(n)],
-                                       args.duration, on_go=window.start, baseline_mib=before_executor)
-            profile = window.shares()  # where the time went: executor threads, GEMMs; clients' waits below
+            ours, ours_gpu, profile = (symbiosis_threads if args.clients == "threads" else symbiosis_processes)(
+                args, common, n, path, url)
         except RuntimeError as e:  # a client ran out of memory: this many do not fit, nor do more
             emit(bench="multi_tenant", model=args.model, tenants=n, symbiosis=f"failed: {e}")
             break
-        finally:
-            executor.terminate()
-            executor.wait()
         ours_tps = sum(r["tokens_per_s"] for r in ours)
-        record = dict(bench="multi_tenant", model=args.model, tenants=n, policy=args.policy,
+        record = dict(bench="multi_tenant", model=args.model, tenants=n, clients=args.clients,
+                      policy="none" if args.clients == "threads" else args.policy, compile=args.compile,
+                      capture=args.capture,
                       checkpointing=args.checkpointing,
                       symbiosis_tokens_per_s=round(ours_tps), symbiosis_gpu_gib=round(ours_gpu.used_gib, 1),
                       symbiosis_median_iter_s=round(max(r["median_s"] for r in ours), 4),
-                      symbiosis_gpu_busy=round(ours_gpu.busy_share, 3),
-                      client_wait_share=round(statistics.mean(r["wait_share"] for r in ours), 3),
-                      client_calls_per_iter=round(ours[0]["calls_per_iter"], 1), **profile)
+                      symbiosis_gpu_busy=round(ours_gpu.busy_share, 3), **profile)
         if plain is not None:
             plain_tps = sum(r["tokens_per_s"] for r in plain)
             best_plain = (n, plain_tps)
@@ -106,6 +114,33 @@ def main() -> None:
              gib_per_peft_job=round(per_job, 2), gib_per_symbiosis_client=round(per_client, 2),
              gib_executor=round(shared, 2), peft_jobs_fit=peft_fit, symbiosis_clients_fit=ours_fit,
              ratio=round(ours_fit / max(1, peft_fit), 2))
+
+
+def symbiosis_processes(args, common: dict, n: int, path, url: str) -> tuple[list[dict], FleetGpu, dict]:
+    """N client processes on an executor process; with where the fleet's time went."""
+    before_executor = gpu_memory_mib()  # the executor's weights and context count as the fleet's memory
+    executor = start_executor(path, url, args.policy)
+    try:
+        window = ExecutorWindow(url)
+        ours, ours_gpu = run_fleet([dict(common, mode="symbiosis", url=url, name=f"t{i}") for i in range(n)],
+                                   args.duration, on_go=window.start, baseline_mib=before_executor)
+        profile = window.shares()  # where the time went: executor threads, GEMMs; and the clients' waits
+    finally:
+        executor.terminate()
+        executor.wait()
+    profile.update(client_wait_share=round(statistics.mean(r["wait_share"] for r in ours), 3),
+                   client_calls_per_iter=round(ours[0]["calls_per_iter"], 1))
+    return ours, ours_gpu, profile
+
+
+def symbiosis_threads(args, common: dict, n: int, path, url: str) -> tuple[list[dict], FleetGpu, dict]:
+    """One process: an in-process executor and N client threads (its memory counts from before it starts)."""
+    fleet = dict(common, mode="threads", tenants=n, name="t", compile=args.compile != "none",
+                 capture=args.capture != "none")
+    ours, ours_gpu = run_fleet([fleet], args.duration, baseline_mib=gpu_memory_mib())
+    return ours, ours_gpu, {"build_s": round(ours[0]["build_s"], 1),  # the whole process's, on every line
+                            "process_peak_allocated_gib": round(ours[0]["peak_gib"], 2),
+                            "process_peak_reserved_gib": round(ours[0]["peak_reserved_gib"], 2)}
 
 
 if __name__ == "__main__":

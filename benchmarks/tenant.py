@@ -3,6 +3,11 @@
 Builds its model (plain PEFT, or a symbiosis client of the executor at --url), warms up, prints
 {"ready": true}, waits for --go-file, then works for --duration seconds and prints one JSON result:
 fine-tuning (--work train) or greedy decoding one token at a time (--work decode).
+
+`--mode threads --tenants N` instead holds an executor itself and N symbiosis clients of it, each
+fine-tuning on a thread and CUDA stream of its own, and prints a JSON list of N results. `--compile` runs
+each tenant's model through `torch.compile`, `--capture` replays each tenant's step as one CUDA graph
+(`symbiosis.CapturedStep`).
 """
 
 from __future__ import annotations
@@ -11,39 +16,59 @@ import argparse
 import json
 import os
 import statistics
+import threading
 import time
 import warnings
+from contextlib import nullcontext
+from functools import partial
 
 import torch
 from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
 import symbiosis
-from common import device, dtype, lora, peak_gib, sync, train_step
+from common import device, dtype, fit_step, lora, peak_gib, sync, sync_stream
 
 
-def build(args):
+def build(args, executor=None, name: str | None = None):
+    """A PeftModel: plain, a client of the executor at --url, or (threads) of the in-process `executor`."""
     if args.mode == "plain":
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype(), device_map=device())
     else:
         privacy = symbiosis.NoiseMasking(pool=args.privacy_pool, rows=1024, refresh_every=args.privacy_refresh_every) \
             if args.privacy_pool else None
-        model = symbiosis.from_pretrained(args.model_dir, symbiosis.connect(args.url, timeout=300), device=device(),
-                                          name=args.name, privacy=privacy)
+        executor = executor or symbiosis.connect(args.url, timeout=300)
+        model = symbiosis.from_pretrained(args.model_dir, executor, device=device(), name=name or args.name,
+                                          privacy=privacy)
     model = get_peft_model(model, lora(args.lora))
     if args.checkpointing:  # backward recomputes each decoder layer's forward (on a split model: its calls too)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
-def train_loop(model, args, until: float | None, max_iters: int | None = None) -> list[float]:
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+def make_step(model, args):
+    """step(ids) -> loss: one fine-tuning step (AdamW), through torch.compile (--compile) and captured as a
+    CUDA graph (--capture) as asked."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, capturable=args.capture)
+    compiled = torch.compile(model) if args.compile else model
+    step = partial(fit_step, compiled, optimizer)
+    if args.capture:
+        example = torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len), device=model.device)
+        step = symbiosis.CapturedStep(step, example, optimizer=optimizer)
+    return step
+
+
+def train_loop(model, args, until: float | None, max_iters: int | None = None, step=None) -> list[float]:
+    """Seconds per fine-tuning iteration of `step` (make_step's). Waits for this thread's CUDA stream only,
+    so that tenants on other threads keep computing meanwhile."""
+    step = step or make_step(model, args)
     model.train()
     times = []
     while (until is None or time.time() < until) and (max_iters is None or len(times) < max_iters):
         start = time.perf_counter()
-        train_step(model, optimizer, args.batch_size, args.seq_len, model.config.vocab_size)
-        sync()
+        step(torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len), device=model.device))
+        sync_stream()
         times.append(time.perf_counter() - start)
         if args.pace_ms:
             time.sleep(args.pace_ms / 1e3)
@@ -70,13 +95,64 @@ def decode_loop(model, args, until: float | None, max_iters: int | None = None) 
     return times
 
 
+def run_threads(args) -> None:
+    """--tenants symbiosis clients of one in-process executor (policy none: each runs its GEMMs itself, on
+    its own thread and CUDA stream), fine-tuning at once; prints one result per tenant, as a JSON list."""
+    started = time.perf_counter()
+    executor = symbiosis.Executor.from_pretrained(args.model_dir, device=device(), dtype=dtype(), policy="none")
+    tenants = []
+    for i in range(args.tenants):  # built, compiled, captured and warmed up one at a time
+        model = build(args, executor, name=f"{args.name}{i}")
+        stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            model.train()
+            step = make_step(model, args)
+            train_loop(model, args, until=None, max_iters=3, step=step)
+        tenants.append((model, step, stream))
+    build_s = time.perf_counter() - started
+    print(json.dumps({"ready": True}), flush=True)
+    _wait_for(args.go_file)
+    until = time.time() + args.duration
+    times: list[list[float]] = [[] for _ in tenants]
+
+    def work(i: int) -> None:
+        model, step, stream = tenants[i]
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            times[i] = train_loop(model, args, until=until, step=step)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(tenants))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(json.dumps([dict(_result(args, f"{args.name}{i}", t), build_s=build_s) for i, t in enumerate(times)]),
+          flush=True)
+
+
+def _wait_for(go_file: str) -> None:
+    while not os.path.exists(go_file):
+        time.sleep(0.01)
+
+
+def _result(args, name: str, times: list[float]) -> dict:
+    tokens = args.batch_size * (args.seq_len if args.work == "train" else 1)
+    reserved = torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else 0.0
+    return {"name": name, "iters": len(times), "median_s": statistics.median(times) if times else 0.0,
+            "tokens_per_s": tokens * len(times) / sum(times) if times else 0.0,
+            "wall_tokens_per_s": tokens * len(times) / args.duration, "peak_gib": peak_gib(),
+            "peak_reserved_gib": reserved}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["plain", "symbiosis"], required=True)
+    parser.add_argument("--mode", choices=["plain", "symbiosis", "threads"], required=True)
     parser.add_argument("--work", choices=["train", "decode"], default="train")
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--url")
     parser.add_argument("--name", default="tenant")
+    parser.add_argument("--tenants", type=int, default=1, help="--mode threads: how many clients")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each tenant's model")
+    parser.add_argument("--capture", action="store_true", help="each tenant's step as a CUDA graph (CapturedStep)")
     parser.add_argument("--lora", default="lora3_r8_qkvo")
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -89,22 +165,23 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.manual_seed(hash(args.name) % 1000)
+    if args.mode == "threads":
+        return run_threads(args)
     started = time.perf_counter()
     model = build(args)
     build_s = time.perf_counter() - started  # attach, load, and (masked) computing the noise pools
-    loop = train_loop if args.work == "train" else decode_loop
+    if args.work == "train":
+        model.train()
+        loop = partial(train_loop, step=make_step(model, args))
+    else:
+        loop = decode_loop
     loop(model, args, until=None, max_iters=3)  # warm-up
     print(json.dumps({"ready": True}), flush=True)
-    while not os.path.exists(args.go_file):
-        time.sleep(0.01)
+    _wait_for(args.go_file)
     session = getattr(model.get_base_model(), "symbiosis_session", None)
     calls, waited = (session.calls, session.waited_s) if session is not None else (0, 0.0)
     times = loop(model, args, until=time.time() + args.duration)
-    tokens = args.batch_size * (args.seq_len if args.work == "train" else 1)
-    result = {"name": args.name, "iters": len(times), "median_s": statistics.median(times),
-              "tokens_per_s": tokens * len(times) / sum(times) if times else 0.0,
-              "wall_tokens_per_s": tokens * len(times) / args.duration,
-              "peak_gib": peak_gib(), "build_s": build_s}
+    result = dict(_result(args, args.name, times), build_s=build_s)
     if session is not None:  # the share of the working time this client spent waiting for the executor
         result.update(calls_per_iter=(session.calls - calls) / max(1, len(times)),
                       wait_share=(session.waited_s - waited) / sum(times) if times else 0.0)

@@ -27,12 +27,14 @@ from symbiosis.errors import (
 
 if TYPE_CHECKING:
     from symbiosis.client.build import from_pretrained
+    from symbiosis.client.captured import CapturedStep
     from symbiosis.client.privacy import NoiseMasking
     from symbiosis.executor.executor import Executor
     from symbiosis.transport.client import connect
 
 _LAZY = {
     "from_pretrained": "symbiosis.client.build",
+    "CapturedStep": "symbiosis.client.captured",
     "NoiseMasking": "symbiosis.client.privacy",
     "Executor": "symbiosis.executor.executor",
     "connect": "symbiosis.transport.client",
@@ -41,6 +43,7 @@ _LAZY = {
 __all__ = [
     "AdapterError",
     "BadCall",
+    "CapturedStep",
     "CheckpointError",
     "Executor",
     "ExecutorOutOfMemory",

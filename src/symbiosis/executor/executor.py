@@ -201,15 +201,21 @@ class InProcessSession:
         self.supports_groups = True
 
     def direct(self, layer_id: str, x: torch.Tensor) -> BaseLayer | None:
-        """The executor's own layer, for the client to run on its thread, when nobody else is attached to
-        batch with and the client computes on the executor's device in its dtype. Native autograd then
-        does backward: W does not require grad, so grad_x = g W is all it computes, and it saves no
-        activation (only a reference to W). The call is counted in the executor's stats."""
+        """The executor's own layer, for the client to run on its thread (and CUDA stream), when the
+        executor would run the call alone anyway (nobody else is attached to batch with, or the policy is
+        `none`) and the client computes on the executor's device in its dtype. Native autograd then does
+        backward: W does not require grad, so grad_x = g W is all it computes, and it saves no activation
+        (only a reference to W). The call is counted in the executor's stats, except inside a
+        `torch.compile`d model, whose traced graph would replay a count taken once.
+
+        Clients on threads of their own thus share the executor's weights without any hand-off, and a
+        compiled client traces the GEMMs along with its own ops (docs/ARCHITECTURE.md)."""
         executor = self.executor
-        if len(executor.clients) != 1 or x.device != executor.device or x.dtype != self.dtype:
+        alone = len(executor.clients) == 1 or executor.policy.name == "none"
+        if not alone or x.device != executor.device or x.dtype != self.dtype:
             return None
         layer = self._layers.get(layer_id)
-        if layer is not None:
+        if layer is not None and not torch.compiler.is_compiling():
             executor.stats.count_direct((layer_id, "forward"), x.shape[0])
         return layer
 

@@ -70,11 +70,15 @@ class ExecutorStats:
         return time.perf_counter()
 
     def count_direct(self, key: tuple[str, str], tokens: int) -> None:
-        """A call the in-process client ran itself on the executor's weights (counted, not timed)."""
-        s = self.by_key[key]
-        s.calls += 1
-        s.batches += 1
-        s.tokens += tokens
+        """A call an in-process client ran itself on the executor's weights: a batch of one (counted, not
+        timed; clients on several threads may count at once)."""
+        with self._lock:
+            s = self.by_key[key]
+            s.calls += 1
+            s.batches += 1
+            s.tokens += tokens
+            s.max_batch_calls = max(s.max_batch_calls, 1)
+            s.max_batch_tokens = max(s.max_batch_tokens, tokens)
 
     def record(self, key: tuple[str, str], waits: list[float], tokens: int, started) -> None:
         with self._lock:
