@@ -13,6 +13,7 @@ from peft import get_peft_model, get_peft_model_state_dict
 
 import symbiosis
 from symbiosis.errors import SymbiosisError
+from conftest import make_checkpoint
 from test_exactness import assert_close, batch, peft_config
 
 
@@ -71,10 +72,11 @@ def test_clients_on_threads_of_a_none_executor_run_their_own_gemms(checkpoints):
     assert stats["max_batch_calls"] == 1 and stats["calls"] > 0
 
 
-def test_compiled_client_equals_compiled_plain_peft(checkpoints):
-    """torch.compile traces a direct client's GEMMs with its own ops, in one graph; it computes what the
-    compiled plain model computes (float64: compiling changes rounding alike on both sides)."""
-    path, auto_class = checkpoints("llama")
+def test_compiled_client_equals_compiled_plain_peft(tmp_path):
+    """torch.compile traces a direct client's GEMMs with its own ops (and its tied embedding, the executor's
+    tensor) in one graph; it computes what the compiled plain model computes (float64: compiling changes
+    rounding alike on both sides)."""
+    path, auto_class = tmp_path, make_checkpoint("llama", tmp_path, tie_word_embeddings=True)
     executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64, policy="none")
     executor.attach(executor.fingerprint, "bystander")  # direct under `none` however many are attached
     split = _client(path, executor)

@@ -36,11 +36,14 @@ def test_each_side_reads_and_holds_only_its_own_tensors(tmp_path):
         assert executor.weights.nbytes == _bytes(entries, base_keys, torch.float64)
 
         model = symbiosis.from_pretrained(path, executor, auto_class=auto_class, dtype=torch.float64)
-        client_keys = set(entries) - base_only
+        # An in-process client takes a tied embedding from the executor instead of reading a copy.
+        client_keys = set(entries) - base_keys
         assert model.symbiosis_checkpoint.bytes_read == _bytes(entries, client_keys) + probes
+        executor_ptrs = {layer.weight.data_ptr() for layer in executor.weights.layers.values()}
         real = {p.data_ptr(): p for p in model.parameters() if not isinstance(p, VirtualWeight)}
-        held = sum(p.numel() * p.element_size() for p in real.values())
+        held = sum(p.numel() * p.element_size() for ptr, p in real.items() if ptr not in executor_ptrs)
         assert held == _bytes(entries, client_keys, torch.float64)
+        assert len(set(real) & executor_ptrs) == (1 if tied else 0)
         virtual = [p for p in model.parameters() if isinstance(p, VirtualWeight)]
         assert len(virtual) == len(base_only)
 
@@ -91,3 +94,31 @@ def test_base_model_checkpoint_loads_under_a_head_class(tmp_path):
     ids = torch.randint(0, 128, (1, 4))
     hidden = body.to(torch.float64)(ids).last_hidden_state
     assert torch.allclose(model.model(ids).last_hidden_state, hidden, rtol=1e-12, atol=1e-12)
+
+
+def test_in_process_clients_share_a_tied_embedding_and_cannot_train_it_in_place(tmp_path):
+    """Held once for every in-process client, frozen; a gradient reaching it raises, and PEFT's
+    modules_to_save trains a copy. A client in another dtype holds its own copy."""
+    import peft
+    import pytest
+
+    auto_class = make_checkpoint("gpt2", tmp_path)
+    executor = symbiosis.Executor.from_pretrained(tmp_path, dtype=torch.float64)
+    shared = executor.weights.tensor("transformer.wte.weight")
+    first, second = (symbiosis.from_pretrained(tmp_path, executor, auto_class=auto_class) for _ in range(2))
+    for model in (first, second):
+        assert model.transformer.wte.weight.data_ptr() == shared.data_ptr()
+        assert not model.transformer.wte.weight.requires_grad
+    ids = torch.randint(0, 128, (2, 5))
+    first.transformer.wte.weight.requires_grad_(True)
+    with pytest.raises(symbiosis.VirtualWeightAccess, match="shared by every in-process client"):
+        first(ids, labels=ids).loss.backward()
+    before = shared.clone()
+    tuned = peft.get_peft_model(second, peft.LoraConfig(r=2, target_modules=["c_attn"], modules_to_save=["wte"]))
+    optimizer = torch.optim.SGD([p for p in tuned.parameters() if p.requires_grad], lr=1.0)
+    tuned(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    assert torch.equal(shared, before)  # the copy trained, the base did not move
+    assert not torch.equal(tuned.base_model.model.transformer.wte.modules_to_save["default"].weight, before)
+    own = symbiosis.from_pretrained(tmp_path, executor, auto_class=auto_class, dtype=torch.float32)
+    assert own.transformer.wte.weight.data_ptr() != shared.data_ptr()

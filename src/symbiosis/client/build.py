@@ -15,6 +15,7 @@ import os
 from functools import partial
 
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from symbiosis.client.privacy import MaskedSession, NoiseMasking
@@ -26,17 +27,23 @@ from symbiosis.model.partition import build_skeleton, checkpoint_name, load_conf
 from symbiosis.torch_dtypes import resolve_dtype
 
 
-def _load_client_tensors(model: PreTrainedModel, checkpoint: Checkpoint, device: torch.device) -> None:
-    """Fill every non-virtual parameter and persistent buffer that the checkpoint holds; flag it initialised."""
+def _load_client_tensors(model: PreTrainedModel, checkpoint: Checkpoint, device: torch.device, session) -> None:
+    """Fill every non-virtual parameter and persistent buffer that the checkpoint holds; flag it initialised.
+    A tensor an in-process executor holds too (a tied embedding) is taken from it, frozen, not copied."""
     persistent = set(model.state_dict(keep_vars=True).keys())
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update((n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in persistent)
+    base_tensor = getattr(session, "base_tensor", None)  # in-process sessions only
     for name, tensor in named.items():
         if getattr(tensor, "_is_hf_initialized", False):
             continue
         key = checkpoint_name(model, name, checkpoint)
         if key is None:
             continue  # missing: initialised below, as transformers does
+        shared = base_tensor(key, tensor) if base_tensor is not None and isinstance(tensor, nn.Parameter) else None
+        if shared is not None:
+            _share(model, name, key, shared)
+            continue
         value = checkpoint.read(key, dtype=tensor.dtype if tensor.is_floating_point() else None, device=device)
         if value.shape != tensor.shape:
             raise CheckpointError(f"{checkpoint.path}: tensor {key!r} has shape {list(value.shape)}, "
@@ -44,6 +51,26 @@ def _load_client_tensors(model: PreTrainedModel, checkpoint: Checkpoint, device:
         with torch.no_grad():
             tensor.copy_(value)
         tensor._is_hf_initialized = True
+
+
+def _share(model: PreTrainedModel, name: str, key: str, base: torch.Tensor) -> None:
+    """Make parameter `name` the executor's tensor itself, frozen. Every in-process client of the executor
+    then holds it once between them (a 1B Llama's tied embedding is 0.5 GiB a client). Training it in place
+    would change the base for everyone: a gradient reaching it raises instead. PEFT's `modules_to_save`
+    trains a copy, as always."""
+
+    def refuse(grad):
+        raise VirtualWeightAccess(
+            f"{name} is the executor's tensor {key!r} (a tied weight), shared by every in-process client, so it "
+            "cannot be trained in place. Give this client its own copy first: `module.weight = "
+            "torch.nn.Parameter(module.weight.detach().clone())`, or train it through PEFT (modules_to_save).")
+
+    module_name, _, attribute = name.rpartition(".")
+    parameter = nn.Parameter(base, requires_grad=True)
+    parameter.register_hook(refuse)  # stays with the tensor when it is unfrozen later
+    parameter.requires_grad_(False)
+    parameter._is_hf_initialized = True
+    setattr(model.get_submodule(module_name), attribute, parameter)
 
 
 def _refuse_full_save(*args, **kwargs):
@@ -88,7 +115,7 @@ def from_pretrained(path: str | os.PathLike, executor, auto_class=AutoModelForCa
         model.set_submodule(module_name, virtual)
 
     model.to_empty(device=device)
-    _load_client_tensors(model, checkpoint, device)
+    _load_client_tensors(model, checkpoint, device, session)
     model.initialize_weights()
     model.tie_weights()
     if (checkpoint.path / "generation_config.json").is_file():

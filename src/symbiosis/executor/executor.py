@@ -219,6 +219,15 @@ class InProcessSession:
             executor.stats.count_direct((layer_id, "forward"), x.shape[0])
         return layer
 
+    def base_tensor(self, key: str, like: torch.Tensor) -> torch.Tensor | None:
+        """The executor's own tensor read from checkpoint key `key`, when the client needs that very tensor
+        in the same shape, dtype and device: a tied embedding, which the client then holds by reference
+        instead of as a copy (`from_pretrained`)."""
+        tensor = self.executor.weights.tensor(key)
+        if tensor is None or (tensor.shape, tensor.dtype, tensor.device) != (like.shape, like.dtype, like.device):
+            return None
+        return tensor
+
     def _send(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if tensor.dtype == self.dtype else tensor.to(self.dtype)
 

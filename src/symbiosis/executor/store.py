@@ -60,6 +60,10 @@ class BaseWeights:
         self.groups: dict[str, BaseLayer | None] = {}
         self._lock = threading.Lock()
 
+    def tensor(self, key: str) -> torch.Tensor | None:
+        """The weight read from checkpoint tensor `key`, if a layer holds one (a tied lm_head: the embedding)."""
+        return next((layer.weight for layer in self.layers.values() if layer.spec.weight_key == key), None)
+
     def get(self, layer_id: str) -> BaseLayer | None:
         """A layer or group by id; None if there is no such layer, or the group cannot be fused."""
         layer = self.layers.get(layer_id)
