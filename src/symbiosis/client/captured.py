@@ -13,9 +13,9 @@ per step, so tenants on threads of one process no longer take turns on the inter
     step = CapturedStep(train_step, example_ids, optimizer=optimizer)  # warms up, captures; model left as it was
     loss = step(ids)                   # what train_step(ids) computes, from one graph launch
 
-Clients of an in-process executor on threads of their own share one interpreter, and eight eager 1B
-tenants took turns on it with the GPU less than half busy (docs/PERFORMANCE.md). A replay costs its thread
-a copy of the batch into the captured input and one launch.
+Clients of an in-process executor on threads of their own share one interpreter, and eight compiled 1B
+tenants took turns on it with the GPU 45% busy (docs/PERFORMANCE.md). A replay costs its thread a copy of
+the batch into the captured input and one launch.
 
 What CUDA graphs require of `fn`: fixed shapes (the example's), nothing that makes the CPU wait for the GPU
 (`.item()`, data-dependent shapes), every tensor it reads already allocated (the executor's weights, the
