@@ -62,7 +62,7 @@ def make_step(model, args):
 def train_loop(model, args, until: float | None, max_iters: int | None = None, step=None) -> list[float]:
     """Seconds per fine-tuning iteration of `step` (make_step's). Waits for this thread's CUDA stream only,
     so that tenants on other threads keep computing meanwhile."""
-    step = step or make_step(model, args)
+    step = make_step(model, args) if step is None else step
     model.train()
     times = []
     while (until is None or time.time() < until) and (max_iters is None or len(times) < max_iters):
