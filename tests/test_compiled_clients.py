@@ -121,6 +121,8 @@ def test_captured_step_trains_as_the_eager_step(checkpoints):
     for ids in batches:
         expected = _step(eager, eager_optimizer, {"input_ids": ids, "labels": ids})
         assert_close(step(ids).detach().clone(), expected.detach(), "loss", rtol=1e-5)
+    with pytest.raises(symbiosis.BadCall, match="captured for inputs of shapes"):
+        step(batches[0][:1])  # one row of the captured three: copying it in would broadcast silently
     ours, theirs = get_peft_model_state_dict(captured), get_peft_model_state_dict(eager)
     for name, value in theirs.items():
         assert_close(ours[name], value, name, rtol=1e-5)

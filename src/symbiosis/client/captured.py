@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from symbiosis.errors import SymbiosisError
+from symbiosis.errors import BadCall, SymbiosisError
 
 WARMUP_RUNS = 3
 
@@ -79,8 +79,12 @@ class CapturedStep:
             torch._C._cuda_clearCublasWorkspaces()
 
     def __call__(self, *inputs: torch.Tensor):
-        for static, given in zip(self.inputs, inputs, strict=True):
-            static.copy_(given)  # [same shape as the example]
+        shapes = [list(t.shape) for t in inputs]
+        if shapes != [list(t.shape) for t in self.inputs]:  # copy_ would broadcast a smaller batch silently
+            raise BadCall(f"this step was captured for inputs of shapes {[list(t.shape) for t in self.inputs]}, "
+                          f"got {shapes}; capture another CapturedStep for another shape")
+        for static, given in zip(self.inputs, inputs):
+            static.copy_(given)
         self.graph.replay()
         return self.outputs
 
