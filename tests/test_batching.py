@@ -50,6 +50,9 @@ def test_concurrent_clients_get_their_solo_results(policy, checkpoints):
 
     shared = symbiosis.Executor.from_pretrained(path, dtype=torch.float64, policy=policy)
     models = {name: _build(path, shared, method, i) for i, (name, method, _, _) in enumerate(TENANTS)}
+    if policy == "none":  # every call would run alone: each client runs its GEMMs itself, on its own thread
+        layer = models[TENANTS[0][0]].base_model.model.model.layers[0].mlp.up_proj
+        assert layer.session.direct(layer.layer_id, torch.zeros(1, 64, dtype=torch.float64)) is not None
     results, errors, start = {}, [], threading.Barrier(len(TENANTS))
 
     def run(i, name, bs, sl):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import math
-import threading
 
 import pytest
 import torch
@@ -33,43 +32,6 @@ def _step(model, optimizer, inputs) -> torch.Tensor:
 
 def _adam(model, **options):
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, **options)
-
-
-def test_clients_on_threads_of_a_none_executor_run_their_own_gemms(checkpoints):
-    """Under `none` every call would run alone: each client computes it on its own thread (counted in the
-    stats as batches of one), and several at once train exactly as each would alone."""
-    path, _ = checkpoints("llama")
-    alone = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
-    shared = symbiosis.Executor.from_pretrained(path, dtype=torch.float64, policy="none")
-    seeds = [1, 2, 3]
-    expected = {}
-    for seed in seeds:
-        model = _client(path, alone, seed=seed)
-        optimizer = _adam(model)
-        expected[seed] = [_step(model, optimizer, batch("llama", seed=s)).item() for s in range(3)]
-        model.base_model.model.symbiosis_session.close()
-    models = {seed: _client(path, shared, seed=seed) for seed in seeds}
-    layer = models[1].base_model.model.model.layers[0].mlp.up_proj
-    assert layer.session.direct(layer.layer_id, torch.zeros(1, 64, dtype=torch.float64)) is not None
-    losses, errors = {}, []
-
-    def train(seed):
-        try:
-            optimizer = _adam(models[seed])
-            losses[seed] = [_step(models[seed], optimizer, batch("llama", seed=s)).item() for s in range(3)]
-        except Exception as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=train, args=(seed,)) for seed in seeds]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    for seed in seeds:
-        assert_close(torch.tensor(losses[seed]), torch.tensor(expected[seed]), f"client {seed}")
-    stats = shared.stats_snapshot()["overall"]
-    assert stats["max_batch_calls"] == 1 and stats["calls"] > 0
 
 
 def test_compiled_client_equals_compiled_plain_peft(tmp_path):
