@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import peft
+import pytest
 import torch
 
 import symbiosis
@@ -99,9 +101,6 @@ def test_base_model_checkpoint_loads_under_a_head_class(tmp_path):
 def test_in_process_clients_share_a_tied_embedding_and_cannot_train_it_in_place(tmp_path):
     """Held once for every in-process client, frozen; a gradient reaching it raises, and PEFT's
     modules_to_save trains a copy. A client in another dtype holds its own copy."""
-    import peft
-    import pytest
-
     auto_class = make_checkpoint("gpt2", tmp_path)
     executor = symbiosis.Executor.from_pretrained(tmp_path, dtype=torch.float64)
     shared = executor.weights.tensor("transformer.wte.weight")

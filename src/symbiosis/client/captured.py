@@ -53,6 +53,7 @@ class CapturedStep:
         # hold `fn` (and through it the model) and the optimizer for as long as the graph can replay.
         self.fn, self.optimizer = fn, optimizer
         self.inputs = [t.clone() for t in example]
+        self.shapes = [list(t.shape) for t in example]
         restore = _snapshot(optimizer)
         # Warm-up and capture on a stream of this step's own: what libraries keep per stream (cuBLAS's
         # workspace) is then this graph's alone, and graphs of several steps may replay at once.
@@ -80,9 +81,9 @@ class CapturedStep:
 
     def __call__(self, *inputs: torch.Tensor):
         shapes = [list(t.shape) for t in inputs]
-        if shapes != [list(t.shape) for t in self.inputs]:  # copy_ would broadcast a smaller batch silently
-            raise BadCall(f"this step was captured for inputs of shapes {[list(t.shape) for t in self.inputs]}, "
-                          f"got {shapes}; capture another CapturedStep for another shape")
+        if shapes != self.shapes:  # copy_ would broadcast a smaller batch silently
+            raise BadCall(f"this step was captured for inputs of shapes {self.shapes}, got {shapes}; "
+                          "capture another CapturedStep for another shape")
         for static, given in zip(self.inputs, inputs):
             static.copy_(given)
         self.graph.replay()
