@@ -90,12 +90,18 @@ def sync_stream() -> None:
 
 
 def train_step(model, optimizer, batch_size: int, seq_len: int, vocab: int) -> None:
-    fit_step(model, optimizer, torch.randint(0, vocab, (batch_size, seq_len), device=model.device))
+    fit_step(transformers_loss(model), optimizer, torch.randint(0, vocab, (batch_size, seq_len), device=model.device))
 
 
-def fit_step(model, optimizer, ids: torch.Tensor) -> torch.Tensor:
-    """One fine-tuning step on `ids` [batch, seq] (as input and labels); returns the loss."""
-    loss = model(input_ids=ids, labels=ids).loss
+def transformers_loss(model):
+    """loss_fn(input_ids=, labels=) -> transformers' own loss, `model(...).loss` (whole logits)."""
+    return lambda **inputs: model(**inputs).loss
+
+
+def fit_step(loss_fn, optimizer, ids: torch.Tensor) -> torch.Tensor:
+    """One fine-tuning step on `ids` [batch, seq] (as input and labels); returns the loss. loss_fn:
+    transformers_loss(model), or partial(symbiosis.causal_lm_loss, model) (chunked, no whole logits)."""
+    loss = loss_fn(input_ids=ids, labels=ids)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -4,6 +4,7 @@ tenants on threads of one process is bound by N x the larger of its step's GPU t
 interpreter is shared); N processes by N x the GPU time. All variants live in this one process.
 
     python benchmarks/step_anatomy.py --model llama-3.2-1b
+    python benchmarks/step_anatomy.py --model llama-3.2-1b --chunked-loss   # symbiosis.causal_lm_loss, both sides
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def gpu_ms(step, ids, label: str) -> float:
 
 def measure(model, args, variant: str, label: str) -> dict:
     compiled, captured = VARIANTS[variant]
-    options = argparse.Namespace(compile=compiled, capture=captured, batch_size=2, seq_len=512)
+    options = argparse.Namespace(compile=compiled, capture=captured, batch_size=2, seq_len=512,
+                                 chunked_loss=args.chunked_loss)
     model.train()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
@@ -67,6 +69,7 @@ def main() -> None:
     parser.add_argument("--lora", default="lora3_r8_qkvo")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--chunked-loss", action="store_true", help="symbiosis.causal_lm_loss on both sides")
     args = parser.parse_args()
     path = checkpoint(args.model)
     executor = symbiosis.Executor.from_pretrained(path, device=device(), dtype=dtype(), policy="none")
@@ -76,6 +79,7 @@ def main() -> None:
         for mode, build in builders.items():
             model = get_peft_model(build(), lora(args.lora))
             emit(bench="step_anatomy", model=args.model, lora=args.lora, mode=mode, variant=variant,
+                 chunked_loss=args.chunked_loss,
                  **measure(model, args, variant, f"{mode}_{variant}"))
             del model
             torch.cuda.empty_cache()

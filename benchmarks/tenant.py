@@ -7,7 +7,8 @@ fine-tuning (--work train) or greedy decoding one token at a time (--work decode
 `--mode threads --tenants N` instead holds an executor itself and N symbiosis clients of it, each
 fine-tuning on a thread and CUDA stream of its own, and prints a JSON list of N results. `--compile` runs
 each tenant's model through `torch.compile`, `--capture` replays each tenant's step as one CUDA graph
-(`symbiosis.CapturedStep`).
+(`symbiosis.CapturedStep`), `--chunked-loss` computes the loss with `symbiosis.causal_lm_loss` (no whole
+logits) instead of transformers' `model(...).loss`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
 import symbiosis
-from common import device, dtype, fit_step, lora, peak_gib, sync, sync_stream
+from common import device, dtype, fit_step, lora, peak_gib, sync, sync_stream, transformers_loss
 
 
 def build(args, executor=None, name: str | None = None):
@@ -47,12 +48,16 @@ def build(args, executor=None, name: str | None = None):
 
 
 def make_step(model, args):
-    """step(ids) -> loss: one fine-tuning step (AdamW), through torch.compile (--compile) and captured as a
-    CUDA graph (--capture) as asked."""
+    """step(ids) -> loss: one fine-tuning step (AdamW), with symbiosis.causal_lm_loss (--chunked-loss) or
+    transformers' loss, through torch.compile (--compile) and captured as a CUDA graph (--capture) as asked."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, capturable=args.capture)
-    compiled = torch.compile(model) if args.compile else model
-    step = partial(fit_step, compiled, optimizer)
+    if args.chunked_loss:
+        loss_fn = partial(symbiosis.causal_lm_loss, model)
+        loss_fn = torch.compile(loss_fn) if args.compile else loss_fn
+    else:
+        loss_fn = transformers_loss(torch.compile(model) if args.compile else model)
+    step = partial(fit_step, loss_fn, optimizer)
     if args.capture:
         example = torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len), device=model.device)
         step = symbiosis.CapturedStep(step, example, optimizer=optimizer)
@@ -155,6 +160,7 @@ def main() -> None:
     parser.add_argument("--tenants", type=int, default=1, help="--mode threads: how many clients")
     parser.add_argument("--compile", action="store_true", help="torch.compile each tenant's model")
     parser.add_argument("--capture", action="store_true", help="each tenant's step as a CUDA graph (CapturedStep)")
+    parser.add_argument("--chunked-loss", action="store_true", help="symbiosis.causal_lm_loss, not model(...).loss")
     parser.add_argument("--lora", default="lora3_r8_qkvo")
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=512)

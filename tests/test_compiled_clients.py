@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -54,6 +55,26 @@ def test_compiled_client_equals_compiled_plain_peft(tmp_path):
         if param.requires_grad:
             assert_close(param.grad, plain_grads[name], name)
     assert executor.stats_snapshot()["overall"]["calls"] == 0  # traced calls are not counted (see direct())
+
+
+def test_compiled_chunked_loss_equals_compiled_plain_peft(tmp_path):
+    """causal_lm_loss compiles into one graph (fullgraph: no break) with a direct client's GEMMs, the loss's
+    included, and computes what it computes on the compiled plain model."""
+    path, auto_class = tmp_path, make_checkpoint("llama", tmp_path, tie_word_embeddings=True)
+    executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64, policy="none")
+    torch.manual_seed(1234)
+    plain = get_peft_model(auto_class.from_pretrained(path, dtype=torch.float64), peft_config("lora", "llama")).train()
+    models = (_client(path, executor), plain)
+    inputs = batch("llama")
+    losses = [torch.compile(partial(symbiosis.causal_lm_loss, model, chunk_tokens=7), fullgraph=True)(**inputs)
+              for model in models]
+    for loss in losses:
+        loss.backward()
+    assert_close(losses[0], losses[1], "loss")
+    plain_grads = {n: p.grad for n, p in plain.named_parameters() if p.requires_grad}
+    for name, param in models[0].named_parameters():
+        if param.requires_grad:
+            assert_close(param.grad, plain_grads[name], name)
 
 
 def test_captured_step_refuses_what_cannot_be_captured(checkpoints):
@@ -110,3 +131,31 @@ def test_a_captured_step_keeps_what_it_reads_alive(checkpoints):
     losses = [step(ids).item() for step in steps for _ in range(2)]
     assert all(math.isfinite(loss) for loss in losses)
     assert losses[1] < losses[0] and losses[3] < losses[2]  # each replay trains its own client
+
+
+@pytest.mark.gpu
+def test_a_compiled_captured_chunked_loss_step_trains_as_the_eager_step(checkpoints):
+    """What the 8-tenant benchmark replays (causal_lm_loss through torch.compile, captured as a CUDA graph)
+    trains as the eager step with transformers' loss."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path, _ = checkpoints("llama")
+    executor = symbiosis.Executor.from_pretrained(path, device="cuda", dtype=torch.float32, policy="none")
+    batches = [batch("llama", seed=s)["input_ids"].cuda() for s in range(3)]
+    eager, captured = _client(path, executor, "cuda"), _client(path, executor, "cuda")
+    eager_optimizer, captured_optimizer = _adam(eager, capturable=True), _adam(captured, capturable=True)
+    loss_fn = torch.compile(partial(symbiosis.causal_lm_loss, captured, chunk_tokens=7), fullgraph=True)
+
+    def chunked_step(ids):
+        loss = loss_fn(input_ids=ids, labels=ids)
+        loss.backward()
+        captured_optimizer.step()
+        captured_optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    step = symbiosis.CapturedStep(chunked_step, batches[0], optimizer=captured_optimizer)
+    for ids in batches:
+        expected = _step(eager, eager_optimizer, {"input_ids": ids, "labels": ids})
+        assert_close(step(ids).detach().clone(), expected.detach(), "loss", rtol=1e-5)
+    ours, theirs = get_peft_model_state_dict(captured), get_peft_model_state_dict(eager)
+    for name, value in theirs.items():
+        assert_close(ours[name], value, name, rtol=1e-4)

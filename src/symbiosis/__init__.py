@@ -28,6 +28,7 @@ from symbiosis.errors import (
 if TYPE_CHECKING:
     from symbiosis.client.build import from_pretrained
     from symbiosis.client.captured import CapturedStep
+    from symbiosis.client.loss import causal_lm_loss
     from symbiosis.client.privacy import NoiseMasking
     from symbiosis.executor.executor import Executor
     from symbiosis.transport.client import connect
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "from_pretrained": "symbiosis.client.build",
     "CapturedStep": "symbiosis.client.captured",
+    "causal_lm_loss": "symbiosis.client.loss",
     "NoiseMasking": "symbiosis.client.privacy",
     "Executor": "symbiosis.executor.executor",
     "connect": "symbiosis.transport.client",
@@ -56,6 +58,7 @@ __all__ = [
     "Unauthorized",
     "UnsupportedAdapter",
     "VirtualWeightAccess",
+    "causal_lm_loss",
     "connect",
     "from_pretrained",
 ]
