@@ -43,6 +43,7 @@ def main() -> None:
                         help="which fleets torch.compile their tenants' models")
     parser.add_argument("--capture", choices=["none", "symbiosis", "both"], default="none",
                         help="which fleets replay their tenants' steps as CUDA graphs (symbiosis.CapturedStep)")
+    parser.add_argument("--compile-mode", help="torch.compile's mode, where --compile applies")
     parser.add_argument("--chunked-loss", choices=["none", "symbiosis", "both"], default="none",
                         help="which fleets compute the loss with symbiosis.causal_lm_loss (no whole logits)")
     args = parser.parse_args()
@@ -60,8 +61,8 @@ def main() -> None:
         def plain_fleet(jobs: int):
             try:
                 specs = [dict(common, mode="plain", name=f"peft{i}", compile=args.compile == "both",
-                                   capture=args.capture == "both", chunked_loss=args.chunked_loss == "both")
-                              for i in range(jobs)]
+                              compile_mode=args.compile_mode, capture=args.capture == "both",
+                              chunked_loss=args.chunked_loss == "both") for i in range(jobs)]
                 return run_fleet(specs, args.duration)
             except RuntimeError as e:  # a job ran out of memory after all: this many do not fit
                 print(f"{jobs} plain PEFT jobs: {e}", flush=True)
@@ -88,7 +89,7 @@ def main() -> None:
         ours_tps = sum(r["tokens_per_s"] for r in ours)
         record = dict(bench="multi_tenant", model=args.model, tenants=n, clients=args.clients,
                       policy="none" if args.clients == "threads" else args.policy, compile=args.compile,
-                      capture=args.capture, chunked_loss=args.chunked_loss,
+                      compile_mode=args.compile_mode, capture=args.capture, chunked_loss=args.chunked_loss,
                       checkpointing=args.checkpointing,
                       symbiosis_tokens_per_s=round(ours_tps), symbiosis_gpu_gib=round(ours_gpu.used_gib, 1),
                       symbiosis_median_iter_s=round(max(r["median_s"] for r in ours), 4),
@@ -143,7 +144,8 @@ def symbiosis_processes(args, common: dict, n: int, path, url: str) -> tuple[lis
 def symbiosis_threads(args, common: dict, n: int, path, url: str) -> tuple[list[dict], FleetGpu, dict]:
     """One process: an in-process executor and N client threads (its memory counts from before it starts)."""
     fleet = dict(common, mode="threads", tenants=n, name="t", compile=args.compile != "none",
-                 capture=args.capture != "none", chunked_loss=args.chunked_loss != "none")
+                 compile_mode=args.compile_mode, capture=args.capture != "none",
+                 chunked_loss=args.chunked_loss != "none")
     ours, ours_gpu = run_fleet([fleet], args.duration, baseline_mib=gpu_memory_mib())
     return ours, ours_gpu, {"build_s": round(ours[0]["build_s"], 1),  # the whole process's, on every line
                             "process_peak_allocated_gib": round(ours[0]["peak_gib"], 2),

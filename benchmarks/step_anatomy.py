@@ -42,7 +42,7 @@ def gpu_ms(step, ids, label: str) -> float:
 def measure(model, args, variant: str, label: str) -> dict:
     compiled, captured = VARIANTS[variant]
     options = argparse.Namespace(compile=compiled, capture=captured, batch_size=2, seq_len=512,
-                                 chunked_loss=args.chunked_loss)
+                                 chunked_loss=args.chunked_loss, compile_mode=args.compile_mode)
     model.train()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--chunked-loss", action="store_true", help="symbiosis.causal_lm_loss on both sides")
+    parser.add_argument("--compile-mode", help="torch.compile's mode for the compiled variants")
     args = parser.parse_args()
     path = checkpoint(args.model)
     executor = symbiosis.Executor.from_pretrained(path, device=device(), dtype=dtype(), policy="none")
@@ -79,7 +80,7 @@ def main() -> None:
         for mode, build in builders.items():
             model = get_peft_model(build(), lora(args.lora))
             emit(bench="step_anatomy", model=args.model, lora=args.lora, mode=mode, variant=variant,
-                 chunked_loss=args.chunked_loss,
+                 chunked_loss=args.chunked_loss, compile_mode=args.compile_mode,
                  **measure(model, args, variant, f"{mode}_{variant}"))
             del model
             torch.cuda.empty_cache()

@@ -52,11 +52,11 @@ def make_step(model, args):
     transformers' loss, through torch.compile (--compile) and captured as a CUDA graph (--capture) as asked."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, capturable=args.capture)
+    compile = partial(torch.compile, mode=args.compile_mode) if args.compile else (lambda f: f)
     if args.chunked_loss:
-        loss_fn = partial(symbiosis.causal_lm_loss, model)
-        loss_fn = torch.compile(loss_fn) if args.compile else loss_fn
+        loss_fn = compile(partial(symbiosis.causal_lm_loss, model))
     else:
-        loss_fn = transformers_loss(torch.compile(model) if args.compile else model)
+        loss_fn = transformers_loss(compile(model))
     step = partial(fit_step, loss_fn, optimizer)
     if args.capture:
         example = torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len), device=model.device)
@@ -159,6 +159,7 @@ def main() -> None:
     parser.add_argument("--name", default="tenant")
     parser.add_argument("--tenants", type=int, default=1, help="--mode threads: how many clients")
     parser.add_argument("--compile", action="store_true", help="torch.compile each tenant's model")
+    parser.add_argument("--compile-mode", help="torch.compile's mode (default: its default)")
     parser.add_argument("--capture", action="store_true", help="each tenant's step as a CUDA graph (CapturedStep)")
     parser.add_argument("--chunked-loss", action="store_true", help="symbiosis.causal_lm_loss, not model(...).loss")
     parser.add_argument("--lora", default="lora3_r8_qkvo")

@@ -99,13 +99,18 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor | None = None, labe
         denominator = torch.as_tensor(num_items_in_batch, dtype=loss_sum_dtype, device=hidden.device)
     frozen = _frozen_head(head)
     if frozen is not None:
-        return _FrozenHeadLoss.apply(hidden, targets, denominator, frozen, transform, chunk, ignore_index)
-    total = hidden.new_zeros((), dtype=loss_sum_dtype)
-    for start in range(0, hidden.shape[0], chunk):
-        piece = slice(start, start + chunk)
-        total = total + checkpoint(_chunk_loss_sum, head, hidden[piece], targets[piece], transform, ignore_index,
-                                   use_reentrant=False)
-    return total / denominator
+        loss = _FrozenHeadLoss.apply(hidden, targets, denominator, frozen, transform, chunk, ignore_index)
+    else:
+        total = hidden.new_zeros((), dtype=loss_sum_dtype)
+        for start in range(0, hidden.shape[0], chunk):
+            piece = slice(start, start + chunk)
+            total = total + checkpoint(_chunk_loss_sum, head, hidden[piece], targets[piece], transform,
+                                       ignore_index, use_reentrant=False)
+        loss = total / denominator
+    synchronize = getattr(getattr(model, "symbiosis_session", None), "synchronize", None)
+    if synchronize is not None:  # a pipelined client's calls answered (or raising), as the model's forward hook
+        synchronize()
+    return loss
 
 
 def _chunk_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, transform: Transform | None,
