@@ -113,3 +113,9 @@ def test_what_it_cannot_compute_is_refused(checkpoints, executors):
         symbiosis.causal_lm_loss(auto_class.from_pretrained(path), **batch("llama"))
     with pytest.raises(TypeError, match="labels"):
         symbiosis.causal_lm_loss(prompt_tuned, input_ids=batch("llama")["input_ids"])
+    _, split = build_pair("llama", "lora", checkpoints, executors)
+    inputs = batch("llama")
+    with pytest.raises(symbiosis.BadCall, match="labels of shape"):
+        symbiosis.causal_lm_loss(split, input_ids=inputs["input_ids"], labels=inputs["labels"][:, 1:])
+    with pytest.raises(symbiosis.BadCall, match="chunk_tokens"):
+        symbiosis.causal_lm_loss(split, chunk_tokens=0, **inputs)

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from symbiosis.client.virtual import VirtualLinear
-from symbiosis.errors import UnsupportedAdapter
+from symbiosis.errors import BadCall, UnsupportedAdapter
 
 # model_type -> what the model's forward does to the head's output before the loss: config -> transform
 # or None. A transform maps raw logits z to (logits, d logits / d z), both float [tokens, vocab].
@@ -74,6 +74,8 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor | None = None, labe
     CHUNK_ELEMENTS). Other keyword arguments (attention_mask, inputs_embeds, ...) go to the decoder."""
     if labels is None:
         raise TypeError("causal_lm_loss needs labels")
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise BadCall(f"chunk_tokens must be at least 1, got {chunk_tokens}")
     config = model.config
     model_type = getattr(config, "model_type", None)
     if model_type not in LOGIT_TRANSFORMS:
@@ -87,6 +89,8 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor | None = None, labe
             "PeftModel.forward; use model(input_ids, labels=labels).loss")
     inputs.setdefault("use_cache", False)  # a training pass: no KV cache to build
     hidden = model.get_decoder()(input_ids=input_ids, **inputs)[0]  # [batch, seq, hidden]
+    if labels.shape != hidden.shape[:-1]:
+        raise BadCall(f"labels of shape {list(labels.shape)} for inputs of {list(hidden.shape[:-1])} tokens")
     targets = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].reshape(-1).to(hidden.device)  # [tokens]
     hidden = hidden.reshape(-1, hidden.shape[-1])
     head = model.get_output_embeddings()
