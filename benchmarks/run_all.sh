@@ -23,7 +23,7 @@ if [[ "${MPS:-0}" == 1 ]]; then
 fi
 
 declare -A LIMIT_S=(
-  [gpu_tests]=240 [rtt]=90 [single_1b]=150 [single_13b]=330 [multi_1b]=330 [multi_1b_8]=200 [threads_1b_8]=420 [threads_1b_8_both]=480 [threads_1b_8_captured]=330 [anatomy_1b]=300 [anatomy_1b_chunked]=240 [threads_1b_8_chunked]=330 [threads_1b_8_chunked_both]=420 [threads_1b_8_autotuned]=520 [threads_1b_8_all_both]=560 [multi_13b]=420 [multi_1b_ckpt]=240 [multi_13b_ckpt]=570
+  [gpu_tests]=240 [rtt]=90 [single_1b]=150 [single_13b]=330 [multi_1b]=330 [multi_1b_8]=200 [threads_1b_8]=420 [threads_1b_8_both]=480 [threads_1b_8_captured]=330 [anatomy_1b]=300 [anatomy_1b_chunked]=240 [threads_1b_8_chunked]=330 [threads_1b_8_autotuned]=520 [threads_1b_8_all_both]=560 [multi_13b]=420 [multi_1b_ckpt]=240 [multi_13b_ckpt]=570
   [policies]=300 [mixed]=240 [privacy]=320 [long_context]=330
 )
 declare -A COMMAND=(
@@ -38,7 +38,6 @@ declare -A COMMAND=(
   [anatomy_1b]="$PY benchmarks/step_anatomy.py --model llama-3.2-1b"
   [anatomy_1b_chunked]="$PY benchmarks/step_anatomy.py --model llama-3.2-1b --chunked-loss --variants eager,compiled_captured"
   [threads_1b_8_chunked]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 8 --duration 5 --clients threads --compile symbiosis --capture symbiosis --chunked-loss symbiosis"
-  [threads_1b_8_chunked_both]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 8 --duration 5 --clients threads --compile symbiosis --capture symbiosis --chunked-loss both"
   [threads_1b_8_autotuned]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 8 --duration 5 --clients threads --compile symbiosis --capture symbiosis --chunked-loss symbiosis --compile-mode max-autotune-no-cudagraphs"
   [threads_1b_8_all_both]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 8 --duration 5 --clients threads --compile both --capture both --chunked-loss both"
   [threads_1b_8_both]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 8 --duration 5 --clients threads --compile both"
@@ -51,7 +50,7 @@ declare -A COMMAND=(
   [long_context]="$PY benchmarks/long_context.py --model llama-3-8b --steps 4 --decode-dtypes bfloat16"
 )
 ORDER=(gpu_tests rtt single_1b anatomy_1b anatomy_1b_chunked multi_1b multi_1b_8 threads_1b_8 threads_1b_8_captured
-       threads_1b_8_chunked threads_1b_8_chunked_both threads_1b_8_autotuned threads_1b_8_all_both threads_1b_8_both multi_1b_ckpt privacy policies mixed long_context single_13b multi_13b
+       threads_1b_8_chunked threads_1b_8_autotuned threads_1b_8_all_both threads_1b_8_both multi_1b_ckpt privacy policies mixed long_context single_13b multi_13b
        multi_13b_ckpt)
 
 for name in "${@:-${ORDER[@]}}"; do
