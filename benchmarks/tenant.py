@@ -52,11 +52,11 @@ def make_step(model, args):
     transformers' loss, through torch.compile (--compile) and captured as a CUDA graph (--capture) as asked."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, capturable=args.capture)
-    compile = partial(torch.compile, mode=args.compile_mode) if args.compile else (lambda f: f)
+    maybe_compile = partial(torch.compile, mode=args.compile_mode) if args.compile else (lambda f: f)
     if args.chunked_loss:
-        loss_fn = compile(partial(symbiosis.causal_lm_loss, model))
+        loss_fn = maybe_compile(partial(symbiosis.causal_lm_loss, model))
     else:
-        loss_fn = transformers_loss(compile(model))
+        loss_fn = transformers_loss(maybe_compile(model))
     step = partial(fit_step, loss_fn, optimizer)
     if args.capture:
         example = torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len), device=model.device)

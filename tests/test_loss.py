@@ -10,7 +10,7 @@ from peft import get_peft_model
 
 import symbiosis
 from conftest import VOCAB
-from test_exactness import assert_close, batch, build_pair, executors  # noqa: F401 (a fixture)
+from test_exactness import assert_close, batch, build_pair, executors, peft_config  # noqa: F401 (a fixture)
 
 CAUSAL_ARCHS = ["llama", "gpt2", "gpt_bigcode", "gemma2", "granite", "qwen2", "opt"]
 
@@ -119,3 +119,17 @@ def test_what_it_cannot_compute_is_refused(checkpoints, executors):
         symbiosis.causal_lm_loss(split, input_ids=inputs["input_ids"], labels=inputs["labels"][:, 1:])
     with pytest.raises(symbiosis.BadCall, match="chunk_tokens"):
         symbiosis.causal_lm_loss(split, chunk_tokens=0, **inputs)
+
+
+def test_a_frozen_head_on_the_direct_path_counts_one_forward_call_per_chunk(checkpoints):
+    """A lone in-process client runs the head's GEMMs itself: each chunk is one forward call in the
+    executor's stats, and its backward GEMM is not counted as another."""
+    path, _ = checkpoints("llama")
+    executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
+    torch.manual_seed(1234)
+    split = get_peft_model(symbiosis.from_pretrained(path, executor, dtype=torch.float64),
+                           peft_config("lora", "llama"))
+    symbiosis.causal_lm_loss(split, chunk_tokens=7, **batch("llama")).backward()  # 30 tokens: 5 chunks
+    head_calls = {key: stats["calls"] for key, stats in executor.stats_snapshot()["per_layer"].items()
+                  if key.startswith("lm_head")}
+    assert head_calls == {"lm_head:forward": 5}

@@ -20,6 +20,7 @@ than computed wrongly.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +30,14 @@ from torch.utils.checkpoint import checkpoint
 from symbiosis.client.virtual import VirtualLinear
 from symbiosis.errors import BadCall, UnsupportedAdapter
 
-# model_type -> what the model's forward does to the head's output before the loss: config -> transform
-# or None. A transform maps raw logits z to (logits, d logits / d z), both float [tokens, vocab].
+# Raw logits z -> (logits, d logits / d z), both float [tokens, vocab].
 Transform = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | float]]
+# [chunk, hidden] -> (raw logits [chunk, vocab], grad_z [chunk, vocab] -> grad_h [chunk, hidden])
+FrozenHead = Callable[[torch.Tensor], tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]]
+
+
+def _plain(config) -> None:
+    return None  # the head's output is the logits
 
 
 def _softcap(cap: float | None) -> Transform | None:
@@ -49,13 +55,14 @@ def _scale(divisor: float) -> Transform | None:
     return None if divisor == 1 else (lambda z: (z / divisor, 1 / divisor))  # Granite: z / logits_scaling
 
 
+# model_type -> config -> what the model's forward does to the head's output before the loss (None: nothing)
 LOGIT_TRANSFORMS: dict[str, Callable[[object], Transform | None]] = {
-    "llama": lambda config: None,
-    "mistral": lambda config: None,
-    "qwen2": lambda config: None,
-    "gpt2": lambda config: None,
-    "gpt_bigcode": lambda config: None,
-    "opt": lambda config: None,
+    "llama": _plain,
+    "mistral": _plain,
+    "qwen2": _plain,
+    "gpt2": _plain,
+    "gpt_bigcode": _plain,
+    "opt": _plain,
     "gemma2": lambda config: _softcap(config.final_logit_softcapping),
     "granite": lambda config: _scale(config.logits_scaling),
 }
@@ -126,30 +133,21 @@ def _chunk_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor
     return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
 
 
-class _FrozenHead:
-    """A head whose weights do not train: raw logits z = h W^T (+ b), and grad_h = grad_z W."""
-
-    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor],
-                 backward: Callable[[torch.Tensor], torch.Tensor]):
-        self.forward, self.backward = forward, backward
-
-
-def _frozen_head(head: nn.Module) -> _FrozenHead | None:
+def _frozen_head(head: nn.Module) -> FrozenHead | None:
+    """How to run `head` when its weights do not train: raw logits z = h W^T (+ b), and grad_h = grad_z W."""
     if isinstance(head, VirtualLinear):  # a base layer: the executor's GEMMs (on this thread where it can)
         session, layer_id = head.session, head.layer_id
 
-        def forward(h: torch.Tensor) -> torch.Tensor:
-            direct = session.direct(layer_id, h)
-            return direct.forward(h) if direct is not None else session.forward(layer_id, h)
+        def run(h: torch.Tensor):
+            direct = session.direct(layer_id, h)  # counted as the one forward call it is
+            if direct is not None:
+                return direct.forward(h), direct.backward
+            return session.forward(layer_id, h), partial(session.backward, layer_id)
 
-        def backward(g: torch.Tensor) -> torch.Tensor:
-            direct = session.direct(layer_id, g)
-            return direct.backward(g) if direct is not None else session.backward(layer_id, g)
-
-        return _FrozenHead(forward, backward)
+        return run
     trains = any(p.requires_grad for p in head.parameters())
     if type(head) is nn.Linear and not trains:
-        return _FrozenHead(lambda h: F.linear(h, head.weight, head.bias), lambda g: g @ head.weight)
+        return lambda h: (F.linear(h, head.weight, head.bias), lambda g: g @ head.weight)
     return None
 
 
@@ -158,7 +156,7 @@ class _FrozenHeadLoss(torch.autograd.Function):
     d loss / d h chunk by chunk and keeps only that [tokens, hidden]; backward scales it."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, targets: torch.Tensor, denominator: torch.Tensor, head: _FrozenHead,
+    def forward(ctx, hidden: torch.Tensor, targets: torch.Tensor, denominator: torch.Tensor, head: FrozenHead,
                 transform: Transform | None, chunk: int, ignore_index: int) -> torch.Tensor:
         wants_grad = ctx.needs_input_grad[0]
         grad_hidden = torch.empty_like(hidden) if wants_grad else None
@@ -169,7 +167,8 @@ class _FrozenHeadLoss(torch.autograd.Function):
             target = targets[piece]
             counted = target != ignore_index  # [C]
             index = torch.where(counted, target, 0).unsqueeze(1)  # [C, 1]
-            logits = head.forward(hidden[piece]).to(denominator.dtype)  # [C, vocab]
+            raw, backward = head(hidden[piece])
+            logits = raw.to(denominator.dtype)  # [C, vocab]
             if vocabulary is None:
                 vocabulary = torch.arange(logits.shape[1], device=logits.device)  # [vocab]
             slope = 1.0
@@ -184,7 +183,7 @@ class _FrozenHeadLoss(torch.autograd.Function):
                 grad.mul_(torch.where(counted, 1 / denominator, 0).unsqueeze(1))
                 if transform is not None:
                     grad = grad * slope
-                grad_hidden[piece] = head.backward(grad.to(hidden.dtype))
+                grad_hidden[piece] = backward(grad.to(hidden.dtype))
         ctx.save_for_backward(grad_hidden)
         return total / denominator
 
