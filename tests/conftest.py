@@ -26,10 +26,13 @@ ARCHITECTURES = {
                 num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=2.0, logits_scaling=4.0,
                 residual_multiplier=0.5, attention_multiplier=0.25),
                 transformers.GraniteForCausalLM, transformers.AutoModelForCausalLM),
-    # Smoke coverage of the "any nn.Linear architecture just works" claim.
     "qwen2": (transformers.Qwen2Config, dict(hidden_size=64, intermediate_size=112, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2), transformers.Qwen2ForCausalLM,
               transformers.AutoModelForCausalLM),
+    # Saved by transformers 5 with its head as `embed_out`, which transformers renames to `lm_head` on load.
+    "gpt_neox": (transformers.GPTNeoXConfig, dict(hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                 num_attention_heads=4, rotary_pct=0.5, tie_word_embeddings=False), transformers.GPTNeoXForCausalLM,
+                 transformers.AutoModelForCausalLM),
     "opt": (transformers.OPTConfig, dict(hidden_size=64, ffn_dim=112, num_hidden_layers=2, num_attention_heads=4,
             word_embed_proj_dim=64), transformers.OPTForCausalLM, transformers.AutoModelForCausalLM),
     "bert": (transformers.BertConfig, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -28,9 +28,9 @@ def test_each_side_reads_and_holds_only_its_own_tensors(tmp_path):
         entries = Checkpoint(path).entries
         executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
         specs = executor.layer_specs.values()
-        base_keys = {s.weight_key for s in specs} | {s.bias_key for s in specs if s.bias_key}
+        base_keys = {s.weight_name for s in specs} | {s.bias_name for s in specs if s.bias_name}
         # Tensors only the executor reads; a tied lm_head's weight is the embedding, which the client needs too.
-        base_only = base_keys - {s.weight_key for s in specs if s.weight_key != s.layer_id + ".weight"}
+        base_only = base_keys - {s.weight_name for s in specs if s.weight_name != s.layer_id + ".weight"}
         assert (len(base_keys - base_only) == 1) is tied
         probes = _probe_bytes(path)
         assert probes <= 192 * len(entries)
@@ -54,7 +54,7 @@ def test_tied_lm_head_is_served_by_the_executor_from_the_embedding(tmp_path):
     auto_class = make_checkpoint("gpt2", tmp_path)
     executor = symbiosis.Executor.from_pretrained(tmp_path, dtype=torch.float64)
     lm_head = executor.layer_specs["lm_head"]
-    assert lm_head.weight_key == "transformer.wte.weight"
+    assert lm_head.weight_name == "transformer.wte.weight"
     model = symbiosis.from_pretrained(tmp_path, executor, auto_class=auto_class, dtype=torch.float64)
     assert model.lm_head.layer_id == "lm_head"
     weight, _ = executor.fetch(model.symbiosis_session.client_id, "lm_head")

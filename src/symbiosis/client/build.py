@@ -4,8 +4,9 @@
 
 The model is built on the meta device (no memory), base layers are swapped for virtual ones, and only
 then is real storage made for what is left: the client's own tensors, read from the checkpoint (and only
-those), plus whatever the checkpoint lacks (a new classification head, rotary buffers), initialised the
-way transformers initialises missing weights. The result is an ordinary `PreTrainedModel`: PEFT, `Trainer`
+those) where transformers would read them (`model.layout`), plus what transformers makes itself (rotary
+tables, a new head of another class than the checkpoint's), initialised the way transformers does. Any
+other tensor the checkpoint lacks is a `CheckpointError` before anything runs. The result is an ordinary `PreTrainedModel`: PEFT, `Trainer`
 and `generate()` use it unchanged.
 """
 
@@ -23,49 +24,52 @@ from symbiosis.client.grouping import CallGrouper
 from symbiosis.client.virtual import call_executor, make_virtual
 from symbiosis.errors import CheckpointError, VirtualWeightAccess
 from symbiosis.model.checkpoint import Checkpoint
-from symbiosis.model.partition import build_skeleton, checkpoint_name, load_config, plan_base_layers
+from symbiosis.model.layout import Layout
+from symbiosis.model.partition import build_skeleton, check_complete, load_config, plan_base_layers
 from symbiosis.torch_dtypes import resolve_dtype
 
 
-def _load_client_tensors(model: PreTrainedModel, checkpoint: Checkpoint, device: torch.device, session) -> None:
-    """Fill every non-virtual parameter and persistent buffer that the checkpoint holds; flag it initialised.
+def _load_client_tensors(model: PreTrainedModel, layout: Layout, device: torch.device, session) -> None:
+    """Fill every non-virtual parameter and persistent buffer that the checkpoint provides; flag it initialised.
     A tensor an in-process executor holds too (a tied embedding) is taken from it, frozen, not copied."""
     persistent = set(model.state_dict(keep_vars=True).keys())
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update((n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in persistent)
     base_tensor = getattr(session, "base_tensor", None)  # in-process sessions only
-    for name, tensor in named.items():
-        if getattr(tensor, "_is_hf_initialized", False):
-            continue
-        key = checkpoint_name(model, name, checkpoint)
-        if key is None:
-            continue  # missing: initialised below, as transformers does
-        shared = base_tensor(key, tensor) if base_tensor is not None and isinstance(tensor, nn.Parameter) else None
+    wanted = {}
+    for key, tensor in named.items():
+        name = layout.names.get(key)
+        if getattr(tensor, "_is_hf_initialized", False) or name is None:
+            continue  # virtual; or tied to a tensor loaded here, or a new head (check_complete said which)
+        shared = base_tensor(name, tensor) if base_tensor is not None and isinstance(tensor, nn.Parameter) else None
         if shared is not None:
-            _share(model, name, key, shared)
-            continue
-        value = checkpoint.read(key, dtype=tensor.dtype if tensor.is_floating_point() else None, device=device)
+            _share(model, key, name, shared)
+        else:
+            wanted[key] = name
+    values = layout.read({name: named[key].dtype for key, name in wanted.items()}, device)
+    for key, name in wanted.items():
+        tensor, value = named[key], values[name]
         if value.shape != tensor.shape:
-            raise CheckpointError(f"{checkpoint.path}: tensor {key!r} has shape {list(value.shape)}, "
-                                  f"the model expects {list(tensor.shape)} for {name!r}")
+            raise CheckpointError(f"{layout.checkpoint.listing}: {layout.keys(name)} make {name!r} of shape "
+                                  f"{list(value.shape)}, the model expects {list(tensor.shape)} for {key!r}")
         with torch.no_grad():
             tensor.copy_(value)
         tensor._is_hf_initialized = True
 
 
-def _share(model: PreTrainedModel, name: str, key: str, base: torch.Tensor) -> None:
-    """Make parameter `name` the executor's tensor itself, frozen. Every in-process client of the executor
-    then holds it once between them (a 1B Llama's tied embedding is 0.5 GiB a client). Training it in place
+def _share(model: PreTrainedModel, parameter_name: str, name: str, base: torch.Tensor) -> None:
+    """Make parameter `parameter_name` the executor's tensor `name` itself, frozen. Every in-process client of
+    the executor then holds it once between them (a 1B Llama's tied embedding is 0.5 GiB a client). Training it in place
     would change the base for everyone: a gradient reaching it raises instead. PEFT's `modules_to_save`
     trains a copy, as always."""
 
     def refuse(grad):
         raise VirtualWeightAccess(
-            f"{name} is the executor's tensor {key!r} (a tied weight), shared by every in-process client, so it "
+            f"{parameter_name} is the executor's tensor {name!r} (a tied weight), shared by every in-process client, so it "
             "cannot be trained in place. Give this client its own copy first: `module.weight = "
             "torch.nn.Parameter(module.weight.detach().clone())`, or train it through PEFT (modules_to_save).")
 
-    module_name, _, attribute = name.rpartition(".")
+    module_name, _, attribute = parameter_name.rpartition(".")
     parameter = nn.Parameter(base, requires_grad=True)
     parameter.register_hook(refuse)  # stays with the tensor when it is unfrozen later
     parameter.requires_grad_(False)
@@ -98,7 +102,9 @@ def from_pretrained(path: str | os.PathLike, executor, auto_class=AutoModelForCa
     session = executor.attach(fingerprint, name, device)
     dtype = resolve_dtype(dtype, torch_dtype, config) if (dtype or torch_dtype) else session.dtype
     model = build_skeleton(config, auto_class, dtype)
-    plan = plan_base_layers(model, checkpoint)
+    layout = Layout(model, checkpoint)
+    check_complete(model, layout)
+    plan = plan_base_layers(model, layout)
     for spec in plan.values():
         served = session.layer_specs.get(spec.layer_id)
         if served != spec:
@@ -115,7 +121,7 @@ def from_pretrained(path: str | os.PathLike, executor, auto_class=AutoModelForCa
         model.set_submodule(module_name, virtual)
 
     model.to_empty(device=device)
-    _load_client_tensors(model, checkpoint, device, session)
+    _load_client_tensors(model, layout, device, session)
     model.initialize_weights()
     model.tie_weights()
     if (checkpoint.path / "generation_config.json").is_file():

@@ -15,6 +15,7 @@ import torch
 from peft import PeftModel
 from transformers import PreTrainedModel, TextStreamer
 
+from symbiosis.client.adapter_files import check_adapter_directory
 from symbiosis.errors import AdapterError, BadCall
 
 FINGERPRINT_FILE = "symbiosis.json"  # beside adapter_config.json; plain PEFT ignores it
@@ -30,14 +31,13 @@ def save_adapter(peft_model: PeftModel, directory: str | os.PathLike) -> None:
 def load_adapter(model: PreTrainedModel, directory: str | os.PathLike, **kwargs) -> PeftModel:
     """`PeftModel.from_pretrained` with errors that name the problem: a missing directory or file, an adapter
     saved for another base model (fingerprint recorded by `save_adapter`), or tensors of the wrong shape."""
-    directory = Path(directory)
-    if not (directory / "adapter_config.json").is_file():
-        raise AdapterError(f"{directory}: not a PEFT adapter directory (no adapter_config.json)")
-    if not any(directory.glob("adapter_model.*")):
-        raise AdapterError(f"{directory}: no adapter_model.safetensors")
+    directory = check_adapter_directory(directory)
     marker = directory / FINGERPRINT_FILE
     if marker.is_file():
-        recorded = json.loads(marker.read_text()).get("base_fingerprint")
+        try:
+            recorded = json.loads(marker.read_text()).get("base_fingerprint")
+        except (ValueError, AttributeError) as e:  # not JSON, or not an object
+            raise AdapterError(f"{marker}: not a symbiosis adapter record ({e})") from e
         if recorded != model.symbiosis_fingerprint:
             raise AdapterError(f"{directory}: this adapter was trained on another base model (fingerprint "
                                f"{str(recorded)[:16]}…, this model {model.symbiosis_fingerprint[:16]}…)")

@@ -104,10 +104,17 @@ class MaskedSession:
     def direct(self, layer_id: str, x: torch.Tensor) -> None:
         return None  # every masked call goes through the executor's masked path
 
+    def _masked_forward(self, call, layer_id: str, x: torch.Tensor, inference: bool) -> torch.Tensor:
+        noise, effect = self._draw(layer_id, "forward", x.shape[0])
+        return call(layer_id, x + noise.to(x.dtype), inference) - effect.to(x.dtype)
+
     def forward(self, layer_id: str, x: torch.Tensor, inference: bool = False) -> torch.Tensor:
         # x: [T, in];  returns (x + n) W^T + b - n W^T
-        noise, effect = self._draw(layer_id, "forward", x.shape[0])
-        return self.inner.forward(layer_id, x + noise.to(x.dtype), inference) - effect.to(x.dtype)
+        return self._masked_forward(self.inner.forward, layer_id, x, inference)
+
+    def forward_nobias(self, layer_id: str, x: torch.Tensor, inference: bool = False) -> torch.Tensor:
+        # x: [T, in];  returns (x + n) W^T - n W^T  (the pools' effects are bias-free)
+        return self._masked_forward(self.inner.forward_nobias, layer_id, x, inference)
 
     def backward(self, layer_id: str, grad_out: torch.Tensor) -> torch.Tensor:
         # grad_out: [T, out];  returns (g + m) W - m W

@@ -65,36 +65,40 @@ class VirtualWeight(torch.Tensor):
 
 
 class _BaseLayerCall(torch.autograd.Function):
-    """y = executor.forward(layer, x); backward: grad_x = executor.backward(layer, grad_y). Nothing saved."""
+    """y = executor.forward(layer, x) (or forward_nobias); backward: grad_x = executor.backward(layer, grad_y).
+    Nothing saved."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, session, layer_id: str, inference: bool) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, session, layer_id: str, inference: bool, with_bias: bool) -> torch.Tensor:
         ctx.session, ctx.layer_id = session, layer_id
-        return session.forward(layer_id, x, inference=inference)
+        if with_bias:
+            return session.forward(layer_id, x, inference=inference)
+        return session.forward_nobias(layer_id, x, inference=inference)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        return ctx.session.backward(ctx.layer_id, grad_out), None, None, None
+        return ctx.session.backward(ctx.layer_id, grad_out), None, None, None, None
 
 
-def call_executor(session, tokens: torch.Tensor, layer_id: str, inference: bool) -> torch.Tensor:
+def call_executor(session, tokens: torch.Tensor, layer_id: str, inference: bool, with_bias: bool = True) -> torch.Tensor:
     """One executor call with autograd: tokens [T, in] -> [T, out] (layer_id may name a group)."""
-    return _BaseLayerCall.apply(tokens, session, layer_id, inference)
+    return _BaseLayerCall.apply(tokens, session, layer_id, inference, with_bias)
 
 
-def _executor_call(layer: nn.Module, x: torch.Tensor, out_features: int) -> torch.Tensor:
-    # x: [..., in] -> tokens: [T, in] -> [T, out] -> [..., out]
+def base_forward(layer: nn.Module, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+    """A virtual layer's y = x W^T (+ b) through the executor, with autograd: x [..., in] -> [..., out].
+    Without the bias it is a call of its own (PEFT's DoRA needs x W^T of a dropped-out input)."""
     leading = x.shape[:-1]
     tokens = x.reshape(-1, x.shape[-1])
     direct = layer.session.direct(layer.layer_id, tokens)
     inference = not torch.is_grad_enabled()
     if direct is not None:  # in-process executor, nobody to batch with: its GEMM on this thread
-        out = direct.forward(tokens)
-    elif layer.grouper is not None:
+        out = direct.forward(tokens, with_bias)
+    elif layer.grouper is not None and with_bias:
         out = layer.grouper.call(layer.layer_id, x, tokens, inference)
     else:
-        out = call_executor(layer.session, tokens, layer.layer_id, inference)
-    return out.view(*leading, out_features)
+        out = call_executor(layer.session, tokens, layer.layer_id, inference, with_bias)
+    return out.view(*leading, out.shape[-1])
 
 
 def _init_virtual(layer: nn.Module, spec: BaseLayerSpec, session, grouper, device, dtype) -> None:
@@ -104,7 +108,7 @@ def _init_virtual(layer: nn.Module, spec: BaseLayerSpec, session, grouper, devic
     layer.grouper = grouper
     shape = (spec.out_features, spec.in_features) if spec.kind == "linear" else (spec.in_features, spec.out_features)
     layer.weight = nn.Parameter(VirtualWeight(shape, dtype, device, spec.layer_id), requires_grad=False)
-    bias = VirtualWeight((spec.out_features,), dtype, device, spec.layer_id) if spec.bias_key else None
+    bias = VirtualWeight((spec.out_features,), dtype, device, spec.layer_id) if spec.bias_name else None
     layer.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
 
@@ -127,7 +131,7 @@ class VirtualLinear(nn.Linear):
         self.in_features, self.out_features = spec.in_features, spec.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _executor_call(self, x, self.out_features)
+        return base_forward(self, x)
 
     def __deepcopy__(self, memo):
         real = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
@@ -145,7 +149,7 @@ class VirtualConv1D(Conv1D):
         self.nx, self.nf = spec.in_features, spec.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _executor_call(self, x, self.nf)
+        return base_forward(self, x)
 
     def __deepcopy__(self, memo):
         with torch.device("meta"):

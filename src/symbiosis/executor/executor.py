@@ -1,4 +1,4 @@
-"""The executor: serves forward / backward / fetch calls of attached clients on the base weights.
+"""The executor: serves forward / backward / fetch / weight_norms calls of attached clients on the base weights.
 
 It keeps no per-call state: backward needs only the output gradient (grad_x = g W), so calls of any
 client may arrive in any order, and a client that vanishes leaves nothing behind but its id.
@@ -24,9 +24,11 @@ from symbiosis.model.partition import (
     BaseLayerSpec,
     architecture_class,
     build_skeleton,
+    check_complete,
     load_config,
     plan_base_layers,
 )
+from symbiosis.model.layout import Layout
 from symbiosis.torch_dtypes import resolve_dtype
 
 DEFAULT_MAX_CALL_TOKENS = 1 << 20
@@ -82,12 +84,14 @@ class Executor:
         config = load_config(checkpoint)
         dtype = resolve_dtype(dtype, torch_dtype, config)
         skeleton = build_skeleton(config, auto_class or architecture_class(config), dtype)
-        specs = list(plan_base_layers(skeleton, checkpoint).values())
+        layout = Layout(skeleton, checkpoint)
+        check_complete(skeleton, layout)  # the whole checkpoint, client tensors too: refused before any compute
+        specs = list(plan_base_layers(skeleton, layout).values())
         fingerprint = checkpoint.fingerprint()
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # compare equal to tensors' devices
-        weights = BaseWeights(checkpoint, specs, device, dtype)
+        weights = BaseWeights(layout, specs, device, dtype)
         return cls(checkpoint, weights, fingerprint, device, dtype, max_call_tokens, policy)
 
     @property
@@ -183,6 +187,11 @@ class Executor:
         layer = self._layer_for(client_id, layer_id)
         return layer.weight.clone(), None if layer.bias is None else layer.bias.clone()
 
+    def weight_norms(self, client_id: str, layer_id: str) -> torch.Tensor:
+        """||W_o||^2 for every output feature o of a base layer [out] (a public fact about the base, which DoRA's
+        weight normalisation needs; computed once per layer), at least float32."""
+        return self._layer_for(client_id, layer_id).squared_norms
+
 
 class InProcessSession:
     """A client's handle on an executor in the same process: plain calls, tensors passed by reference.
@@ -219,11 +228,11 @@ class InProcessSession:
             executor.stats.count_direct((layer_id, "forward"), x.shape[0])
         return layer
 
-    def base_tensor(self, key: str, like: torch.Tensor) -> torch.Tensor | None:
-        """The executor's own tensor read from checkpoint key `key`, when the client needs that very tensor
+    def base_tensor(self, name: str, like: torch.Tensor) -> torch.Tensor | None:
+        """The executor's own tensor read as `name` (layout.Layout), when the client needs that very tensor
         in the same shape, dtype and device: a tied embedding, which the client then holds by reference
         instead of as a copy (`from_pretrained`)."""
-        tensor = self.executor.weights.tensor(key)
+        tensor = self.executor.weights.tensor(name)
         if tensor is None or (tensor.shape, tensor.dtype, tensor.device) != (like.shape, like.dtype, like.device):
             return None
         return tensor
@@ -247,6 +256,9 @@ class InProcessSession:
 
     def fetch(self, layer_id: str):
         return self.executor.fetch(self.client_id, layer_id)
+
+    def weight_norms(self, layer_id: str) -> torch.Tensor:
+        return self.executor.weight_norms(self.client_id, layer_id)
 
     def close(self) -> None:
         self.executor.detach(self.client_id)

@@ -8,13 +8,15 @@ No gradient is computed for W or b: base layers are frozen.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from symbiosis.model.checkpoint import Checkpoint
+from symbiosis.errors import CheckpointError
+from symbiosis.model.layout import Layout
 from symbiosis.model.partition import GROUP_SEPARATOR, BaseLayerSpec
 
 
@@ -23,6 +25,17 @@ class BaseLayer:
     spec: BaseLayerSpec
     weight: torch.Tensor
     bias: torch.Tensor | None
+
+    @functools.cached_property
+    def squared_norms(self) -> torch.Tensor:
+        """||W_o||^2 per output feature o [out], summed in at least float32."""
+        dtype = torch.promote_types(self.weight.dtype, torch.float32)
+        return self.weight.to(dtype).square().sum(dim=1 if self.spec.kind == "linear" else 0)
+
+    @property
+    def expected_shape(self) -> tuple[int, int]:
+        spec = self.spec
+        return (spec.out_features, spec.in_features) if spec.kind == "linear" else (spec.in_features, spec.out_features)
 
     def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         # x: [T, in] -> [T, out]
@@ -45,24 +58,24 @@ class BaseWeights:
     of it, so memory stays as it was.
     """
 
-    def __init__(self, checkpoint: Checkpoint, specs: list[BaseLayerSpec], device: torch.device, dtype: torch.dtype):
-        loaded: dict[str, torch.Tensor] = {}
-
-        def tensor(key: str) -> torch.Tensor:
-            if key not in loaded:
-                loaded[key] = checkpoint.read(key, dtype=dtype, device=device)
-            return loaded[key]
-
-        self.layers = {
-            s.layer_id: BaseLayer(s, tensor(s.weight_key), tensor(s.bias_key) if s.bias_key else None) for s in specs
-        }
+    def __init__(self, layout: Layout, specs: list[BaseLayerSpec], device: torch.device, dtype: torch.dtype):
+        names = {s.weight_name for s in specs} | {s.bias_name for s in specs if s.bias_name}
+        loaded = layout.read(dict.fromkeys(sorted(names), dtype), device)  # a tied tensor once
+        self.layers = {s.layer_id: BaseLayer(s, loaded[s.weight_name], loaded[s.bias_name] if s.bias_name else None)
+                       for s in specs}
+        for layer in self.layers.values():  # a converter's output is known only now; a bias is not checked before
+            for name, tensor, expected in ((layer.spec.weight_name, layer.weight, layer.expected_shape),
+                                           (layer.spec.bias_name, layer.bias, (layer.spec.out_features,))):
+                if tensor is not None and tensor.shape != expected:
+                    raise CheckpointError(f"{layout.checkpoint.listing}: {layout.keys(name)} make {name!r} of shape "
+                                          f"{list(tensor.shape)}, the config implies {list(expected)}")
         self.nbytes = sum(t.numel() * t.element_size() for t in loaded.values())
         self.groups: dict[str, BaseLayer | None] = {}
         self._lock = threading.Lock()
 
-    def tensor(self, key: str) -> torch.Tensor | None:
-        """The weight read from checkpoint tensor `key`, if a layer holds one (a tied lm_head: the embedding)."""
-        return next((layer.weight for layer in self.layers.values() if layer.spec.weight_key == key), None)
+    def tensor(self, name: str) -> torch.Tensor | None:
+        """The weight read as tensor `name`, if a layer holds one (a tied lm_head: the embedding)."""
+        return next((layer.weight for layer in self.layers.values() if layer.spec.weight_name == name), None)
 
     def get(self, layer_id: str) -> BaseLayer | None:
         """A layer or group by id; None if there is no such layer, or the group cannot be fused."""

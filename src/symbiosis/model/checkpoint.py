@@ -97,7 +97,8 @@ def _parse_header(file: Path) -> dict[str, TensorEntry]:
     return entries
 
 
-def _safetensors_files(path: Path) -> list[Path]:
+def _safetensors_files(path: Path) -> tuple[Path, list[Path]]:
+    """(the file that lists the tensors: model.safetensors or its index, the safetensors files)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -108,10 +109,10 @@ def _safetensors_files(path: Path) -> list[Path]:
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{path}: shard(s) named in model.safetensors.index.json are missing: {missing}")
-        return files
+        return index, files
     single = path / "model.safetensors"
     if single.is_file():
-        return [single]
+        return single, [single]
     if any(path.glob("*.bin")):
         raise CheckpointError(f"{path}: only PyTorch .bin weights found; symbiosis reads safetensors only "
                               "(convert with `model.save_pretrained(dir, safe_serialization=True)`)")
@@ -137,7 +138,8 @@ class Checkpoint:
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{config_file}: not valid JSON ({e})") from e
         self.entries: dict[str, TensorEntry] = {}
-        for file in _safetensors_files(self.path):
+        self.listing, files = _safetensors_files(self.path)  # errors name it
+        for file in files:
             self.entries.update(_parse_header(file))
         self.bytes_read = 0
         self._lock = threading.Lock()

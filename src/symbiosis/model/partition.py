@@ -2,12 +2,14 @@
 
 A *base layer* is every `nn.Linear` and transformers `Conv1D` of the model whose weight the checkpoint
 holds, lm_head included. Its weight (and bias) live only in the executor. Everything else (embeddings,
-norms, rotary buffers, heads the checkpoint lacks) belongs to the client.
+norms, rotary buffers, a new head of another class than the checkpoint's) belongs to the client. Where
+each tensor lies in the checkpoint is transformers' business (`layout.Layout`): keys it renames or
+converts on load are renamed and converted here too.
 
-Layer ids are the module names written the way the checkpoint names tensors
-(`model.layers.3.self_attn.q_proj`), so a client built with another head class (say
-`AutoModelForSequenceClassification` on a causal-LM checkpoint, whose modules are prefixed differently)
-and the executor still agree on every id.
+Layer ids are the module names written the way the checkpoint names tensors after transformers' renaming
+(`model.layers.3.self_attn.q_proj`; GPT-NeoX's `embed_out` is `lm_head`), so a client built with another
+head class (say `AutoModelForSequenceClassification` on a causal-LM checkpoint, whose modules are prefixed
+differently) and the executor still agree on every id.
 
 Tied weights: when `lm_head.weight` is tied to the input embedding (`tie_word_embeddings`), the checkpoint
 stores the matrix once, under the embedding's name. The executor reads it as lm_head's weight, the client
@@ -16,6 +18,7 @@ reads it as its embedding table: the one tensor is read by both sides, and held 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,6 +30,9 @@ from transformers.pytorch_utils import Conv1D
 
 from symbiosis.errors import CheckpointError
 from symbiosis.model.checkpoint import Checkpoint
+from symbiosis.model.layout import Layout
+
+log = logging.getLogger("symbiosis")
 
 LayerKind = Literal["linear", "conv1d"]
 GROUP_SEPARATOR = "+"  # "a+b+c": layers a, b, c that take one input, run as one GEMM
@@ -43,8 +49,8 @@ class BaseLayerSpec:
     kind: LayerKind
     in_features: int
     out_features: int
-    weight_key: str
-    bias_key: str | None
+    weight_name: str  # the tensors' names in the checkpoint (layout.Layout): what the executor reads
+    bias_name: str | None
 
 
 def group_spec(specs: dict[str, BaseLayerSpec], layer_id: str) -> BaseLayerSpec | None:
@@ -89,51 +95,64 @@ def architecture_class(config: PretrainedConfig):
     return transformers.AutoModel
 
 
-def checkpoint_name(model: PreTrainedModel, param_name: str, checkpoint: Checkpoint) -> str | None:
-    """The checkpoint key holding `param_name` of `model`, allowing for the base-model prefix
-    (a `LlamaModel` checkpoint read into `LlamaForCausalLM`, or the reverse)."""
-    prefix = model.base_model_prefix + "."
-    candidates = [param_name]
-    if param_name.startswith(prefix):
-        candidates.append(param_name[len(prefix):])
-    else:
-        candidates.append(prefix + param_name)
-    return next((c for c in candidates if c in checkpoint), None)
-
-
-def _base_layer_spec(model, module_name: str, module: nn.Module, checkpoint: Checkpoint) -> BaseLayerSpec | None:
+def _base_layer_spec(model, module_name: str, module: nn.Module, layout: Layout) -> BaseLayerSpec | None:
     weight_param = f"{module_name}.weight"
-    weight_key = checkpoint_name(model, weight_param, checkpoint)
-    if weight_key is None:
+    weight_name = layout.names.get(weight_param)
+    if weight_name is None:
         source = (getattr(model, "all_tied_weights_keys", None) or {}).get(weight_param)
-        weight_key = checkpoint_name(model, source, checkpoint) if source else None
-        if weight_key is None:
-            return None  # not in the checkpoint: a new head, the client owns and initializes it
+        weight_name = layout.names.get(source) if source else None
+        if weight_name is None:
+            return None  # not in the checkpoint: a new head (the client's), or missing (check_complete says)
         layer_id = module_name
     else:
-        layer_id = weight_key.removesuffix(".weight")
-    bias_key = checkpoint_name(model, f"{module_name}.bias", checkpoint) if module.bias is not None else None
-    if module.bias is not None and bias_key is None:
-        raise CheckpointError(f"{checkpoint.path}: layer {layer_id!r} has a bias but the checkpoint holds none")
+        layer_id = weight_name.removesuffix(".weight")
+    bias_name = layout.names.get(f"{module_name}.bias") if module.bias is not None else None
+    if module.bias is not None and bias_name is None:
+        raise CheckpointError(f"{layout.checkpoint.listing}: layer {layer_id!r} has a bias but the checkpoint holds none")
     if isinstance(module, Conv1D):
         kind, in_features, out_features = "conv1d", module.nx, module.nf
         expected = (in_features, out_features)
     else:
         kind, in_features, out_features = "linear", module.in_features, module.out_features
         expected = (out_features, in_features)
-    found = checkpoint.entries[weight_key].shape
-    if found != expected:
-        raise CheckpointError(f"{checkpoint.path}: tensor {weight_key!r} has shape {list(found)}, "
-                              f"the config implies {list(expected)}")
-    return BaseLayerSpec(layer_id, kind, in_features, out_features, weight_key, bias_key)
+    found = layout.shape(weight_name)
+    if found is not None and found != expected:
+        raise CheckpointError(f"{layout.checkpoint.listing}: tensor {layout.keys(weight_name)[0]!r} has shape "
+                              f"{list(found)}, the config implies {list(expected)}")
+    return BaseLayerSpec(layer_id, kind, in_features, out_features, weight_name, bias_name)
 
 
-def plan_base_layers(model: PreTrainedModel, checkpoint: Checkpoint) -> dict[str, BaseLayerSpec]:
+def plan_base_layers(model: PreTrainedModel, layout: Layout) -> dict[str, BaseLayerSpec]:
     """Module name in `model` -> spec of the base layer that replaces it."""
     plan = {}
     for module_name, module in model.named_modules():
         if is_base_module(module):
-            spec = _base_layer_spec(model, module_name, module, checkpoint)
+            spec = _base_layer_spec(model, module_name, module, layout)
             if spec is not None:
                 plan[module_name] = spec
     return plan
+
+
+def _in_base_model(model: PreTrainedModel, key: str) -> bool:
+    return model.base_model is model or key.startswith(model.base_model_prefix + ".")
+
+
+def check_complete(model: PreTrainedModel, layout: Layout) -> list[str]:
+    """Refuse, before anything is computed, a checkpoint that lacks a tensor `model` needs (where transformers
+    would fill it with random values and only log it). Returns the tensors of a *new head*, which are
+    initialised as transformers does: the task head of a class other than the checkpoint's own (a `LlamaModel`
+    checkpoint under `AutoModelForCausalLM`, a causal LM under `AutoModelForSequenceClassification`)."""
+    missing = layout.missing(model)
+    own_class = type(model).__name__ in (model.config.architectures or [])
+    new_head = [key for key in missing if not own_class and not _in_base_model(model, key)]
+    lacking = [key for key in missing if key not in new_head]
+    if lacking:
+        shown = ", ".join(repr(k) for k in lacking[:8]) + (f" and {len(lacking) - 8} more" if len(lacking) > 8 else "")
+        raise CheckpointError(
+            f"{layout.checkpoint.listing}: no tensor for {shown}, which {type(model).__name__} needs (after "
+            "transformers' own key renaming and conversion); transformers would initialise them with random "
+            "values, symbiosis refuses to. Is the checkpoint complete, and was it saved for this model type?")
+    if new_head:
+        log.warning("%s: %s is not in the checkpoint (saved as %s): a new head, initialised as transformers does; "
+                    "train it before use", layout.checkpoint.path, ", ".join(new_head), model.config.architectures)
+    return new_head

@@ -371,10 +371,16 @@ class RemoteSession:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         return self._call("backward", layer_id, grad_out, width, False)
 
+    def _ask_tensors(self, op: str, layer_id: str) -> list[torch.Tensor]:
+        reply, frames = self._request({"op": op, "layer": layer_id})
+        return [wire.frame_tensor(f, spec).clone() for f, spec in zip(frames, reply["tensors"])]
+
     def fetch(self, layer_id: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        reply, frames = self._request({"op": "fetch", "layer": layer_id})
-        tensors = [wire.frame_tensor(f, spec).clone() for f, spec in zip(frames, reply["tensors"])]
+        tensors = self._ask_tensors("fetch", layer_id)
         return tensors[0], (tensors[1] if len(tensors) > 1 else None)
+
+    def weight_norms(self, layer_id: str) -> torch.Tensor:
+        return self._ask_tensors("weight_norms", layer_id)[0]
 
     def close(self) -> None:
         if self._heartbeat_stop.is_set():

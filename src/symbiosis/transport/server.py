@@ -197,9 +197,11 @@ class ExecutorServer:
             if len(frames) != 1:
                 raise BadCall(f"{op} call carries {len(frames)} tensor frames, expected 1")
             return self._submit(identity, header, wire.frame_tensor(frames[0], header.get("tensor") or {}))
-        if op == "fetch":
-            weight, bias = self.executor.fetch(client_id, str(header.get("layer")))
-            tensors = [weight.cpu()] + ([bias.cpu()] if bias is not None else [])
+        if op in ("fetch", "weight_norms"):  # public facts about a base layer: its weight and bias, or its norms
+            layer_id = str(header.get("layer"))
+            found = self.executor.fetch(client_id, layer_id) if op == "fetch" else \
+                (self.executor.weight_norms(client_id, layer_id),)
+            tensors = [t.cpu() for t in found if t is not None]
             return self._reply(identity, {"id": header.get("id"), "ok": True,
                                           "tensors": [wire.describe(t) for t in tensors]}, *tensors)
         if op == "buffer":
