@@ -63,8 +63,10 @@ def test_bad_generation_requests(lm, tmp_path):
     with pytest.raises(BadCall, match="exceeds the model's maximum context of 128 tokens"):
         generate_text(split, tokenizer, "<s> " + "the cat " * 80, max_new_tokens=4)
     path, executor, _ = lm
-    with pytest.raises(AdapterError, match="no adapter_config.json"):
+    with pytest.raises(AdapterError, match="not a local adapter directory"):
         load_adapter(symbiosis.from_pretrained(path, executor), tmp_path / "nowhere")
+    with pytest.raises(AdapterError, match="no adapter_config.json"):
+        load_adapter(symbiosis.from_pretrained(path, executor), tmp_path)
 
 
 def test_adapter_for_another_base_model_is_refused(lm, checkpoints, tmp_path):
