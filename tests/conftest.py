@@ -47,6 +47,10 @@ def make_checkpoint(arch: str, directory, dtype=torch.float32, seed: int = 0, **
     config = config_cls(vocab_size=VOCAB, max_position_embeddings=128, **{**kwargs, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).to(dtype)
+    with torch.no_grad():  # transformers starts biases at zero: code that mishandles them would pass unnoticed
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0, 0.5)
     model.save_pretrained(directory)
     return auto_class
 

@@ -131,3 +131,14 @@ def test_client_code_reading_a_base_weight_is_told_why(llama):
         weight.sum()
     with pytest.raises(symbiosis.VirtualWeightAccess):
         model.save_pretrained(path / "copy")
+
+
+def test_any_read_of_a_virtual_weight_names_the_layer(llama):
+    """Ops on one virtual weight, or on several in a list (torch.cat), raise VirtualWeightAccess naming the layer."""
+    path, _ = llama
+    model = symbiosis.from_pretrained(path, symbiosis.Executor.from_pretrained(path))
+    q = model.model.layers[0].self_attn.q_proj.weight
+    for read in (lambda: q + 1, lambda: torch.cat([q, model.model.layers[1].self_attn.q_proj.weight]),
+                 lambda: torch.linalg.vector_norm(q, dim=1)):
+        with pytest.raises(symbiosis.VirtualWeightAccess, match="model.layers.[01].self_attn.q_proj"):
+            read()

@@ -28,18 +28,21 @@ def test_each_side_reads_and_holds_only_its_own_tensors(tmp_path):
         entries = Checkpoint(path).entries
         executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
         specs = executor.layer_specs.values()
-        base_keys = {s.weight_name for s in specs} | {s.bias_name for s in specs if s.bias_name}
-        # Tensors only the executor reads; a tied lm_head's weight is the embedding, which the client needs too.
-        base_only = base_keys - {s.weight_name for s in specs if s.weight_name != s.layer_id + ".weight"}
-        assert (len(base_keys - base_only) == 1) is tied
+        bias_keys = {s.bias_name for s in specs if s.bias_name}
+        base_keys = {s.weight_name for s in specs} | bias_keys
+        # Weights only the executor reads; a tied lm_head's weight is the embedding, which the client needs too.
+        own_weights = {s.weight_name for s in specs if s.weight_name == s.layer_id + ".weight"}
+        assert (len({s.weight_name for s in specs} - own_weights) == 1) is tied
+        assert bias_keys or arch == "llama"
         probes = _probe_bytes(path)
         assert probes <= 192 * len(entries)
         assert executor.checkpoint.bytes_read == _bytes(entries, base_keys) + probes
         assert executor.weights.nbytes == _bytes(entries, base_keys, torch.float64)
 
         model = symbiosis.from_pretrained(path, executor, auto_class=auto_class, dtype=torch.float64)
-        # An in-process client takes a tied embedding from the executor instead of reading a copy.
-        client_keys = set(entries) - base_keys
+        # An in-process client takes a tied embedding from the executor instead of reading a copy; it holds a
+        # frozen copy of the base biases (small, public, what BOFT and DoRA subtract from a base output).
+        client_keys = set(entries) - base_keys | bias_keys
         assert model.symbiosis_checkpoint.bytes_read == _bytes(entries, client_keys) + probes
         executor_ptrs = {layer.weight.data_ptr() for layer in executor.weights.layers.values()}
         real = {p.data_ptr(): p for p in model.parameters() if not isinstance(p, VirtualWeight)}
@@ -47,7 +50,7 @@ def test_each_side_reads_and_holds_only_its_own_tensors(tmp_path):
         assert held == _bytes(entries, client_keys, torch.float64)
         assert len(set(real) & executor_ptrs) == (1 if tied else 0)
         virtual = [p for p in model.parameters() if isinstance(p, VirtualWeight)]
-        assert len(virtual) == len(base_only)
+        assert len(virtual) == len(own_weights)
 
 
 def test_tied_lm_head_is_served_by_the_executor_from_the_embedding(tmp_path):

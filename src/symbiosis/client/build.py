@@ -12,13 +12,15 @@ and `generate()` use it unchanged.
 
 from __future__ import annotations
 
+import functools
 import os
-from functools import partial
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
+from symbiosis.client import peft_support
+from symbiosis.client.adapter_files import check_adapter_directory
 from symbiosis.client.privacy import MaskedSession, NoiseMasking
 from symbiosis.client.grouping import CallGrouper
 from symbiosis.client.virtual import call_executor, make_virtual
@@ -27,6 +29,8 @@ from symbiosis.model.checkpoint import Checkpoint
 from symbiosis.model.layout import Layout
 from symbiosis.model.partition import build_skeleton, check_complete, load_config, plan_base_layers
 from symbiosis.torch_dtypes import resolve_dtype
+
+peft_support.install()  # PEFT's entry points check split models' configs and adapter files
 
 
 def _load_client_tensors(model: PreTrainedModel, layout: Layout, device: torch.device, session) -> None:
@@ -77,6 +81,17 @@ def _share(model: PreTrainedModel, parameter_name: str, name: str, base: torch.T
     setattr(model.get_submodule(module_name), attribute, parameter)
 
 
+def _checked_load_adapter(load_adapter):
+    """transformers' own adapter loading (`model.load_adapter(dir)`), with the adapter directory checked first:
+    safetensors only, no pickle (PEFT's entry points are checked by `peft_support`)."""
+    @functools.wraps(load_adapter)
+    def checked(peft_model_id=None, *args, **kwargs):
+        if peft_model_id is not None:
+            check_adapter_directory(peft_support.adapter_directory(peft_model_id, kwargs))
+        return load_adapter(peft_model_id, *args, **kwargs)
+    return checked
+
+
 def _refuse_full_save(*args, **kwargs):
     raise VirtualWeightAccess(
         "this split model holds no base weights (the executor does), so it cannot be saved as a full checkpoint; "
@@ -112,12 +127,11 @@ def from_pretrained(path: str | os.PathLike, executor, auto_class=AutoModelForCa
                                   f"(executor: {served}, client: {spec})")
     if privacy is not None:
         session = MaskedSession(session, privacy, sorted({s.layer_id for s in plan.values()}), device, dtype)
-    grouper = CallGrouper(session, partial(call_executor, session)) if session.supports_groups else None
+    grouper = CallGrouper(session, functools.partial(call_executor, session)) if session.supports_groups else None
     for module_name, spec in plan.items():
         virtual = make_virtual(spec, session, grouper, device, dtype)
         virtual._is_hf_initialized = True
-        for tensor in virtual.parameters():
-            tensor._is_hf_initialized = True
+        virtual.weight._is_hf_initialized = True  # its bias is loaded with the client's tensors
         model.set_submodule(module_name, virtual)
 
     model.to_empty(device=device)
@@ -127,6 +141,7 @@ def from_pretrained(path: str | os.PathLike, executor, auto_class=AutoModelForCa
     if (checkpoint.path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(checkpoint.path)
     model.save_pretrained = _refuse_full_save
+    model.load_adapter = _checked_load_adapter(model.load_adapter)
     synchronize = getattr(session, "synchronize", None)
     if synchronize is not None:  # a pipelined client's calls are answered (or raise) before its output is used
         model.register_forward_hook(lambda *_: synchronize())

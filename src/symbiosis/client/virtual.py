@@ -2,8 +2,10 @@
 
 PEFT and other tooling wrap these unchanged, since they are instances of the classes they expect and their
 `weight` reports the right shape, dtype and device. The weight holds no storage: any attempt to read its
-values raises `VirtualWeightAccess` naming the layer (this is how DoRA, merging and weight-based adapter
-inits are refused instead of silently computing with garbage).
+values raises `VirtualWeightAccess` naming the layer (this is how merging and weight-based adapter inits
+are refused instead of silently computing with garbage; `client/peft_support.py` refuses them earlier, by
+config, and rewrites the PEFT methods whose math allows it, DoRA among them). The bias is a real, frozen
+copy: it is small and public, and some methods subtract it from the base output.
 
 Forward sends the activations to the executor; backward sends the output gradient and receives
 grad_input = grad_output . W (linear) or grad_output . W^T (conv1d). The executor keeps no activations,
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 from transformers.pytorch_utils import Conv1D
 
 from symbiosis.errors import VirtualWeightAccess
@@ -46,7 +49,8 @@ class VirtualWeight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        source = next(a for a in (*args, *kwargs.values()) if isinstance(a, VirtualWeight))
+        flat, _ = tree_flatten((args, kwargs))  # torch.cat takes a list of tensors
+        source = next(a for a in flat if isinstance(a, VirtualWeight))
         if func in _METADATA_OPS:
             dtype = kwargs.get("dtype") or source.dtype
             device = kwargs.get("device") or source.device
@@ -87,7 +91,11 @@ def call_executor(session, tokens: torch.Tensor, layer_id: str, inference: bool,
 
 def base_forward(layer: nn.Module, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
     """A virtual layer's y = x W^T (+ b) through the executor, with autograd: x [..., in] -> [..., out].
-    Without the bias it is a call of its own (PEFT's DoRA needs x W^T of a dropped-out input)."""
+    Without the bias it is a call of its own (PEFT's DoRA needs x W^T of a dropped-out input). A bias the
+    client trains (PEFT's `bias="all"`) is the client's copy, added here to a bias-free call."""
+    own_bias = layer.bias if with_bias and layer.bias is not None and layer.bias.requires_grad else None
+    if own_bias is not None:
+        return base_forward(layer, x, with_bias=False) + own_bias
     leading = x.shape[:-1]
     tokens = x.reshape(-1, x.shape[-1])
     direct = layer.session.direct(layer.layer_id, tokens)
@@ -108,8 +116,11 @@ def _init_virtual(layer: nn.Module, spec: BaseLayerSpec, session, grouper, devic
     layer.grouper = grouper
     shape = (spec.out_features, spec.in_features) if spec.kind == "linear" else (spec.in_features, spec.out_features)
     layer.weight = nn.Parameter(VirtualWeight(shape, dtype, device, spec.layer_id), requires_grad=False)
-    bias = VirtualWeight((spec.out_features,), dtype, device, spec.layer_id) if spec.bias_name else None
-    layer.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+    # The bias is a public fact about the base of [out] values: the client holds a frozen copy (read with its own
+    # tensors), for the PEFT methods that take it out of the base output and put it back (BOFT, DoRA). The
+    # executor still adds its own in every forward call.
+    layer.bias = nn.Parameter(torch.empty(spec.out_features, dtype=dtype, device="meta"), requires_grad=False) \
+        if spec.bias_name else None
 
 
 def _materialize(layer: nn.Module, real: nn.Module, memo) -> nn.Module:
