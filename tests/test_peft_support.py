@@ -99,5 +99,8 @@ def test_readme_tables_are_generated_from_this_matrix():
     import support_table
 
     readme = support_table.README.read_text()
+    other = support_table.generated_with(readme)
+    if other is not None:  # a newer PEFT may add tuner types: they show as untested once regenerated
+        pytest.skip(f"README.md's tables say '{other}', installed: {support_table.versions()}")
     assert support_table.readme_with_tables(readme) == readme, \
         "README.md's support tables are not what the tests run: `python tests/support_table.py --write`"
