@@ -33,11 +33,13 @@ CONFIGS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096),
 }
-LORAS = {  # paper Table 2
-    "lora1_r8_q": (8, ["q_proj"]),
-    "lora2_r64_q": (64, ["q_proj"]),
-    "lora3_r8_qkvo": (8, ["q_proj", "k_proj", "v_proj", "o_proj"]),
-    "lora4_r64_qkvo": (64, ["q_proj", "k_proj", "v_proj", "o_proj"]),
+PAPER_LORAS = ("lora1_r8_q", "lora2_r64_q", "lora3_r8_qkvo", "lora4_r64_qkvo")  # paper Table 2
+LORAS = {  # name -> (rank, target modules, other LoraConfig options)
+    "lora1_r8_q": (8, ["q_proj"], {}),
+    "lora2_r64_q": (64, ["q_proj"], {}),
+    "lora3_r8_qkvo": (8, ["q_proj", "k_proj", "v_proj", "o_proj"], {}),
+    "lora4_r64_qkvo": (64, ["q_proj", "k_proj", "v_proj", "o_proj"], {}),
+    "dora_r8_qkvo": (8, ["q_proj", "k_proj", "v_proj", "o_proj"], {"use_dora": True}),
 }
 
 
@@ -74,8 +76,8 @@ def checkpoint(name: str, root: Path | None = None) -> Path:
 
 
 def lora(name: str) -> LoraConfig:
-    r, targets = LORAS[name]
-    return LoraConfig(task_type="CAUSAL_LM", r=r, lora_alpha=2 * r, target_modules=targets)
+    r, targets, options = LORAS[name]
+    return LoraConfig(task_type="CAUSAL_LM", r=r, lora_alpha=2 * r, target_modules=targets, **options)
 
 
 def sync() -> None:

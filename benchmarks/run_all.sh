@@ -23,13 +23,14 @@ if [[ "${MPS:-0}" == 1 ]]; then
 fi
 
 declare -A LIMIT_S=(
-  [gpu_tests]=240 [rtt]=90 [single_1b]=150 [single_13b]=330 [multi_1b]=330 [multi_1b_8]=200 [threads_1b_8]=420 [threads_1b_8_both]=480 [threads_1b_8_captured]=330 [anatomy_1b]=300 [anatomy_1b_chunked]=240 [threads_1b_8_chunked]=330 [threads_1b_8_autotuned]=520 [threads_1b_8_all_both]=560 [multi_13b]=420 [multi_1b_ckpt]=240 [multi_13b_ckpt]=570
+  [gpu_tests]=240 [rtt]=90 [single_1b]=150 [single_1b_dora]=200 [single_13b]=330 [multi_1b]=330 [multi_1b_8]=200 [threads_1b_8]=420 [threads_1b_8_both]=480 [threads_1b_8_captured]=330 [anatomy_1b]=300 [anatomy_1b_chunked]=240 [threads_1b_8_chunked]=330 [threads_1b_8_autotuned]=520 [threads_1b_8_all_both]=560 [multi_13b]=420 [multi_1b_ckpt]=240 [multi_13b_ckpt]=570
   [policies]=300 [mixed]=240 [privacy]=320 [long_context]=330
 )
 declare -A COMMAND=(
   [gpu_tests]="$PY -m pytest -q -m gpu tests/test_gpu.py tests/test_compiled_clients.py -p no:cacheprovider"
   [rtt]="$PY benchmarks/profile_overhead.py --remote"
   [single_1b]="$PY benchmarks/single_tenant.py --models llama-3.2-1b"
+  [single_1b_dora]="$PY benchmarks/single_tenant.py --models llama-3.2-1b --loras lora3_r8_qkvo,dora_r8_qkvo --modes plain,in_process,separate"
   [single_13b]="$PY benchmarks/single_tenant.py --models llama-2-13b --loras lora3_r8_qkvo --modes plain,separate"
   [multi_1b]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,2,4,8 --duration 8"
   [multi_1b_8]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 8 --duration 5"
@@ -49,7 +50,7 @@ declare -A COMMAND=(
   [privacy]="$PY benchmarks/privacy.py --model llama-3.2-1b --duration 5"
   [long_context]="$PY benchmarks/long_context.py --model llama-3-8b --steps 4 --decode-dtypes bfloat16"
 )
-ORDER=(gpu_tests rtt single_1b anatomy_1b anatomy_1b_chunked multi_1b multi_1b_8 threads_1b_8 threads_1b_8_captured
+ORDER=(gpu_tests rtt single_1b single_1b_dora anatomy_1b anatomy_1b_chunked multi_1b multi_1b_8 threads_1b_8 threads_1b_8_captured
        threads_1b_8_chunked threads_1b_8_autotuned threads_1b_8_all_both threads_1b_8_both multi_1b_ckpt privacy policies mixed long_context single_13b multi_13b
        multi_13b_ckpt)
 

@@ -18,7 +18,7 @@ from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
 import symbiosis
-from common import (LORAS, WARMUP_ITERS, checkpoint, device, dtype, emit, lora, peak_gib, reset_peak, start_executor,
+from common import (LORAS, PAPER_LORAS, WARMUP_ITERS, checkpoint, device, dtype, emit, lora, peak_gib, reset_peak, start_executor,
                     time_interleaved)
 
 MODES = {"plain": "plain_peft", "in_process": "symbiosis_in_process", "separate": "symbiosis_separate_process"}
@@ -27,7 +27,7 @@ MODES = {"plain": "plain_peft", "in_process": "symbiosis_in_process", "separate"
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="llama-3.2-1b")
-    parser.add_argument("--loras", default=",".join(LORAS))
+    parser.add_argument("--loras", default=",".join(PAPER_LORAS), help=f"any of {', '.join(LORAS)}")
     parser.add_argument("--modes", default=",".join(MODES), help="which of plain, in_process, separate")
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=512)

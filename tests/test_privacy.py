@@ -32,7 +32,7 @@ def _step(model, arch, seed=0):
 
 @pytest.mark.parametrize("arch,method,checkpointing", [
     ("llama", "lora", False), ("llama", "ia3", False), ("llama", "prefix", False), ("gpt2", "lora", False),
-    ("bert", "lora", False),
+    ("bert", "lora", False), ("llama", "dora_rslora_dropout_bias", False), ("gpt2", "dora", False),
     ("llama", "lora", True),  # backward's recomputed forward calls draw fresh noise
 ])
 def test_masked_equals_unmasked(arch, method, checkpointing, checkpoints):
@@ -106,15 +106,17 @@ def _rows_shared(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-6) -> bool:
                                                             b.reshape(-1, b.shape[-1])) < tol).any())
 
 
-def test_executor_sees_no_adapter_and_no_clear_activation(checkpoints):
+@pytest.mark.parametrize("method", ["lora", "dora"])  # DoRA sends A through the layer: masked, like activations
+def test_executor_sees_no_adapter_and_no_clear_activation(method, checkpoints):
     path, auto_class = checkpoints("llama")
     masked_executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
     clear_executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
     clear_executor.attach(clear_executor.fingerprint, "bystander")  # no direct path: every call is recorded
     making_pool = []
     received, clear_calls = _record(masked_executor, making_pool), _record(clear_executor)
-    masked = _model(path, masked_executor, "llama", "lora", auto_class, privacy=NoiseMasking(pool=2, rows=64))
-    received[:] = [("pool", layer, tensor) for _, layer, tensor in received]  # made at attach: all pools
+    masked = _model(path, masked_executor, "llama", method, auto_class, privacy=NoiseMasking(pool=2, rows=64))
+    # made while building it: every pool at attach, and DoRA's initial norms (A masked like an activation)
+    received[:] = [("pool", layer, tensor) for _, layer, tensor in received]
     session = masked.get_base_model().symbiosis_session
     make_pool = session._make_pool
 
@@ -126,7 +128,8 @@ def test_executor_sees_no_adapter_and_no_clear_activation(checkpoints):
             making_pool.pop()
 
     session._make_pool = tracked_make_pool
-    clear = _model(path, clear_executor, "llama", "lora", auto_class)
+    clear = _model(path, clear_executor, "llama", method, auto_class)
+    del clear_calls[:]  # made while building it (DoRA's initial norms), as the masked model's are set aside above
     adapter_snapshots = []
     for model in (masked, clear):
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)

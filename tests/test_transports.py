@@ -59,10 +59,11 @@ def _twins(checkpoints, arch: str, executor, url: str, method: str = "lora") -> 
     return models
 
 
+@pytest.mark.parametrize("method", ["lora", "dora_rslora_dropout_bias"])  # DoRA asks for weight_norms too
 @pytest.mark.parametrize("scheme", ["ipc", "tcp"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
-def test_remote_equals_in_process(arch, scheme, served, checkpoints):
-    models = _twins(checkpoints, arch, *served(arch, scheme))
+def test_remote_equals_in_process(arch, scheme, method, served, checkpoints):
+    models = _twins(checkpoints, arch, *served(arch, scheme), method)
     (local_out, local_grads), (remote_out, remote_grads) = (_train_once(m, arch) for m in models)
     assert_close(remote_out.logits, local_out.logits, "logits")
     assert_close(remote_out.loss, local_out.loss, "loss")
