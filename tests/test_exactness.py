@@ -185,23 +185,26 @@ def test_greedy_generate_matches(arch, checkpoints, executors):
     assert torch.equal(split.generate(**kwargs), reference.generate(**kwargs))
 
 
-def test_single_client_direct_path(checkpoints):
+@pytest.mark.parametrize("method", ["lora", "dora_rslora_dropout_bias"])
+def test_single_client_direct_path(method, checkpoints):
     """Alone on an in-process executor, a client runs the executor's GEMMs itself with native autograd; the
     numbers are the same, and no activation is saved for base layers."""
     path, auto_class = checkpoints("llama")
     executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
     model = symbiosis.from_pretrained(path, executor, auto_class=auto_class)
     torch.manual_seed(1234)
-    split = get_peft_model(model, peft_config("lora", "llama"))
+    split = get_peft_model(model, peft_config(method, "llama"))
     layer = split.base_model.model.model.layers[0].mlp.up_proj
+    layer = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer  # all-linear wraps it
     assert layer.session.direct(layer.layer_id, torch.zeros(1, 64, dtype=torch.float64)) is not None
     reference = auto_class.from_pretrained(path, dtype=torch.float64)
     torch.manual_seed(1234)
-    reference = get_peft_model(reference, peft_config("lora", "llama"))
+    reference = get_peft_model(reference, peft_config(method, "llama"))
     calls = lambda: executor.stats_snapshot()["per_layer"]["model.layers.0.mlp.up_proj:forward"]["calls"]  # noqa: E731
     before = calls()
     ours, theirs = train_step(split, "llama", 0), train_step(reference, "llama", 0)
-    assert calls() == before + 1  # counted by the executor
+    # counted by the executor; DoRA with dropout also calls for x W^T of the dropped input and for A W^T
+    assert calls() == before + {"lora": 1, "dora_rslora_dropout_bias": 3}[method]
     assert_close(ours.logits, theirs.logits, "logits")
     reference_params = dict(reference.named_parameters())
     for name, param in split.named_parameters():

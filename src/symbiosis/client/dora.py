@@ -45,14 +45,17 @@ class SplitDoraLinearLayer(DoraLinearLayer):
 
     def split_weight_norm(self, base_layer: nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor,
                           scaling: float, dtype: torch.dtype) -> torch.Tensor:
-        """||W_o + s (B A)_o|| for every output o, computed in `dtype`; nothing in it is differentiated."""
+        """||W_o + s (B A)_o|| for every output o, summed in at least float32, returned in `dtype`; nothing in it
+        is differentiated (PEFT detaches the norm)."""
+        wide = torch.promote_types(dtype, torch.float32)
         with torch.no_grad():
-            a, b = lora_a.to(dtype), lora_b.to(dtype)  # [r, in], [out, r]
-            norms = self._base_norms(base_layer, a.device, dtype)
-            a_w = base_layer.session.forward_nobias(base_layer.layer_id, a, inference=not torch.is_grad_enabled())
-            cross = (b * a_w.to(dtype).T).sum(dim=1)  # <W_o, (B A)_o> = sum_r B[o, r] (A W^T)[r, o]
-            lora_sq = ((b @ (a @ a.T)) * b).sum(dim=1)  # ||(B A)_o||^2 = (B (A A^T) B^T)_oo, without B A
-            return (norms + 2 * scaling * cross + scaling**2 * lora_sq).clamp_min(0).sqrt()
+            a_w = base_forward(base_layer, lora_a.to(dtype), with_bias=False)  # A W^T [r, out] (direct path if any)
+            a, b = lora_a.to(wide), lora_b.to(wide)  # [r, in], [out, r]
+            # ||W_o||^2 + sum_r B[o, r] (2 s A W^T + s^2 (A A^T) B^T)[r, o]: the cross term and ||(B A)_o||^2
+            # together, without forming B A [out, in]
+            m = torch.addmm(a_w.to(wide), a @ a.T, b.T, beta=2 * scaling, alpha=scaling**2)  # [r, out]
+            squared = self._base_norms(base_layer, a.device, wide) + torch.linalg.vecdot(b, m.T)
+            return squared.clamp_min(0).sqrt().to(dtype)
 
     def update_layer(self, *, base_layer, lora_A, lora_B, scaling, place_on_cpu=False) -> None:
         # PEFT's magnitude starts as the norm of W + s B A, in the dtype W + s B A would have.
