@@ -3,12 +3,12 @@
 - CORE_METHODS run on every architecture tests/ builds (conftest.ARCHITECTURES), unless PEFT_CANNOT says
   plain PEFT itself refuses the pair (test_exactness checks that it does).
 - TUNERS has one or more configs for every PEFT tuner type (PeftType) that symbiosis runs exactly
-  (`peft_support.EXACT`), each run on TUNER_ARCHS (Llama: Linear without biases; OPT: Linear with biases;
+  (`peft_support.EXACT`), each run on Llama, OPT and GPT-2 (Llama: Linear without biases; OPT: Linear with biases;
   GPT-2: transformers Conv1D) but where PEFT itself supports no Conv1D; and a config for every type and option
-  symbiosis refuses (`peft_support.REFUSED`, `REFUSED_OPTIONS`), which test_peft_support checks is refused at
-  `get_peft_model` and accepted by plain PEFT.
+  symbiosis refuses (`peft_support.REFUSED`, `REFUSED_OPTIONS`), which test_peft_support checks is refused
+  when `get_peft_model` runs, before anything is built.
 
-`python tests/support_table.py --write` rewrites the README's tables from this; test_support_table checks
+`python tests/support_table.py --write` rewrites the README's tables from this; test_peft_support checks
 that the README holds what it would write.
 """
 
@@ -103,7 +103,6 @@ class Case:
     note: str = ""
 
 
-TUNER_ARCHS = ("llama", "opt", "gpt2")
 NO_CONV1D = ("llama", "opt")  # PEFT implements the method for nn.Linear, not transformers' Conv1D
 
 

@@ -4,7 +4,8 @@
     python tests/support_table.py           # print them
     python tests/support_table.py --write   # put them into README.md, between the markers
 
-test_support_table checks that README.md holds exactly what this would write.
+test_peft_support checks that README.md holds exactly what this would write (when the versions it names are
+installed).
 """
 
 from __future__ import annotations

@@ -144,9 +144,6 @@ class Checkpoint:
         self.bytes_read = 0
         self._lock = threading.Lock()
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.entries
-
     def _pread(self, entry: TensorEntry, offset: int, length: int, into: memoryview) -> None:
         with open(entry.file, "rb") as f:
             f.seek(offset)
