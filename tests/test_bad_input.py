@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -70,6 +72,28 @@ def test_missing_shard(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="shard.*missing.*model-00002-of-00002"):
         symbiosis.Executor.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/../../x.safetensors", 7])
+def test_index_shard_names_stay_inside_the_model_directory(shard, tmp_path):
+    """An index naming a file outside the directory is refused before anything is opened."""
+    make_checkpoint("llama", tmp_path / "model")
+    (tmp_path / "outside.safetensors").write_bytes((tmp_path / "model" / "model.safetensors").read_bytes())
+    index = {"metadata": {}, "weight_map": {"lm_head.weight": shard}}
+    (tmp_path / "model" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="is not a file name inside"):
+        symbiosis.Executor.from_pretrained(tmp_path / "model")
+
+
+def test_nan_or_inf_in_a_base_weight_is_refused_at_load(llama):
+    from safetensors.torch import load_file, save_file
+
+    path, _ = llama
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="'model.layers.1.mlp.up_proj.weight' holds NaN or Inf"):
+        symbiosis.Executor.from_pretrained(path)
 
 
 def test_pytorch_bin_only(tmp_path, llama):
@@ -142,3 +166,71 @@ def test_any_read_of_a_virtual_weight_names_the_layer(llama):
                  lambda: torch.linalg.vector_norm(q, dim=1)):
         with pytest.raises(symbiosis.VirtualWeightAccess, match="model.layers.[01].self_attn.q_proj"):
             read()
+
+
+OUT_OF_MEMORY = """
+import resource, sys, torch
+import symbiosis
+executor = symbiosis.Executor.from_pretrained(sys.argv[1], max_call_tokens=1 << 24)
+session = executor.attach(executor.fingerprint)
+x = torch.randn(1 << 21, 64)  # 2M tokens (512 MiB): lm_head's output would take 1 GiB
+in_use = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (in_use + (300 << 20), resource.RLIM_INFINITY))
+try:
+    session.forward("lm_head", x)
+except symbiosis.ExecutorOutOfMemory as e:
+    print("out of memory:", e)
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+print("then served:", list(session.forward("lm_head", x[:4]).shape))
+"""
+
+
+def test_a_call_too_big_for_the_executors_memory_fails_as_out_of_memory(llama):
+    """On a CPU executor too (whose allocator raises a plain RuntimeError), in a process with 300 MiB to spare."""
+    path, _ = llama
+    done = subprocess.run([sys.executable, "-c", OUT_OF_MEMORY, str(path)], capture_output=True, text=True,
+                          timeout=120)
+    assert "out of memory: the executor's cpu has no memory for 2097152 tokens of forward on 'lm_head'" in done.stdout, \
+        done.stdout + done.stderr
+    assert "then served: [4, 128]" in done.stdout
+
+
+def _held_bytes(executor) -> int:
+    """Bytes of every distinct storage the executor's weights and groups hold."""
+    tensors = [t for layer in executor.weights.layers.values() for t in (layer.weight, layer.bias) if t is not None]
+    tensors += [t for group in executor.weights.groups.values() for t in (getattr(group, "weight", None),
+                                                                           getattr(group, "bias", None)) if t is not None]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def test_group_ids_cannot_grow_the_executor(llama):
+    """A tenant naming every combination of layers as a group: only siblings of one module form a group; the
+    first fuses (memory as before), later ones view it or run member by member; the results stay exact."""
+    import itertools
+
+    path, _ = llama
+    executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
+    session = executor.attach(executor.fingerprint, "attacker")
+    before = _held_bytes(executor)
+    block = "model.layers.0.self_attn."
+    names = [block + n for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    x = torch.randn(3, 64, dtype=torch.float64)
+    for size in (2, 3, 4):
+        for members in itertools.permutations(names, size):
+            if members[-1] == block + "o_proj" and size == 2:
+                continue
+            group = "+".join(members)
+            expected = torch.cat([session.forward(m, x) for m in members], dim=1)
+            assert torch.allclose(session.forward(group, x), expected, rtol=1e-12, atol=1e-12), group
+            grad = torch.randn(3, expected.shape[1], dtype=torch.float64)
+            widths = [executor.layer_specs[m].out_features for m in members]
+            parts = zip(members, grad.split(widths, dim=1))
+            assert torch.allclose(session.backward(group, grad), sum(session.backward(m, g) for m, g in parts),
+                                  rtol=1e-12, atol=1e-12)
+    assert _held_bytes(executor) == before
+    assert len(executor.weights.groups) <= 4 * 3 * 2 + 4 * 3 * 2 * 1 + 4 * 3  # permutations of one block's layers
+    with pytest.raises(UnknownLayer, match="serves no base layer"):  # layers of two modules are not a group
+        session.forward(block + "q_proj+model.layers.1.self_attn.k_proj", x)
+    with pytest.raises(UnknownLayer):
+        session.forward("model.layers.0.mlp.gate_proj+model.layers.0.mlp.down_proj", x)  # other input width

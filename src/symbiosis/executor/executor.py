@@ -35,6 +35,12 @@ DEFAULT_MAX_CALL_TOKENS = 1 << 20
 OPS = ("forward", "forward_nobias", "backward")
 
 
+def _out_of_memory(error: BaseException) -> bool:
+    """CUDA raises torch.OutOfMemoryError; the CPU allocator a plain RuntimeError saying so."""
+    return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error) or \
+        "not enough memory" in str(error)
+
+
 def check_call(layer_id: str, spec: BaseLayerSpec | None, op: str, tensor: torch.Tensor, max_call_tokens: int) -> None:
     """Raise what is wrong with a call of `op` on the layer `spec` describes (None: not served), but dtype."""
     if spec is None:
@@ -131,12 +137,12 @@ class Executor:
 
     # --- calls ---------------------------------------------------------------------------------------
 
-    def _layer_for(self, client_id: str, layer_id: str) -> BaseLayer:
+    def _layer_for(self, client_id: str, layer_id: str, groups: bool = True) -> BaseLayer:
         if client_id not in self.clients:
             raise UnknownClient(f"client {client_id!r} is not attached to this executor")
-        layer = self.weights.get(layer_id)
+        layer = self.weights.get(layer_id) if groups else self.weights.layers.get(layer_id)
         if layer is None:
-            raise UnknownLayer(f"this executor serves no base layer {layer_id!r}")
+            raise UnknownLayer(f"this executor serves no base layer {layer_id[:300]!r}")
         return layer
 
     def submit(self, client_id: str, op: str, layer_id: str, tensor: torch.Tensor, inference: bool = False,
@@ -176,7 +182,9 @@ class Executor:
             # No autograd graph: the weights never require grad, and neither does what reaches here (a remote
             # call's buffer, or an in-process call made inside an autograd Function); cheaper than no_grad().
             return layer.backward(tensor) if op == "backward" else layer.forward(tensor, op == "forward")
-        except torch.OutOfMemoryError as e:  # the batcher then retries each call of a batch alone
+        except (torch.OutOfMemoryError, RuntimeError) as e:  # the batcher then retries each call of a batch alone
+            if not _out_of_memory(e):
+                raise
             reason = str(e).splitlines()[0] if str(e) else "out of memory"
             raise ExecutorOutOfMemory(
                 f"the executor's {self.device} has no memory for {tensor.shape[0]} tokens of {op} on {layer_id!r} "
@@ -184,13 +192,13 @@ class Executor:
 
     def fetch(self, client_id: str, layer_id: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A copy of a base layer's weight and bias (public base weights; for PEFT's `modules_to_save`)."""
-        layer = self._layer_for(client_id, layer_id)
+        layer = self._layer_for(client_id, layer_id, groups=False)
         return layer.weight.clone(), None if layer.bias is None else layer.bias.clone()
 
     def weight_norms(self, client_id: str, layer_id: str) -> torch.Tensor:
         """||W_o||^2 for every output feature o of a base layer [out] (a public fact about the base, which DoRA's
         weight normalisation needs; computed once per layer), at least float32."""
-        return self._layer_for(client_id, layer_id).squared_norms
+        return self._layer_for(client_id, layer_id, groups=False).squared_norms
 
 
 class InProcessSession:

@@ -53,9 +53,9 @@ class BaseWeights:
     """layer id -> BaseLayer, read from the checkpoint (base tensors only) onto `device` in `dtype`.
 
     A tensor shared by several layers (tied weights) is read and held once. A *group* id, layer ids joined
-    by "+" ("...q_proj+...k_proj+...v_proj"), names the layers that take one input, run as one GEMM:
+    by "+" ("...q_proj+...k_proj+...v_proj"), names sibling layers that take one input, run as one GEMM:
     y = x [W_q; W_k; W_v]^T. Its fused weight is made on first use, and the members' weights become views
-    of it, so memory stays as it was.
+    of it, so memory stays as it was (`_group` says how later groups of the same layers are served).
     """
 
     def __init__(self, layout: Layout, specs: list[BaseLayerSpec], device: torch.device, dtype: torch.dtype):
@@ -63,6 +63,10 @@ class BaseWeights:
         loaded = layout.read(dict.fromkeys(sorted(names), dtype), device)  # a tied tensor once
         self.layers = {s.layer_id: BaseLayer(s, loaded[s.weight_name], loaded[s.bias_name] if s.bias_name else None)
                        for s in specs}
+        for name, tensor in loaded.items():  # served to every tenant: a NaN or Inf would spoil all their results
+            if not bool(torch.isfinite(tensor).all()):
+                raise CheckpointError(f"{layout.checkpoint.listing}: base tensor {name!r} holds NaN or Inf values "
+                                      f"({layout.keys(name)}); refusing to serve it")
         for layer in self.layers.values():  # a converter's output is known only now; a bias is not checked before
             for name, tensor, expected in ((layer.spec.weight_name, layer.weight, layer.expected_shape),
                                            (layer.spec.bias_name, layer.bias, (layer.spec.out_features,))):
@@ -70,45 +74,92 @@ class BaseWeights:
                     raise CheckpointError(f"{layout.checkpoint.listing}: {layout.keys(name)} make {name!r} of shape "
                                           f"{list(tensor.shape)}, the config implies {list(expected)}")
         self.nbytes = sum(t.numel() * t.element_size() for t in loaded.values())
-        self.groups: dict[str, BaseLayer | None] = {}
+        self.groups: dict[str, BaseLayer | MemberLayers] = {}
+        self._fused_in: dict[str, BaseLayer] = {}  # layer id -> the fused group whose weight its weight views
         self._lock = threading.Lock()
 
     def tensor(self, name: str) -> torch.Tensor | None:
         """The weight read as tensor `name`, if a layer holds one (a tied lm_head: the embedding)."""
         return next((layer.weight for layer in self.layers.values() if layer.spec.weight_name == name), None)
 
-    def get(self, layer_id: str) -> BaseLayer | None:
-        """A layer or group by id; None if there is no such layer, or the group cannot be fused."""
+    def get(self, layer_id: str) -> BaseLayer | MemberLayers | None:
+        """A layer or group by id; None if there is no such layer or group."""
         layer = self.layers.get(layer_id)
         if layer is not None or GROUP_SEPARATOR not in layer_id:
             return layer
         with self._lock:
-            if layer_id not in self.groups:
-                self.groups[layer_id] = self._fuse(layer_id.split(GROUP_SEPARATOR))
-            return self.groups[layer_id]
+            group = self.groups.get(layer_id)
+            if group is None:
+                group = self._group(layer_id.split(GROUP_SEPARATOR))
+                if group is not None:  # only real groups are kept: a bounded number (siblings of one module)
+                    self.groups[layer_id] = group
+            return group
 
-    def _fuse(self, ids: list[str]) -> BaseLayer | None:
+    def _group(self, ids: list[str]) -> BaseLayer | MemberLayers | None:
+        """Layers that take one input: sibling modules (q, k, v of one attention block), of one kind and input
+        width. The first group a layer joins is fused (its weight becomes a view of the group's: no memory
+        grows); a later group of members of one fused group, in its order, is a view of that group's weight;
+        any other is served member by member. So a client can grow no weight on the executor."""
         members = [self.layers.get(i) for i in ids]
         if len(set(ids)) < 2 or len(set(ids)) != len(ids) or any(m is None for m in members):
             return None
-        first = members[0]
-        if any(m.spec.kind != first.spec.kind or m.spec.in_features != first.spec.in_features
-               or (m.bias is None) != (first.bias is None) for m in members):
+        first = members[0].spec
+        if any(i.rpartition(".")[0] != ids[0].rpartition(".")[0] or m.spec.kind != first.kind
+               or m.spec.in_features != first.in_features or (m.bias is None) != (members[0].bias is None)
+               for i, m in zip(ids, members)):
             return None
-        out_dim = 0 if first.spec.kind == "linear" else 1  # linear W: [out, in]; conv1d W: [in, out]
+        spec = BaseLayerSpec(GROUP_SEPARATOR.join(ids), first.kind, first.in_features,
+                             sum(m.spec.out_features for m in members), "", None if members[0].bias is None else "")
+        owners = [self._fused_in.get(i) for i in ids]
+        if all(owner is None for owner in owners):
+            return self._fuse(ids, members, spec)
+        owner = owners[0]
+        if all(other is owner for other in owners):
+            order = owner.spec.layer_id.split(GROUP_SEPARATOR)
+            start = order.index(ids[0])
+            if order[start:start + len(ids)] == ids:  # a run of the fused group: a view of its weight
+                offset = sum(self.layers[i].spec.out_features for i in order[:start])
+                out_dim = 0 if spec.kind == "linear" else 1
+                return BaseLayer(spec, owner.weight.narrow(out_dim, offset, spec.out_features),
+                                 None if owner.bias is None else owner.bias.narrow(0, offset, spec.out_features))
+        return MemberLayers(spec, members)
+
+    def _fuse(self, ids: list[str], members: list[BaseLayer], spec: BaseLayerSpec) -> BaseLayer:
+        out_dim = 0 if spec.kind == "linear" else 1  # linear W: [out, in]; conv1d W: [in, out]
         weight = torch.cat([m.weight for m in members], dim=out_dim)
-        bias = None if first.bias is None else torch.cat([m.bias for m in members])
+        bias = None if members[0].bias is None else torch.cat([m.bias for m in members])
         offset = 0
         for m in members:  # members now view the fused tensors
             width = m.spec.out_features
             m.weight = weight.narrow(out_dim, offset, width)
             m.bias = None if bias is None else bias.narrow(0, offset, width)
             offset += width
-        spec = BaseLayerSpec(GROUP_SEPARATOR.join(ids), first.spec.kind, first.spec.in_features, offset, "",
-                             None if bias is None else "")
+        group = BaseLayer(spec, weight, bias)
+        self._fused_in.update(dict.fromkeys(ids, group))
         if weight.is_cuda:
             # The members' old tensors are free now, but PyTorch's allocator would keep their memory reserved
             # for this process: a copy of every fused weight (16 GiB for Llama-2-13B's q/k/v and gate/up),
             # lost to other processes. Hand it back (once per group; cudaFree waits for the device).
             torch.cuda.empty_cache()
-        return BaseLayer(spec, weight, bias)
+        return group
+
+
+@dataclass
+class MemberLayers:
+    """A group served member by member (its members are fused in another group already): the same math as a
+    fused group, a GEMM per member, outputs side by side."""
+
+    spec: BaseLayerSpec
+    members: list[BaseLayer]
+
+    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        # x: [T, in] -> [T, sum of outs]
+        return torch.cat([m.forward(x, with_bias) for m in self.members], dim=1)
+
+    def backward(self, grad_out: torch.Tensor) -> torch.Tensor:
+        # grad_out: [T, sum of outs] -> [T, in], the members' gradients summed
+        pieces = grad_out.split([m.spec.out_features for m in self.members], dim=1)
+        grad_in = self.members[0].backward(pieces[0])
+        for member, piece in zip(self.members[1:], pieces[1:]):
+            grad_in += member.backward(piece)
+        return grad_in

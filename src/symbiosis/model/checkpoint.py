@@ -103,9 +103,14 @@ def _safetensors_files(path: Path) -> tuple[Path, list[Path]]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            names = set(weight_map.values())
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{index}: corrupt index ({e})") from e
-        files = sorted({path / name for name in weight_map.values()})
+        for name in names:  # a shard is a file of this directory: nothing the index names elsewhere is opened
+            if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts \
+                    or "\0" in name:
+                raise CheckpointError(f"{index}: shard name {str(name)[:200]!r} is not a file name inside {path}")
+        files = sorted(path / name for name in names)
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{path}: shard(s) named in model.safetensors.index.json are missing: {missing}")
