@@ -16,7 +16,7 @@ from transformers.core_model_loading import Chunk, WeightConverter
 
 import symbiosis
 from symbiosis.model.checkpoint import Checkpoint
-from conftest import ARCHITECTURES, VOCAB, make_checkpoint
+from conftest import ARCHITECTURES, VOCAB
 from test_exactness import assert_close
 
 

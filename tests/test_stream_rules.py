@@ -87,8 +87,10 @@ def stub_server(checkpoints, monkeypatch):
     FakeEvent.made, FakeEvent.recorded = [], []
     ids, opened = {}, []
     for name in "AB":
-        buffer, flags = SharedBuffer.create(1 << 16, torch.device("cpu")), SharedBuffer.create(8, torch.device("cpu"))
-        doorbell = Doorbell.create()
+        (buffer, buffer_fd), (flags, flags_fd) = SharedBuffer.sealed(1 << 16), SharedBuffer.sealed(8)
+        doorbell, client_ends = Doorbell.pair()
+        for fd in (buffer_fd, flags_fd, *client_ends):
+            os.close(fd)
         opened += [buffer, flags, doorbell]
         ids[name] = executor.register(executor.fingerprint, name)
         server.clients[ids[name]] = RemoteClient(b"", name, buffer, 0.0, doorbell, flags)
@@ -172,7 +174,7 @@ def test_a_departed_pipelined_client_lets_the_stream_pass_its_calls(stub_server)
     _calls(server, a, range(1, 4))
     writes.clear()
     client.doorbell.seq = 3  # as if the executor had taken them from the ring
-    server._drop(a, unlink=False)
+    server._drop(a)
     assert writes == [("side", client.flags.tensor.data_ptr(), 3 + (1 << 20))]
     assert client.buffer.tensor is not None and client.flags.tensor is not None  # the stream may still read them
     for event in FakeEvent.recorded[:3]:

@@ -19,7 +19,10 @@ Calls are checked for shape and layer here, before they are queued, so that erro
 from __future__ import annotations
 
 import itertools
+import os
 import secrets
+import select
+import socket
 import threading
 import time
 import weakref
@@ -32,7 +35,7 @@ import zmq
 from symbiosis.errors import ExecutorUnavailable, SymbiosisError, UnknownClient
 from symbiosis.executor.executor import check_call
 from symbiosis.model.partition import BaseLayerSpec, group_spec
-from symbiosis.transport import streamops, wire
+from symbiosis.transport import handoff, streamops, wire
 from symbiosis.transport.doorbell import CHECK_EVERY, Doorbell
 from symbiosis.transport.shm import SharedBuffer
 
@@ -136,6 +139,7 @@ class RemoteSession:
         self.channel = _Channel(executor.url, executor.timeout)
         self.buffer: SharedBuffer | None = None
         self.doorbell: Doorbell | None = None
+        self.link = None  # ipc://: the handoff connection (handoff.py): end-of-file when the executor is gone
         self.flags: SharedBuffer | None = None  # pipelined calls (see the module's docstring)
         self._retired_flags: list[SharedBuffer] = []  # released flags a stream may still wait on: kept alive
         self._broken: str | None = None  # why calls can no longer be made (the executor stopped answering)
@@ -156,29 +160,30 @@ class RemoteSession:
         return self.flags is not None
 
     def _attach(self, buffer_bytes: int) -> None:
-        """Attach with a new shared buffer and doorbell (ipc://). Their files are unlinked as soon as the
-        executor has opened them: both sides keep their mappings and FIFO descriptors, and nothing is left
-        in /dev/shm whichever process dies first."""
+        """Attach (ipc://: with shared memory the executor makes and hands over, `handoff.py`; a pipelined
+        client's CUDA buffer and flags are its own, described to the executor by their IPC handles)."""
+        shared = None
         if self.executor.shared_buffers:
-            pipelined = self.executor.pipelines(self.device) and self._claim_pipeline()
-            self.buffer = SharedBuffer.create(buffer_bytes, self.device if pipelined else torch.device("cpu"))
-            self.doorbell = Doorbell.create()
-            if pipelined:
-                self.flags = SharedBuffer.create(FLAG_BYTES, self.device)
+            if self.executor.pipelines(self.device) and self._claim_pipeline():
+                self.buffer = SharedBuffer.create_cuda(max(buffer_bytes, INITIAL_BUFFER_BYTES), self.device)
+                self.flags = SharedBuffer.create_cuda(FLAG_BYTES, self.device)
                 self.flags.tensor.zero_()
                 self.flags.stream.synchronize()  # zeros before the executor's first wait reads them
                 if self._release_stream is None:  # made now: making one once a stream is stuck can hang
                     self._release_stream = streamops.side_stream(self.device.index)
-        try:
-            reply, _ = self.channel.request({
-                "op": "attach", "token": self.executor.token, "fingerprint": self.fingerprint, "name": self.name,
-                "buffer": self.buffer.description if self.buffer else None,
-                "doorbell": self.doorbell.description if self.doorbell else None,
-                "flags": self.flags.description if self.flags else None})
-        finally:
-            for shared in (self.buffer, self.doorbell, self.flags):
-                if shared is not None:
-                    shared.unlink()
+                shared = {"cuda": self.buffer.description, "flags": self.flags.description}
+            else:
+                shared = {"nbytes": max(buffer_bytes, INITIAL_BUFFER_BYTES)}
+        reply, _ = self.channel.request({"op": "attach", "token": self.executor.token, "fingerprint": self.fingerprint,
+                                         "name": self.name, "shared": shared})
+        if shared is not None:
+            host = "nbytes" in shared
+            self.link, fds = handoff.claim(reply["handoff"], bytes.fromhex(reply["ticket"]), 4 if host else 3,
+                                           self.executor.timeout)
+            self.doorbell = Doorbell(*fds[:3])
+            if host:
+                self.buffer = SharedBuffer.from_fd(fds[3], int(reply["buffer_bytes"]))
+                os.close(fds[3])
         self.client_id = reply["client"]
         self.dtype = wire.parse_dtype(reply["dtype"])
         self.executor_device = reply["device"]
@@ -211,14 +216,23 @@ class RemoteSession:
         self._heartbeat_stop.set()  # the old heartbeat thread ends; _attach starts one for the new id
         self.channel.close()
         self.channel = _Channel(self.executor.url, self.executor.timeout)
-        old_buffer, old_doorbell = self.buffer, self.doorbell
+        old = (self.buffer, self.doorbell, self.link)
         if self.flags is not None:
             self._release("reconnecting")  # the old executor will never answer what it still owed
             self.flags = None
-        self._attach(old_buffer.nbytes if old_buffer is not None else 0)
-        for shared in (old_buffer, old_doorbell):
+        self.buffer = self.doorbell = self.link = None
+        self._attach(old[0].nbytes if old[0] is not None else 0)
+        for shared in old:
             if shared is not None:
                 shared.close()
+
+    def _lost(self, why: str) -> None:
+        """The executor is gone or stopped answering: calls raise from now on (a pipelined client's stream is
+        let run past its waits)."""
+        if self.pipelined:
+            self._release(why)
+        elif self._broken is None:
+            self._broken = why
 
     def _release(self, why: str) -> None:
         """Mark the session broken, and let the client's stream run past every wait on the executor's flag
@@ -266,14 +280,19 @@ class RemoteSession:
         self._wait_answers()
         if old.stream is not None:
             old.stream.synchronize()  # nothing may still use the old one
-        new = SharedBuffer.create(max(nbytes, old.nbytes * 3 // 2), old.tensor.device)
-        try:
-            self._request({"op": "buffer", "buffer": new.description})
-        except BaseException:
-            new.close()  # the executor still uses the old one
-            raise
-        finally:
-            new.unlink()
+        wanted = max(nbytes, old.nbytes * 3 // 2)
+        if self.pipelined:  # our own CUDA memory, described to the executor
+            new = SharedBuffer.create_cuda(wanted, old.tensor.device)
+            try:
+                self._request({"op": "buffer", "buffer": new.description})
+            except BaseException:
+                new.close()  # the executor still uses the old one
+                raise
+        else:  # made by the executor, handed over on the handoff connection before its reply
+            reply, _ = self._request({"op": "buffer", "nbytes": wanted, "at_least": nbytes})
+            (fd,) = handoff.receive(self.link, 1)
+            new = SharedBuffer.from_fd(fd, int(reply["nbytes"]))
+            os.close(fd)
         self.buffer = new
         old.close()
 
@@ -397,9 +416,9 @@ class RemoteSession:
         finally:
             self._heartbeat_stop.set()
             self.channel.close()
-            if self.buffer is not None:
-                self.buffer.close()
-                self.doorbell.close()
+            for shared in (self.buffer, self.doorbell, self.link):
+                if shared is not None:
+                    shared.close()
             self._give_up_pipeline()
 
 
@@ -407,16 +426,26 @@ def _heartbeat(session_ref: weakref.ref, client_id: str, stop: threading.Event) 
     """Keeps the executor from reaping a session while it exists. A pipelined session pings instead: an
     executor that stops answering would otherwise leave the client's stream waiting for a flag forever, and
     a CPU that synchronises with it (`loss.item()`) hanging; then the stream is released and the session
-    marked broken, so its next call raises."""
+    marked broken, so its next call raises. On ipc:// the handoff connection reads as end-of-file as soon as
+    the executor's process is gone: the session is marked broken at once, not after a timeout."""
     session = session_ref()
     channel = _Channel(session.executor.url, session.executor.timeout)
-    period, url = session.heartbeat_s, session.executor.url
+    period, url, link = session.heartbeat_s, session.executor.url, session.link
     del session  # held only while it is used
     try:
-        while not stop.wait(period):
+        while True:
+            gone = _link_gone(stop, link, period) if link is not None else False
+            if link is None:
+                stop.wait(period)
+            if stop.is_set():
+                return
             session = session_ref()
             if session is None or session.client_id != client_id:
                 return  # collected, or attached again under a new id (with a heartbeat of its own)
+            if gone:
+                session._lost(f"the executor at {url} closed this client's connection (it stopped, or detached "
+                              "this client)")
+                return
             if not session.pipelined:
                 channel.send({"op": "heartbeat", "client": client_id})
                 del session
@@ -425,11 +454,26 @@ def _heartbeat(session_ref: weakref.ref, client_id: str, stop: threading.Event) 
                 channel.request({"op": "ping", "client": client_id})
             except SymbiosisError as e:
                 if not stop.is_set():
-                    session._release(f"the executor at {url} stopped answering ({e})")
+                    session._lost(f"the executor at {url} stopped answering ({e})")
                 return
             del session
     finally:
         channel.close()
+
+
+def _link_gone(stop: threading.Event, link, period: float) -> bool:
+    """Watch the handoff connection for `period` seconds (less once stopped): whether it reached its end."""
+    deadline = time.monotonic() + period
+    while not stop.is_set() and time.monotonic() < deadline:
+        try:
+            if not select.select([link], [], [], min(0.2, period))[0]:
+                continue
+            if link.recv(1, socket.MSG_PEEK) == b"":  # readable: no wait; a handed-over buffer is not the end
+                return True
+        except (ValueError, OSError):  # the session closed it meanwhile
+            return False
+        time.sleep(0.01)  # a handed-over buffer, for the session's own thread to take
+    return False
 
 
 def connect(url: str, token: str | None = None, timeout: float = 60.0) -> RemoteExecutor:

@@ -3,9 +3,9 @@
 A ZeroMQ request/reply hands each message through two I/O threads per side, which costs ~0.5 ms a round
 trip; a layer call is on the client's critical path, and a fine-tuning step makes ~130 of them. So on
 `ipc://` the calls skip the socket: the client writes a fixed-layout request into the next slot of a small
-shared control block and writes one byte into a FIFO the executor's I/O thread polls. The executor takes
+shared control block and writes one byte into a pipe the executor's I/O thread polls. The executor takes
 the slots in order, and answers each call by advancing `answered` in the header (and writing one byte into
-a second FIFO, which a waiting client sleeps on). The tensors stay in the client's `SharedBuffer`.
+a second pipe, which a waiting client sleeps on). The tensors stay in the client's `SharedBuffer`.
 Attach, heartbeats, fetch and errors outside calls still use the socket.
 
 The ring lets a client have up to SLOTS calls outstanding: a client on the executor's GPU does not wait
@@ -24,18 +24,14 @@ while the client has not seen the last one (errors_seen < error_seq), later ones
 
 from __future__ import annotations
 
-import fcntl
 import json
 import mmap
 import os
 import platform
-import secrets
 import select
-import stat
 import struct
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -43,7 +39,7 @@ import torch
 from symbiosis.errors import BadCall, ExecutorUnavailable
 from symbiosis.executor.executor import OPS  # an op travels as its index here
 from symbiosis.transport import wire
-from symbiosis.transport.shm import PREFIX, SHM_DIR
+from symbiosis.transport.shm import sealed_memory
 
 U64 = struct.Struct("<Q")
 U32 = struct.Struct("<I")
@@ -82,57 +78,35 @@ def _slot(seq: int) -> int:
 
 
 class Doorbell:
-    """One client's control block and its two FIFOs (request: client -> executor, reply: back)."""
+    """One client's control block and its two pipes (request: client -> executor, reply: back).
 
-    def __init__(self, paths: dict[str, Path], owner: bool):
-        self.paths = paths
-        self.owner = owner
-        with open(paths["control"], "r+b") as f:
-            self.control = mmap.mmap(f.fileno(), CONTROL_BYTES)
-        # O_RDWR: opening a FIFO does not block waiting for the other end, and a peer that dies leaves no EOF
-        # to handle (timeouts and the heartbeat reaper catch that).
-        self.request_fd = os.open(paths["request"], os.O_RDWR | os.O_NONBLOCK)
-        self.reply_fd = os.open(paths["reply"], os.O_RDWR | os.O_NONBLOCK)
-        # The client holds an exclusive lock on its control block for as long as its process lives (the
-        # kernel drops it when the process dies, however it dies): the executor tells a dead client from a
-        # busy one at once (`peer_alive`) instead of after its heartbeat timeout. Works across PID namespaces.
-        self._lock_fd = os.open(paths["control"], os.O_RDONLY | os.O_CLOEXEC)
-        if owner:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    The executor makes all three (`pair`) and hands the client its ends over the handoff socket: the
+    control block is sealed anonymous memory (`shm.sealed_memory`), nothing is in any directory. Each side
+    holds `request_fd` and `reply_fd`: the client writes the first and reads the second, the executor the
+    reverse. A pipe whose other end is gone reads as end-of-file: `peer_gone` (the executor drops the client;
+    the client raises `ExecutorUnavailable` at once instead of waiting out its timeout).
+    """
+
+    def __init__(self, control_fd: int, request_fd: int, reply_fd: int):
+        try:
+            self.control = mmap.mmap(control_fd, CONTROL_BYTES)
+        finally:
+            os.close(control_fd)  # the mapping keeps the memory
+        self.request_fd, self.reply_fd = request_fd, reply_fd
+        self.peer_gone = False
         self._reply_poll = select.poll()
         self._reply_poll.register(self.reply_fd, select.POLLIN)
         # Client: the last call made. Executor: the last call taken (it takes only the calls after this).
         self.seq = U64.unpack_from(self.control, TAKEN_AT)[0]
 
-    @property
-    def description(self) -> dict:
-        return {name: str(path) for name, path in self.paths.items()}
-
     @classmethod
-    def create(cls) -> "Doorbell":
-        stem = SHM_DIR / f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-        paths = {"control": stem.with_suffix(".ctl"), "request": stem.with_suffix(".req"),
-                 "reply": stem.with_suffix(".rep")}
-        with open(paths["control"], "wb") as f:
-            f.truncate(CONTROL_BYTES)
-        os.mkfifo(paths["request"], 0o600)
-        os.mkfifo(paths["reply"], 0o600)
-        return cls(paths, owner=True)
-
-    @classmethod
-    def open(cls, description: dict) -> "Doorbell":
-        """The executor's side; only symbiosis files of the right kind are accepted."""
-        try:
-            paths = {name: Path(description[name]) for name in ("control", "request", "reply")}
-            for name, path in paths.items():
-                info, fifo = os.lstat(path), name != "control"
-                right_kind = stat.S_ISFIFO(info.st_mode) if fifo else \
-                    stat.S_ISREG(info.st_mode) and info.st_size == CONTROL_BYTES
-                if path.parent != SHM_DIR or not path.name.startswith(PREFIX) or not right_kind:
-                    raise BadCall(f"{path} is not a symbiosis doorbell {'FIFO' if fifo else 'control block'}")
-            return cls(paths, owner=False)
-        except (KeyError, TypeError, OSError, ValueError) as e:
-            raise BadCall(f"cannot open the client's doorbell: {e}") from e
+    def pair(cls) -> tuple["Doorbell", list[int]]:
+        """The executor's side, and the descriptors of the client's (control, request write, reply read), to
+        hand over and then close."""
+        control = sealed_memory(CONTROL_BYTES, "doorbell")
+        request_read, request_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        reply_read, reply_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        return cls(os.dup(control), request_read, reply_write), [control, request_write, reply_read]
 
     # --- client ---------------------------------------------------------------------------------------
 
@@ -180,7 +154,9 @@ class Doorbell:
                 raise ExecutorUnavailable(f"executor did not answer call {seq} within {timeout:g}s "
                                           "(stopped, restarted or overloaded)")
             if self._reply_poll.poll(min(left, CHECK_EVERY) * 1000):
-                _drain(self.reply_fd)
+                if not _drain(self.reply_fd) and self.answered < seq:
+                    raise ExecutorUnavailable("the executor's process is gone (its end of this client's doorbell "
+                                              "closed)")
             elif self.answered < seq:
                 still_attached()
 
@@ -202,8 +178,9 @@ class Doorbell:
     # --- executor -------------------------------------------------------------------------------------
 
     def take_requests(self) -> list[Request]:
-        """The calls queued since the last take, in order (called when the request FIFO is readable)."""
-        _drain(self.request_fd)
+        """The calls queued since the last take, in order (called when the request pipe is readable)."""
+        if not _drain(self.request_fd):
+            self.peer_gone = True  # the client's process closed its end (exited, or died): no more calls
         requests = []
         while True:
             seq, at = self.seq + 1, _slot(self.seq + 1)
@@ -237,41 +214,25 @@ class Doorbell:
         U64.pack_into(self.control, ANSWERED_AT, seq)
         _ring(self.reply_fd)
 
-    def unlink(self) -> None:
-        """Remove the files; the mapping and the FIFO descriptors stay usable by whoever has them open."""
-        for path in self.paths.values():
-            if path.name.startswith(PREFIX):
-                path.unlink(missing_ok=True)
-
-    def peer_alive(self) -> bool:
-        """Executor: whether the client's process still holds its doorbell (it has not exited or died, nor
-        closed it)."""
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-        return False
-
-    def close(self, unlink: bool = False) -> None:
-        for fd in (self.request_fd, self.reply_fd, self._lock_fd):
+    def close(self) -> None:
+        for fd in (self.request_fd, self.reply_fd):
             os.close(fd)
         self.control.close()
-        if self.owner or unlink:
-            self.unlink()
 
 
 def _ring(fd: int) -> None:
     try:
         os.write(fd, b"\0")
     except BlockingIOError:
-        pass  # the FIFO is full of unread wake-ups: the reader will wake anyway
+        pass  # the pipe is full of unread wake-ups: the reader will wake anyway
+    except BrokenPipeError:
+        pass  # the reader is gone; the waits and the server's reaper notice that
 
 
-def _drain(fd: int) -> None:
-    """Consume pending wake-up bytes. One read: a byte left over (more than 4096 pending) only causes one
-    spurious wake-up; a second read would cost a syscall a call."""
+def _drain(fd: int) -> bool:
+    """Consume pending wake-up bytes; False once the writer is gone (end of file). One read: a byte left over
+    (more than 4096 pending) only causes one spurious wake-up; a second read would cost a syscall a call."""
     try:
-        os.read(fd, 4096)
+        return os.read(fd, 4096) != b""
     except BlockingIOError:
-        pass
+        return True

@@ -4,8 +4,9 @@ One I/O thread owns the socket and the clients' doorbells (`doorbell.py`: on `ip
 through a shared control block and a FIFO byte instead of the socket). Requests are decoded and submitted to the executor's batcher; when a
 call's future resolves (on the batcher thread) it is queued here and the I/O thread is woken through a
 pipe, so only the I/O thread ever touches the socket. A client that stops sending anything (calls or
-heartbeats) for `client_timeout` seconds, or an ipc:// client whose process has exited, is detached: its queued calls are dropped, its shared buffer
-unmapped and removed, and batching stops waiting for it.
+heartbeats) for `client_timeout` seconds, or an ipc:// client whose process has exited (its handoff
+connection reads as end-of-file, `handoff.py`), is detached: its queued calls are dropped, its shared memory
+unmapped, and batching stops waiting for it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import socket
 import queue
 import secrets
 import threading
@@ -20,15 +22,17 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from functools import partial
 from typing import Callable
+from urllib.parse import urlparse
 
 import torch
 import zmq
 
 from symbiosis.errors import BadCall, SymbiosisError, UnknownClient, Unauthorized
 from symbiosis.executor.executor import OPS, Executor
-from symbiosis.transport import streamops, wire
+from symbiosis.transport import handoff, streamops, wire
 from symbiosis.transport.doorbell import SPARE_CORES, Doorbell, Request
 from symbiosis.transport.shm import SharedBuffer
 from symbiosis.transport.streamledger import StreamLedger
@@ -63,6 +67,7 @@ class RemoteClient:
     last_seen: float
     doorbell: Doorbell | None = None  # ipc://: the call path that bypasses the socket
     flags: SharedBuffer | None = None  # a pipelined client's int32 [input seq, output seq] (client.py)
+    link: socket.socket | None = None  # ipc://: the handoff connection, open while the client's process lives
     pending: deque = field(default_factory=deque)  # doorbell requests taken, not yet submitted (in order)
     in_batcher: bool = False  # one of its doorbell calls is submitted and not answered yet
     on_stream: int = 0  # pipelined: its answered calls the executor's stream has not run yet
@@ -99,6 +104,23 @@ class ExecutorServer:
         self._ledger = StreamLedger(torch.cuda.Event)
         self._side_stream = streamops.side_stream(executor.device.index) if self._stream_ops else None
         self._warned_no_mps = False
+        # ipc://: the socket files are this user's alone, and shared memory is handed over beside them.
+        self._ipc_path = Path(urlparse(self.url).path) if self.url.startswith("ipc://") else None
+        self._listener = None
+        if self._ipc_path is not None:
+            handoff.private_socket_file(self._ipc_path)
+            self._listener = handoff.Listener(handoff.handoff_path(str(self._ipc_path)))
+        self._tickets: dict[bytes, tuple[str, list[int], float]] = {}  # ticket -> (client, fds to hand, deadline)
+        self._waiting: dict[int, tuple[socket.socket, bytes, float]] = {}  # connection fd -> (it, ticket so far, deadline)
+        self._links: dict[int, str] = {}  # handoff connection fd -> client id
+        specs = list(executor.layer_specs.values())
+        siblings: dict[str, int] = {}
+        for spec in specs:
+            parent = spec.layer_id.rpartition(".")[0]
+            siblings[parent] = siblings.get(parent, 0) + spec.out_features
+        widest = max([max(s.in_features, s.out_features) for s in specs] + list(siblings.values()))
+        # No call a client may make needs a larger shared buffer (a group's output: its siblings' together).
+        self.max_buffer_bytes = executor.max_call_tokens * widest * 8
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -117,6 +139,8 @@ class ExecutorServer:
         poller = self._poller
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
+        if self._listener is not None:
+            poller.register(self._listener.fileno(), zmq.POLLIN)
         next_reap = last_call = time.monotonic()
         try:
             while not self._stopping.is_set():
@@ -134,6 +158,12 @@ class ExecutorServer:
                     if fd in self._doorbells:
                         self._take_doorbell_call(self._doorbells[fd])
                         last_call = time.monotonic()
+                    elif fd in self._links:
+                        self._check_link(fd)
+                    elif fd in self._waiting:
+                        self._take_ticket(fd)
+                    elif self._listener is not None and fd == self._listener.fileno():
+                        self._accept_handoffs()
                 if self._socket in events:
                     self._drain_requests()
                 if self._wake_read in events:
@@ -145,8 +175,13 @@ class ExecutorServer:
                     next_reap = time.monotonic() + min(1.0, self.client_timeout / 4)
         finally:
             for client_id in list(self.clients):
-                self._drop(client_id, unlink=False)
+                self._drop(client_id)
+            for connection, _, _ in self._waiting.values():
+                connection.close()
             self._socket.close(linger=0)
+            if self._listener is not None:
+                self._listener.close()
+                self._ipc_path.unlink(missing_ok=True)  # ZeroMQ leaves its socket file behind
             os.close(self._wake_read)
             os.close(self._wake_write)
 
@@ -204,17 +239,25 @@ class ExecutorServer:
             tensors = [t.cpu() for t in found if t is not None]
             return self._reply(identity, {"id": header.get("id"), "ok": True,
                                           "tensors": [wire.describe(t) for t in tensors]}, *tensors)
-        if op == "buffer":
-            new = self._open_buffer(header.get("buffer") or {})
-            if new.tensor.is_cuda != (client.flags is not None):
-                new.close()
-                raise BadCall("a client cannot switch between host and CUDA buffers")
-            if client.buffer is not None:
-                client.buffer.close()
+        if op == "buffer":  # a larger shared buffer
+            if client.buffer is None or client.link is None:
+                raise BadCall("this client has no shared buffer (attached without one, or not handed over yet)")
+            if client.flags is not None:  # pipelined: the client's own CUDA memory, mapped here
+                new = self._open_cuda(header.get("buffer") or {})
+                nbytes = new.nbytes
+            else:  # host memory, made here and handed over
+                nbytes = self._buffer_bytes(header.get("nbytes"), header.get("at_least"))
+                new, fd = SharedBuffer.sealed(nbytes)
+                try:
+                    handoff.send(client.link, [fd])
+                finally:
+                    os.close(fd)
+                self._pin(new)
+            client.buffer.close()
             client.buffer = new
-            return self._reply(identity, {"id": header.get("id"), "ok": True})
+            return self._reply(identity, {"id": header.get("id"), "ok": True, "nbytes": nbytes})
         if op == "detach":
-            self._drop(client_id, unlink=False)
+            self._drop(client_id)
             return self._reply(identity, {"id": header.get("id"), "ok": True})
         raise BadCall(f"unknown op {op!r}")
 
@@ -225,45 +268,85 @@ class ExecutorServer:
         if not isinstance(given, str) or not hmac.compare_digest(given.encode(), self.token.encode()):
             raise Unauthorized("executor refused the client: missing or wrong token")
 
-    def _open_buffer(self, description: dict) -> SharedBuffer:
-        buffer = SharedBuffer.open(description)
-        if buffer.tensor.is_cuda and buffer.tensor.device != self.executor.device:
+    def _buffer_bytes(self, nbytes, at_least=None) -> int:
+        """A host buffer's size, checked before anything is made: at most what the largest call needs."""
+        try:
+            nbytes, at_least = int(nbytes), int(at_least if at_least is not None else nbytes)
+        except (TypeError, ValueError) as e:
+            raise BadCall(f"shared buffer size must be a number of bytes: {e}") from e
+        if at_least > self.max_buffer_bytes or at_least < 0:
+            raise BadCall(f"a shared buffer of {at_least} bytes is more than this executor's largest call needs "
+                          f"({self.max_buffer_bytes} bytes); send fewer tokens per call")
+        return max(4096, at_least, min(nbytes, self.max_buffer_bytes))
+
+    def _pin(self, buffer: SharedBuffer) -> None:
+        if self.executor.device.type == "cuda":
+            buffer.pin()  # a host buffer of a CPU client: DMA to and from the GPU
+
+    def _open_cuda(self, description: dict) -> SharedBuffer:
+        if not self._stream_ops:
+            raise BadCall("this executor cannot queue CUDA stream memory operations: attach with a host buffer")
+        buffer = SharedBuffer.open_cuda(description)
+        if buffer.tensor.device != self.executor.device:
             buffer.close()
             raise BadCall(f"a CUDA shared buffer must be on the executor's {self.executor.device}, not on "
                           f"{buffer.tensor.device}; use a host buffer")
-        if self.executor.device.type == "cuda":
-            buffer.pin()  # a host buffer of a CPU client: DMA to and from the GPU
         return buffer
 
-    def _open_flags(self, description: dict, buffer: SharedBuffer | None) -> SharedBuffer:
-        if not self._stream_ops:
-            raise BadCall("this executor cannot queue CUDA stream memory operations: attach with a host buffer")
-        flags = self._open_buffer(description)
-        if buffer is None or not buffer.tensor.is_cuda or not flags.tensor.is_cuda or flags.nbytes < 8:
-            flags.close()
-            raise BadCall("pipelined calls need a CUDA buffer and CUDA flags of 8 bytes on the executor's device")
-        return flags
+    def _make_shared(self, shared: dict) -> tuple[SharedBuffer, Doorbell, SharedBuffer | None, list[int]]:
+        """A client's shared memory: (buffer, doorbell, flags or None, descriptors to hand it). Host buffers are
+        made here; a pipelined client's CUDA buffer and flags are its own, mapped from their IPC handles."""
+        if self._listener is None:
+            raise BadCall("shared buffers are for clients on this host: this executor serves tcp://")
+        if not isinstance(shared, dict):
+            raise BadCall("malformed attach: 'shared' must be an object")
+        made, fds = [], []
+        try:
+            if "cuda" in shared:
+                buffer, flags = self._open_cuda(shared["cuda"]), None
+                made.append(buffer)
+                flags = self._open_cuda(shared.get("flags") or {})
+                made.append(flags)
+                if flags.nbytes < 8:
+                    raise BadCall("pipelined calls need CUDA flags of 8 bytes")
+            else:
+                buffer, fd = SharedBuffer.sealed(self._buffer_bytes(shared.get("nbytes"), at_least=0))
+                made.append(buffer)
+                fds.append(fd)
+                self._pin(buffer)
+                flags = None
+            doorbell, doorbell_fds = Doorbell.pair()
+            made.append(doorbell)
+            return buffer, doorbell, flags, doorbell_fds + fds
+        except BaseException:
+            for thing in made:
+                thing.close()
+            for fd in fds:
+                os.close(fd)
+            raise
 
     def _attach(self, identity: bytes, header: dict) -> None:
         self._authorize(header)
+        if "buffer" in header or "doorbell" in header or "flags" in header:
+            raise BadCall("an attach names no files: the executor makes a client's shared memory and hands it over")
         name = str(header.get("name", "client"))[:64]
-        buffer = doorbell = flags = None
+        shared = self._make_shared(header["shared"]) if header.get("shared") is not None else None
         try:  # a refused attach leaves nothing mapped or open
-            buffer = self._open_buffer(header["buffer"]) if header.get("buffer") else None
-            doorbell = Doorbell.open(header["doorbell"]) if buffer is not None and header.get("doorbell") else None
-            flags = self._open_flags(header["flags"], buffer) if header.get("flags") else None
-            if buffer is not None and buffer.tensor.is_cuda and (flags is None or doorbell is None):
-                raise BadCall("a CUDA shared buffer needs a doorbell and flags (pipelined calls)")
             client_id = self.executor.register(str(header.get("fingerprint")), f"{name}-{secrets.token_hex(4)}")
-        except Exception:
-            for opened in (buffer, doorbell, flags):
-                if opened is not None:
-                    opened.close()
+        except BaseException:
+            if shared is not None:
+                for thing in shared[:3]:
+                    if thing is not None:
+                        thing.close()
+                for fd in shared[3]:
+                    os.close(fd)
             raise
+        buffer, doorbell, flags, fds = shared if shared is not None else (None, None, None, [])
         self.clients[client_id] = RemoteClient(identity, name, buffer, time.monotonic(), doorbell, flags)
-        if doorbell is not None:
-            self._doorbells[doorbell.request_fd] = client_id
-            self._poller.register(doorbell.request_fd, zmq.POLLIN)
+        ticket = None
+        if shared is not None:  # calls begin once the client has claimed its descriptors (_take_ticket)
+            ticket = handoff.new_ticket()
+            self._tickets[ticket] = (client_id, fds, time.monotonic() + handoff.TICKET_S)
         log.info("attached %s (%s)", client_id, f"{buffer.description['kind']} shared buffer" if buffer else "frames")
         if flags is not None and not self._warned_no_mps and not mps_running() and \
                 sum(c.flags is not None for c in self.clients.values()) > 1:
@@ -276,7 +359,53 @@ class ExecutorServer:
             "dtype": wire.dtype_name(self.executor.dtype), "device": str(self.executor.device),
             "heartbeat_s": self.client_timeout / 4, "max_call_tokens": self.executor.max_call_tokens,
             "layers": [asdict(spec) for spec in self.executor.layer_specs.values()],
+            "handoff": str(self._listener.path) if ticket else None, "ticket": ticket.hex() if ticket else None,
+            "buffer_bytes": buffer.nbytes if buffer is not None else 0,
         })
+
+    # --- handoff (ipc://) ------------------------------------------------------------------------------
+
+    def _accept_handoffs(self) -> None:
+        while (connection := self._listener.accept()) is not None:
+            self._waiting[connection.fileno()] = (connection, b"", time.monotonic() + handoff.TICKET_S)
+            self._poller.register(connection.fileno(), zmq.POLLIN)
+
+    def _take_ticket(self, fd: int) -> None:
+        connection, ticket, deadline = self._waiting[fd]
+        ticket, hung_up = handoff.read_ticket(connection, ticket)
+        if len(ticket) < handoff.TICKET_BYTES and not hung_up:
+            self._waiting[fd] = (connection, ticket, deadline)
+            return
+        self._poller.unregister(fd)
+        del self._waiting[fd]
+        claim = self._tickets.pop(ticket, None) if not hung_up else None
+        client = self.clients.get(claim[0]) if claim is not None else None
+        if client is None:  # no such ticket (or its client is gone): nothing is handed over
+            connection.close()
+            return
+        client_id, fds, _ = claim
+        try:
+            handoff.send(connection, fds)
+        except OSError as e:
+            log.warning("could not hand %s its shared memory: %s", client_id, e)
+            connection.close()
+            self._drop(client_id)
+            return
+        finally:
+            for handed in fds:
+                os.close(handed)
+        client.link = connection
+        self._links[fd] = client_id
+        self._poller.register(fd, zmq.POLLIN)  # readable again only when the client's process is gone
+        self._doorbells[client.doorbell.request_fd] = client_id
+        self._poller.register(client.doorbell.request_fd, zmq.POLLIN)
+
+    def _check_link(self, fd: int) -> None:
+        client_id = self._links[fd]
+        client = self.clients.get(client_id)
+        if client is not None and handoff.peer_gone(client.link):
+            log.warning("client %s exited without detaching: detaching it", client_id)
+            self._drop(client_id)
 
     def _submit(self, identity: bytes, header: dict, tensor: torch.Tensor,
                 gate: Callable[[], None] | None = None) -> None:
@@ -292,6 +421,9 @@ class ExecutorServer:
     def _take_doorbell_call(self, client_id: str) -> None:
         client = self.clients[client_id]
         requests = client.doorbell.take_requests()
+        if client.doorbell.peer_gone:
+            log.warning("client %s closed its doorbell without detaching: detaching it", client_id)
+            return self._drop(client_id)
         if requests:
             client.last_seen = time.monotonic()
             client.pending.extend(requests)
@@ -397,7 +529,7 @@ class ExecutorServer:
 
     # --- departures ----------------------------------------------------------------------------------
 
-    def _let_stream_pass(self, client: RemoteClient, unlink: bool) -> None:
+    def _let_stream_pass(self, client: RemoteClient) -> None:
         """A pipelined client left (or died): calls of it that the stream has queued must not wait for
         inputs that will never come, or every client behind them would wait forever. Its input flag is set
         far ahead from a stream of its own, and its buffer and flags stay mapped until the stream is past."""
@@ -407,30 +539,43 @@ class ExecutorServer:
         except RuntimeError as e:
             log.error("could not release the executor's stream from %s's flags: %s", client.name, e)
         for shared in (client.buffer, client.flags):
-            if unlink:
-                shared.unlink()
             self._ledger.after(self._torch_stream, shared.close)
 
     def _reap(self) -> None:
         now = time.monotonic()
         for client_id, client in list(self.clients.items()):
-            if client.doorbell is not None and not client.doorbell.peer_alive():
-                log.warning("client %s exited without detaching: detaching it", client_id)
-                self._drop(client_id, unlink=True)
-            elif now - client.last_seen > self.client_timeout:
+            if now - client.last_seen > self.client_timeout:
                 log.warning("client %s silent for %.1fs: detaching it", client_id, now - client.last_seen)
-                self._drop(client_id, unlink=True)
+                self._drop(client_id)
+        for ticket, (client_id, _, deadline) in list(self._tickets.items()):
+            if now > deadline:  # attached and never claimed its shared memory (died while attaching?)
+                log.warning("client %s did not claim its shared memory: detaching it", client_id)
+                self._drop(client_id)
+        for fd, (connection, _, deadline) in list(self._waiting.items()):
+            if now > deadline:
+                self._poller.unregister(fd)
+                del self._waiting[fd]
+                connection.close()
 
-    def _drop(self, client_id: str, unlink: bool) -> None:
+    def _drop(self, client_id: str) -> None:
         client = self.clients.pop(client_id, None)
         self.executor.detach(client_id)
+        for ticket, (owner, fds, _) in list(self._tickets.items()):
+            if owner == client_id:  # never handed over: the client's ends go too
+                del self._tickets[ticket]
+                for fd in fds:
+                    os.close(fd)
         if client is None:
             return
         if client.flags is not None:
-            self._let_stream_pass(client, unlink)
+            self._let_stream_pass(client)
         elif client.buffer is not None:
-            client.buffer.close(unlink=unlink)
+            client.buffer.close()
         if client.doorbell is not None:
-            self._doorbells.pop(client.doorbell.request_fd, None)
-            self._poller.unregister(client.doorbell.request_fd)
-            client.doorbell.close(unlink=unlink)
+            if self._doorbells.pop(client.doorbell.request_fd, None) is not None:
+                self._poller.unregister(client.doorbell.request_fd)
+            client.doorbell.close()  # (the executor's stream never reads the control block)
+        if client.link is not None:
+            self._links.pop(client.link.fileno(), None)
+            self._poller.unregister(client.link.fileno())
+            client.link.close()

@@ -1,7 +1,10 @@
 """Per-client shared buffers for same-host transports: activations are written once into memory both
 processes map, and only a small header crosses the socket.
 
-- CPU: a file in /dev/shm that both sides map (`torch.from_file(shared=True)`).
+- Host memory: the executor makes it, as an anonymous memory file (`memfd`) sealed against shrinking and
+  growing, and hands the client a descriptor of it (`handoff.py`). The executor never opens a path a client
+  names, the memory is in no directory another user could read, and nothing a client does to its file can
+  take pages from under the executor's mapping (a shrunk file would kill the executor with SIGBUS).
 - CUDA (client and executor on the same GPU): a device buffer the client allocates and the executor maps
   through a CUDA IPC handle.
 
@@ -16,28 +19,35 @@ buffer that each side's stream writes and the other's waits on (`streamops.py`, 
 from __future__ import annotations
 
 import base64
+import fcntl
 import os
-import secrets
-import tempfile
-from pathlib import Path
 
 import torch
 
 from symbiosis.errors import BadCall
 
-SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-PREFIX = "symbiosis-"
 MAX_CACHED_VIEWS = 256
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def sealed_memory(nbytes: int, name: str) -> int:
+    """A descriptor of `nbytes` of anonymous shared memory that nobody can shrink or grow any more."""
+    fd = os.memfd_create(f"symbiosis-{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class SharedBuffer:
     """A flat uint8 buffer shared by client and executor."""
 
-    def __init__(self, tensor: torch.Tensor, description: dict, path: Path | None = None, owner: bool = False):
+    def __init__(self, tensor: torch.Tensor, description: dict):
         self.tensor = tensor
         self.description = description
-        self.path = path
-        self.owner = owner
         self._views: dict[tuple, torch.Tensor] = {}  # (dtype, *shape) -> view
         self.pinned = False
         # The stream this process orders buffer work on, looked up once (current_stream() costs ~20 us a call).
@@ -48,17 +58,25 @@ class SharedBuffer:
         return self.tensor.numel()
 
     @classmethod
-    def create(cls, nbytes: int, device: torch.device) -> "SharedBuffer":
-        if device.type == "cuda":
-            return cls._create_cuda(nbytes, device)
-        path = SHM_DIR / f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-        with open(path, "wb") as f:
-            f.truncate(nbytes)
-        tensor = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
-        return cls(tensor, {"kind": "cpu", "path": str(path), "nbytes": nbytes}, path, owner=True)
+    def sealed(cls, nbytes: int) -> tuple["SharedBuffer", int]:
+        """The executor's side: a new host buffer, and the descriptor to hand its client (then close)."""
+        fd = sealed_memory(nbytes, "buffer")
+        try:
+            return cls.from_fd(fd, nbytes), fd
+        except BaseException:
+            os.close(fd)
+            raise
 
     @classmethod
-    def _create_cuda(cls, nbytes: int, device: torch.device) -> "SharedBuffer":
+    def from_fd(cls, fd: int, nbytes: int) -> "SharedBuffer":
+        """Map a host buffer from its descriptor (which may be closed afterwards). torch maps it and keeps the
+        mapping for as long as any tensor views it (a call in flight may outlive the buffer's replacement)."""
+        return cls(torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8),
+                   {"kind": "cpu", "nbytes": nbytes})
+
+    @classmethod
+    def create_cuda(cls, nbytes: int, device: torch.device) -> "SharedBuffer":
+        """A client's CUDA buffer on the executor's GPU, described by its IPC handle."""
         from torch.multiprocessing.reductions import reduce_tensor
 
         tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -73,22 +91,14 @@ class SharedBuffer:
         return cls(tensor, description)
 
     @classmethod
-    def open(cls, description: dict) -> "SharedBuffer":
-        """The executor's side: map a buffer a client described (validated: only our own shm files)."""
+    def open_cuda(cls, description: dict) -> "SharedBuffer":
+        """The executor's side of a client's CUDA buffer."""
         try:
-            kind, nbytes = description["kind"], int(description["nbytes"])
-            if kind == "cpu":
-                path = Path(description["path"])
-                if path.parent != SHM_DIR or not path.name.startswith(PREFIX) or not path.is_file() \
-                        or path.is_symlink() or path.stat().st_size != nbytes:
-                    raise BadCall(f"shared buffer {path} is not a symbiosis buffer of {nbytes} bytes")
-                tensor = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
-                return cls(tensor, description, path)
-            if kind == "cuda":
-                return cls(_open_cuda(description), description)
-        except (KeyError, TypeError, ValueError, OSError, RuntimeError) as e:
-            raise BadCall(f"cannot map the client's shared buffer: {e}") from e
-        raise BadCall(f"unknown shared buffer kind {kind!r}")
+            if description.get("kind") != "cuda":
+                raise BadCall("a client describes only CUDA buffers; the executor makes host buffers itself")
+            return cls(_open_cuda(description), description)
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+            raise BadCall(f"cannot map the client's CUDA buffer: {e}") from e
 
     def pin(self) -> None:
         """Page-lock a host buffer in this process (the executor's, when it computes on a GPU): copies between
@@ -116,20 +126,13 @@ class SharedBuffer:
         view = self._views[key] = self.tensor[:nbytes].view(dtype).view(shape)
         return view
 
-    def close(self, unlink: bool = False) -> None:
-        """Drop the mapping; the owner (the client) also removes the file. The executor removes a dead
-        client's file too (`unlink=True`), since that client cannot."""
+    def close(self) -> None:
+        """Drop this process's mapping (a host buffer's memory is freed when both processes have)."""
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.pinned = False
         self.tensor = None
         self._views.clear()
-        if self.owner or unlink:
-            self.unlink()
-
-    def unlink(self) -> None:
-        if self.path is not None and self.path.name.startswith(PREFIX):
-            self.path.unlink(missing_ok=True)
 
 
 def _open_cuda(d: dict) -> torch.Tensor:

@@ -1,0 +1,126 @@
+"""The `ipc://` handoff: how a client gets the shared memory and pipes the executor made for it.
+
+ZeroMQ cannot pass file descriptors, so beside its `ipc://PATH` socket the executor listens on a Unix stream
+socket at `PATH.handoff` (both mode 0600). A client's attach, over ZeroMQ, is answered with a one-time
+ticket; the client connects here and sends it, and the executor sends back the descriptors (`SCM_RIGHTS`) of
+the client's control block, its two pipes and, for a host buffer, the buffer. The connection then stays
+open for as long as the client is attached:
+
+- the executor sends later descriptors through it (a larger buffer, `send`), and
+- each side learns at once that the other's process is gone: its end reads as end-of-file.
+
+A ticket nobody claims within `TICKET_S` is dropped with everything made for it. The executor opens no
+path a client names, and a client can only ever receive descriptors of its own attach.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import stat
+from pathlib import Path
+
+from symbiosis.errors import ExecutorUnavailable
+
+TICKET_BYTES = 16
+TICKET_S = 10.0  # a client that attached and did not claim its descriptors within this is dropped
+MAX_FDS = 4
+
+
+def handoff_path(ipc_path: str) -> Path:
+    return Path(ipc_path + ".handoff")
+
+
+def new_ticket() -> bytes:
+    return secrets.token_bytes(TICKET_BYTES)
+
+
+def private_socket_file(path: Path) -> None:
+    """Only this OS user may connect (other users' processes could otherwise attach, or watch)."""
+    os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
+
+
+class Listener:
+    """The executor's handoff socket (non-blocking: the server's I/O thread polls it)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        if path.is_socket():
+            path.unlink()  # a stale one of an executor that died; a live one would hold the ZeroMQ path too
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self.socket.bind(str(path))
+        private_socket_file(path)
+        self.socket.listen(64)
+        self.socket.setblocking(False)
+
+    def fileno(self) -> int:
+        return self.socket.fileno()
+
+    def accept(self) -> socket.socket | None:
+        try:
+            connection, _ = self.socket.accept()
+        except (BlockingIOError, InterruptedError):
+            return None
+        connection.setblocking(False)
+        return connection
+
+    def close(self) -> None:
+        self.socket.close()
+        self.path.unlink(missing_ok=True)
+
+
+def read_ticket(connection: socket.socket, partial: bytes) -> tuple[bytes, bool]:
+    """More of a ticket from a connection that is readable: (bytes so far, whether the peer hung up)."""
+    try:
+        data = connection.recv(TICKET_BYTES - len(partial))
+    except BlockingIOError:
+        return partial, False
+    except OSError:
+        return partial, True
+    return partial + data, data == b""
+
+
+def send(connection: socket.socket, fds: list[int]) -> None:
+    """Hand descriptors to the client (they stay open here: the caller closes its copies)."""
+    connection.setblocking(True)
+    try:
+        socket.send_fds(connection, [b"F"], fds)
+    finally:
+        connection.setblocking(False)
+
+
+def peer_gone(connection: socket.socket) -> bool:
+    """For a connection that polled readable after the handoff: whether the other side is gone."""
+    try:
+        return connection.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def claim(path: str, ticket: bytes, count: int, timeout: float) -> tuple[socket.socket, list[int]]:
+    """The client's side: connect, present the ticket, receive `count` descriptors."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        connection.settimeout(timeout)
+        connection.connect(path)
+        connection.sendall(ticket)
+        return connection, receive(connection, count)
+    except BaseException:
+        connection.close()
+        raise
+
+
+def receive(connection: socket.socket, count: int) -> list[int]:
+    """The next descriptors the executor sends (a larger buffer after a "buffer" request)."""
+    try:
+        _, fds, _, _ = socket.recv_fds(connection, 1, MAX_FDS)
+    except (OSError, socket.timeout) as e:
+        raise ExecutorUnavailable(f"the executor did not hand over this client's shared memory: {e}") from e
+    if len(fds) != count:
+        for fd in fds:
+            os.close(fd)
+        raise ExecutorUnavailable(f"the executor handed over {len(fds)} descriptors, expected {count}")
+    return fds
