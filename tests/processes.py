@@ -15,13 +15,14 @@ TOKEN = "fault-test-token"
 
 
 def start_executor(model_dir, url, tmp_path, policy="opportunistic", client_timeout=2.0, device="cpu",
-                   dtype="float64") -> subprocess.Popen:
-    token_file = tmp_path / "token"
-    token_file.write_text(TOKEN)
+                   dtype="float64", tenants: dict[str, str] | None = None, *extra: str) -> subprocess.Popen:
+    """An executor process; `tenants` (name -> token) beside the admin, whose token is TOKEN."""
+    token_file = tmp_path / "tenants"
+    token_file.write_text("".join(f"{name} {token}\n" for name, token in {"admin": TOKEN, **(tenants or {})}.items()))
     process = subprocess.Popen([sys.executable, "-m", "symbiosis.cli", "executor", "--model", str(model_dir),
                                 "--listen", url, "--device", device, "--dtype", dtype, "--policy", policy,
                                 "--max-wait-ms", "50", "--client-timeout", str(client_timeout),
-                                "--token-file", str(token_file)])
+                                "--token-file", str(token_file), *extra])
     deadline = time.time() + 90
     while time.time() < deadline:
         assert process.poll() is None, "executor exited during start-up"

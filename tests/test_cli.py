@@ -30,7 +30,7 @@ def test_demo_runs_end_to_end(tmp_path):
 def test_stats_command(checkpoints, tmp_path, capsys):
     path, _ = checkpoints("llama")
     executor = symbiosis.Executor.from_pretrained(path)
-    server = ExecutorServer(executor, "tcp://127.0.0.1:*", token="s").start()
+    server = ExecutorServer(executor, "tcp://127.0.0.1:*", "s").start()
     (tmp_path / "token").write_text("s\n")
     try:
         model = symbiosis.from_pretrained(path, symbiosis.connect(server.url, token="s"), name="probe")

@@ -90,7 +90,7 @@ def test_generate_command_streams(lm, tmp_path, capsys):
     split, _ = _pair(lm)
     save_adapter(split, tmp_path / "adapter")
     expected = generate_text(split, tokenizer, "<s> a dog", max_new_tokens=8)
-    server = ExecutorServer(executor, "tcp://127.0.0.1:*", token="t").start()
+    server = ExecutorServer(executor, "tcp://127.0.0.1:*", "t").start()
     (tmp_path / "token").write_text("t")
     try:
         capsys.readouterr()

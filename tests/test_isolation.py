@@ -14,44 +14,61 @@ import zmq
 
 import symbiosis
 from processes import TOKEN, start_executor
-from symbiosis.transport import handoff, wire
+from symbiosis.transport import auth, handoff, wire
 from symbiosis.transport.doorbell import ANSWERED_AT, CONTROL_BYTES, REQUEST, U64, Doorbell, _slot
 
 pytestmark = pytest.mark.slow
 LAYER = "model.layers.0.mlp.up_proj"
 
 
-@pytest.fixture
-def executor_process(checkpoints, tmp_path):
-    """(url, the executor's Executor-equivalent for expected values, its process)."""
+TENANTS = {"alice": "alice-token", "mallory": "mallory-token"}
+
+
+@pytest.fixture(params=["ipc"])
+def executor_process(request, checkpoints, tmp_path):
+    """(url, an in-process Executor of the same checkpoint for expected values, the executor's process), with
+    tenants alice and mallory beside the admin (TOKEN), 8 attaches per tenant, 12 in all, calls of 1,024
+    tokens at most."""
     model_dir, _ = checkpoints("llama")
-    url = f"ipc://{tmp_path}/executor.sock"
-    process = start_executor(model_dir, url, tmp_path, client_timeout=5)
+    url = f"ipc://{tmp_path}/executor.sock" if request.param == "ipc" else "tcp://127.0.0.1:0"
+    if request.param == "tcp":
+        with socket.socket() as probe:  # a free port, named before the executor binds it
+            probe.bind(("127.0.0.1", 0))
+            url = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    process = start_executor(model_dir, url, tmp_path, "opportunistic", 5, "cpu", "float64", TENANTS,
+                             "--max-attaches-per-tenant", "8", "--max-attaches", "12", "--max-call-tokens", "1024")
     local = symbiosis.Executor.from_pretrained(model_dir, dtype=torch.float64)
     yield url, local, process
     process.terminate()
     assert process.wait(timeout=30) == 0, "the executor did not stop cleanly"
+    if url.startswith("ipc://"):
+        socket_file = url.removeprefix("ipc://")
+        assert not os.path.exists(socket_file) and not os.path.exists(socket_file + ".handoff")  # SIGTERM: gone
 
 
 def _healthy_call(url, local) -> None:
     """Another tenant's call, checked exactly: the attack did not touch it."""
     session = symbiosis.connect(url, token=TOKEN, timeout=10).attach(local.fingerprint, "bystander")
     x = torch.randn(5, 64, dtype=torch.float64)
-    assert torch.equal(session.forward(LAYER, x), local.weights.layers[LAYER].forward(x, True))
+    assert torch.allclose(session.forward(LAYER, x), local.weights.layers[LAYER].forward(x, True), rtol=1e-12)
     session.close()
 
 
-def _raw_attach(url, fingerprint, **fields) -> dict:
-    """An attach made by hand, as an attacker would: the reply (errors included)."""
+def _raw(url, message: dict, token: str | None = TOKEN, wait_ms: int = 10_000) -> dict | None:
+    """A request made by hand, as an attacker would: the reply (errors included), or None if none came."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    auth.secure_client(sock, token)
     sock.connect(url)
     try:
-        wire.send(sock, wire.encode({"op": "attach", "token": TOKEN, "fingerprint": fingerprint, "id": 1, **fields}))
-        assert sock.poll(10_000), "no reply"
-        return wire.decode_header(sock.recv_multipart()[0])
+        wire.send(sock, wire.encode({"id": 1, **message}))
+        return wire.decode_header(sock.recv_multipart()[0]) if sock.poll(wait_ms) else None
     finally:
         sock.close()
+
+
+def _raw_attach(url, fingerprint, token: str = TOKEN, **fields) -> dict:
+    return _raw(url, {"op": "attach", "fingerprint": fingerprint, **fields}, token)
 
 
 def test_a_tenant_cannot_shrink_its_shared_memory_under_the_executor(executor_process):
@@ -69,13 +86,12 @@ def test_a_tenant_cannot_shrink_its_shared_memory_under_the_executor(executor_pr
     # Scribbling is all that is left: a call claiming more rows than the buffer holds, and a header of garbage.
     bell = Doorbell(control, request, answer)
     bell.control[:4096] = os.urandom(4096)
+    U64.pack_into(bell.control, ANSWERED_AT, 0)  # (so that this test can wait for the answer)
     seq = 1
     REQUEST.pack_into(bell.control, _slot(seq), 0, 0, 0, 1, 1 << 20, 64, len(LAYER))  # 1M x 64 float64 rows
     bell.control[_slot(seq) + REQUEST.size:_slot(seq) + REQUEST.size + len(LAYER)] = LAYER.encode()
     U64.pack_into(bell.control, _slot(seq), seq)
     os.write(bell.request_fd, b"\0")
-    U64.pack_into(bell.control, ANSWERED_AT, 0)
-    bell.seq = 0
     bell.wait_answered(seq, 10, lambda: None)
     assert process.poll() is None, "the executor died"
     _healthy_call(url, local)
@@ -107,6 +123,81 @@ def test_a_tenant_cannot_name_files_or_claim_another_tenants_memory(executor_pro
     assert socket.recv_fds(guess, 1, 4)[:2] == (b"", [])  # nothing handed over; the connection is closed
     guess.close()
     x = torch.randn(4, 64, dtype=torch.float64)
-    assert torch.equal(victim.forward(LAYER, x), local.weights.layers[LAYER].forward(x, True))
+    assert torch.allclose(victim.forward(LAYER, x), local.weights.layers[LAYER].forward(x, True), rtol=1e-12)
     victim.close()
     assert process.poll() is None
+
+
+def _rss_mib(process) -> float:
+    return int(open(f"/proc/{process.pid}/status").read().split("VmRSS:")[1].split()[0]) / 1024
+
+
+@pytest.mark.parametrize("executor_process", ["ipc", "tcp"], indirect=True)
+def test_nothing_is_read_before_the_token_and_nothing_larger_than_a_call(executor_process):
+    """Attack: a 256 MiB frame from a peer with no token (the executor read 512 MiB frames before checking
+    it), and one from a tenant, larger than any call. The token is checked in ZeroMQ's handshake, before any
+    message is read; a tenant's message is bounded by the largest call."""
+    url, local, process = executor_process
+    before = _rss_mib(process)
+    for token in (None, "guess"):
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        auth.secure_client(sock, token)
+        sock.connect(url)
+        sock.send_multipart([b'{"op": "stats"}', b"\0" * (256 << 20)], copy=False)
+        assert not sock.poll(3000)  # no answer: nothing was read
+        sock.close()
+    assert _rss_mib(process) - before < 64, "the executor read an unauthenticated peer's frame"
+    with pytest.raises(symbiosis.Unauthorized, match="missing or wrong token"):
+        symbiosis.connect(url, token="guess", timeout=5).stats()
+    # This executor takes calls of 1,024 tokens at most (the fixture): 3.4 MiB a message, with the header.
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    auth.secure_client(sock, TENANTS["mallory"])
+    sock.connect(url)
+    sock.send_multipart([b'{"op": "stats", "id": 1}', b"\0" * (64 << 20)], copy=False)
+    assert not sock.poll(3000)  # dropped by ZeroMQ as it arrived
+    sock.close()
+    assert _rss_mib(process) - before < 64
+    _healthy_call(url, local)
+
+
+def test_attaches_are_limited_per_tenant_and_in_all(executor_process):
+    """Attack: attach hundreds of times (400 attaches used up the executor's descriptors and ZeroMQ aborted
+    it). A tenant gets 8, all tenants together 12; the rest are refused with a reason, and the executor keeps
+    serving (its descriptor limit is raised to the hard limit, too)."""
+    url, local, process = executor_process
+    replies = [_raw_attach(url, local.fingerprint, TENANTS["mallory"], name=f"m{i}") for i in range(400)]
+    assert sum(r["ok"] for r in replies) == 8
+    refused = [r for r in replies if not r["ok"]]
+    assert {r["error"] for r in refused} == {"Unauthorized"}
+    assert "'mallory' has 8 clients attached" in refused[0]["message"]
+    alice = [_raw_attach(url, local.fingerprint, TENANTS["alice"], name=f"a{i}") for i in range(8)]
+    assert sum(r["ok"] for r in alice) == 4 and "serves 12 clients at most" in alice[-1]["message"]
+    limit = int(open(f"/proc/{process.pid}/limits").read().split("Max open files")[1].split()[0])
+    assert limit >= min(1 << 16, int(open("/proc/self/limits").read().split("Max open files")[1].split()[1]))
+    assert process.poll() is None
+
+
+def test_a_tenant_can_neither_use_nor_keep_alive_nor_watch_another_tenants_clients(executor_process):
+    """Attack: heartbeats and pings needed no token, so anyone who knew a client id (and --stats listed them all,
+    with per-layer token counts) could keep a dead client attached for ever, slowing every tenant that waits
+    for it. Now every message is its tenant's (the handshake), a client id is its tenant's alone, and a tenant's
+    --stats shows its own clients only; the admin sees everything."""
+    url, local, process = executor_process
+    victim = symbiosis.connect(url, token=TENANTS["alice"], timeout=10).attach(local.fingerprint, "victim")
+    x = torch.randn(2, 64, dtype=torch.float64)
+    victim.forward(LAYER, x)
+    for op in ("heartbeat", "ping", "fetch", "detach"):
+        reply = _raw(url, {"op": op, "client": victim.client_id, "layer": LAYER}, TENANTS["mallory"], wait_ms=3000)
+        assert reply is None or (reply["error"] == "UnknownClient" and "not attached" in reply["message"]), (op, reply)
+    mine = symbiosis.connect(url, token=TENANTS["mallory"], timeout=10)
+    session = mine.attach(local.fingerprint, "mallory")
+    stats = mine.stats()
+    assert stats["attached_clients"] == [session.client_id] and "per_layer" not in stats and "overall" not in stats
+    everything = symbiosis.connect(url, token=TOKEN, timeout=10).stats()
+    assert {victim.client_id, session.client_id} <= set(everything["attached_clients"])
+    assert everything["per_client"][victim.client_id]["tokens"] == 2 and "per_layer" in everything
+    assert torch.allclose(victim.forward(LAYER, x), local.weights.layers[LAYER].forward(x, True), rtol=1e-12)
+    victim.close()
+    session.close()

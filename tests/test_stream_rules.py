@@ -93,7 +93,7 @@ def stub_server(checkpoints, monkeypatch):
             os.close(fd)
         opened += [buffer, flags, doorbell]
         ids[name] = executor.register(executor.fingerprint, name)
-        server.clients[ids[name]] = RemoteClient(b"", name, buffer, 0.0, doorbell, flags)
+        server.clients[ids[name]] = RemoteClient(b"", "admin", name, buffer, 0.0, doorbell, flags)
         server._doorbells[doorbell.request_fd] = ids[name]
         server._poller.register(doorbell.request_fd, zmq.POLLIN)
         names[flags.tensor.data_ptr()] = name

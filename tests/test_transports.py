@@ -14,6 +14,7 @@ from peft import get_peft_model
 
 import symbiosis
 from symbiosis.errors import BadCall, UnknownLayer, Unauthorized
+from symbiosis.transport import auth
 from symbiosis.transport.server import ExecutorServer
 from test_exactness import assert_close, batch, peft_config
 
@@ -32,7 +33,7 @@ def served(checkpoints, tmp_path):
     def serve(arch: str, scheme: str, client_timeout: float = 5, **kwargs):
         path, _ = checkpoints(arch)
         executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64, **kwargs)
-        servers.append(ExecutorServer(executor, _url(scheme, tmp_path), token=TOKEN,
+        servers.append(ExecutorServer(executor, _url(scheme, tmp_path), TOKEN,
                                       client_timeout=client_timeout).start())
         return executor, servers[-1].url
 
@@ -160,6 +161,7 @@ def test_remote_errors_name_the_problem(served, checkpoints):
 def _raw(url: str, *frames: bytes) -> dict:
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    auth.secure_client(socket, TOKEN)
     socket.connect(url)
     socket.send_multipart(list(frames))
     assert socket.poll(5000), "no reply to a malformed message"

@@ -13,12 +13,15 @@ from pathlib import Path
 
 
 def _read_token(token_file: str | None) -> str | None:
+    """A client's token (a bare token, or its `NAME TOKEN` line)."""
+    from symbiosis.transport.auth import client_token
+
     if token_file is None:
         return None
-    token = Path(token_file).read_text().strip()
-    if not token:
-        raise SystemExit(f"token file {token_file} is empty")
-    return token
+    try:
+        return client_token(token_file)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"token file {token_file}: {e}") from None
 
 
 def executor_command(args: argparse.Namespace) -> int:
@@ -30,10 +33,16 @@ def executor_command(args: argparse.Namespace) -> int:
     from symbiosis.executor.policy import make_policy
     from symbiosis.transport.server import ExecutorServer
 
-    token = _read_token(args.token_file)
     if args.stats:
+        token = _read_token(args.token_file)
         print(json.dumps(symbiosis.connect(args.stats, token=token, timeout=10).stats(), indent=2))
         return 0
+    from symbiosis.transport.auth import Tenants
+
+    try:
+        tenants = Tenants.read(args.token_file) if args.token_file else None
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"symbiosis executor: --token-file: {e}") from None
     if not args.model or not args.listen:
         raise SystemExit("symbiosis executor: --model and --listen are required (or --stats URL)")
     logging.basicConfig(level=logging.INFO, format="[executor] %(message)s", stream=sys.stderr)
@@ -43,7 +52,8 @@ def executor_command(args: argparse.Namespace) -> int:
         device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
         executor = symbiosis.Executor.from_pretrained(args.model, device=device, dtype=args.dtype,
                                                       policy=policy, max_call_tokens=args.max_call_tokens)
-        server = ExecutorServer(executor, args.listen, token=token, client_timeout=args.client_timeout)
+        server = ExecutorServer(executor, args.listen, tenants, client_timeout=args.client_timeout,
+                                max_attaches=args.max_attaches, max_attaches_per_tenant=args.max_attaches_per_tenant)
     except (symbiosis.SymbiosisError, ValueError) as e:
         raise SystemExit(f"symbiosis executor: {e}") from None
     except zmq.ZMQError as e:
@@ -133,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     executor.add_argument("--max-call-tokens", type=int, default=1 << 20, help="largest call accepted")
     executor.add_argument("--client-timeout", type=float, default=30.0,
                           help="seconds without a call or heartbeat before a client is detached")
-    executor.add_argument("--token-file", help="file holding the token clients must present")
+    executor.add_argument("--token-file", help="`NAME TOKEN` lines, one per tenant (or one bare token): clients must "
+                          "present a tenant's token; the tenant `admin` may read every tenant's --stats")
+    executor.add_argument("--max-attaches", type=int, default=256, help="clients attached at once, in all")
+    executor.add_argument("--max-attaches-per-tenant", type=int, default=64, help="clients of one tenant at once")
     executor.add_argument("--stats", metavar="URL", help="print the stats of the executor at URL and exit")
     executor.set_defaults(run=executor_command)
 

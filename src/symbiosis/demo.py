@@ -24,6 +24,8 @@ from peft import LoHaConfig, LoraConfig, get_peft_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from symbiosis.transport.auth import client_token
+
 SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the teacher", "a small bird", "the farmer", "our neighbour"]
 VERBS = ["sees", "likes", "finds", "carries", "paints", "follows", "watches", "builds"]
 OBJECTS = ["a red ball", "the green door", "an apple", "the river", "a wooden box", "the tall tree", "a letter"]
@@ -176,10 +178,17 @@ def run_demo(workdir: Path, steps: int = 60) -> int:
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = build_base_model(workdir / "base")
-    token_file = workdir / "token"
-    token_file.write_text(secrets.token_hex(16))
-    token_file.chmod(0o600)
-    token = token_file.read_text()
+    # One token per tenant (`NAME TOKEN` lines): the executor reads them all, each tenant process its own; the
+    # demo itself is the `admin`, which may read every tenant's figures.
+    roles = ("poet", "counter", "writer")
+    tokens = {name: secrets.token_hex(16) for name in ("admin", *roles)}
+    token_file = workdir / "tenants"
+    token_file.touch(mode=0o600)
+    token_file.write_text("".join(f"{name} {token}\n" for name, token in tokens.items()))
+    for role in roles:
+        (workdir / f"{role}.token").touch(mode=0o600)
+        (workdir / f"{role}.token").write_text(tokens[role])
+    token = tokens["admin"]
     url = f"ipc://{workdir / 'executor.sock'}"
     cli = [sys.executable, "-m", "symbiosis.cli"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -189,9 +198,9 @@ def run_demo(workdir: Path, steps: int = 60) -> int:
         _wait_for_executor(url, token, executor)
         print(f"[demo  ] executor is up on {url}; starting 3 tenant processes", flush=True)
         tenants = {role: subprocess.Popen([sys.executable, "-m", "symbiosis.demo", "--role", role, "--model",
-                                           str(model_dir), "--url", url, "--token-file", str(token_file),
+                                           str(model_dir), "--url", url, "--token-file", str(workdir / f"{role}.token"),
                                            "--steps", str(steps), "--out", str(workdir / "adapters")], env=env)
-                   for role in ("poet", "counter", "writer")}
+                   for role in roles}
         failed = [role for role, p in tenants.items() if p.wait() != 0]
         stats = symbiosis_stats(url, token)
         print(f"[demo  ] executor served {stats['calls']} calls in {stats['batches']} GEMMs "
@@ -221,7 +230,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    run_tenant(args.role, args.model, args.url, args.token_file.read_text().strip(), args.steps, args.out)
+    run_tenant(args.role, args.model, args.url, client_token(args.token_file), args.steps, args.out)
 
 
 if __name__ == "__main__":

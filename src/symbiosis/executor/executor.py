@@ -127,13 +127,15 @@ class Executor:
         """Forget a client: its queued calls are dropped, and batching stops waiting for it."""
         with self._lock:
             self.clients.pop(client_id, None)
+        self.stats.forget(client_id)
         self.batcher.drop_client(client_id)
 
     def close(self) -> None:
         self.batcher.close()
 
-    def stats_snapshot(self) -> dict:
-        return self.stats.snapshot(self.clients)
+    def stats_snapshot(self, only: set[str] | None = None) -> dict:
+        """Every figure, or (`only`: a tenant's clients) just those clients' own."""
+        return self.stats.snapshot(self.clients, only)
 
     # --- calls ---------------------------------------------------------------------------------------
 
@@ -165,6 +167,7 @@ class Executor:
         # that computes with it; from pageable memory it is synchronous either way.
         tensor = tensor if tensor.device == self.device else tensor.to(self.device, non_blocking=True)
         tensor = tensor.detach() if tensor.requires_grad else tensor  # the executor records no autograd graph
+        self.stats.count_client(client_id, tensor.shape[0])
         return self.batcher.submit(client_id, (layer_id, op), tensor, inference and op != "backward", inline, gate)
 
     def forward(self, client_id: str, layer_id: str, x: torch.Tensor, inference: bool = False,
@@ -233,7 +236,7 @@ class InProcessSession:
             return None
         layer = self._layers.get(layer_id)
         if layer is not None and not torch.compiler.is_compiling():
-            executor.stats.count_direct((layer_id, "forward"), x.shape[0])
+            executor.stats.count_direct((layer_id, "forward"), x.shape[0], self.client_id)
         return layer
 
     def base_tensor(self, name: str, like: torch.Tensor) -> torch.Tensor | None:

@@ -53,6 +53,7 @@ class ExecutorStats:
         self._lock = threading.Lock()
         self.started = time.time()
         self.busy_s: dict[str, float] = defaultdict(float)  # thread role ("io", "batcher") -> seconds working
+        self.by_client: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # attached client -> [calls, tokens]
 
     def add_busy(self, role: str, seconds: float) -> None:
         """Each role has one thread, the only writer of its entry: no lock needed."""
@@ -69,9 +70,20 @@ class ExecutorStats:
             return start
         return time.perf_counter()
 
-    def count_direct(self, key: tuple[str, str], tokens: int) -> None:
+    def count_client(self, client_id: str, tokens: int) -> None:
+        with self._lock:
+            figures = self.by_client[client_id]
+            figures[0] += 1
+            figures[1] += tokens
+
+    def forget(self, client_id: str) -> None:
+        with self._lock:
+            self.by_client.pop(client_id, None)
+
+    def count_direct(self, key: tuple[str, str], tokens: int, client_id: str) -> None:
         """A call an in-process client ran itself on the executor's weights: a batch of one (counted, not
         timed; clients on several threads may count at once)."""
+        self.count_client(client_id, tokens)
         with self._lock:
             s = self.by_key[key]
             s.calls += 1
@@ -98,7 +110,14 @@ class ExecutorStats:
             else:
                 s.compute_s += time.perf_counter() - started
 
-    def snapshot(self, clients: dict[str, str]) -> dict:
+    def snapshot(self, clients: dict[str, str], only: set[str] | None = None) -> dict:
+        """Every figure; or, for a tenant (`only`: its clients), its clients' own calls and tokens alone: the
+        per-layer and overall figures tell what other tenants do."""
+        if only is not None:
+            with self._lock:
+                own = {c: {"calls": self.by_client[c][0], "tokens": self.by_client[c][1]}
+                       for c in sorted(only) if c in clients}
+            return {"uptime_s": time.time() - self.started, "attached_clients": sorted(own), "per_client": own}
         with self._lock:
             if self._pending_events:
                 self._pending_events[-1][2].synchronize()
@@ -110,5 +129,7 @@ class ExecutorStats:
             for (layer_id, op), s in sorted(self.by_key.items()):
                 total.add(s)
                 per_layer[f"{layer_id}:{op}"] = s.summary()
+            per_client = {c: {"calls": self.by_client[c][0], "tokens": self.by_client[c][1]} for c in sorted(clients)}
         return {"uptime_s": time.time() - self.started, "attached_clients": sorted(clients),
-                "busy_s": dict(self.busy_s), "overall": total.summary(), "per_layer": per_layer}
+                "busy_s": dict(self.busy_s), "overall": total.summary(), "per_layer": per_layer,
+                "per_client": per_client}

@@ -32,14 +32,16 @@ from urllib.parse import urlparse
 import torch
 import zmq
 
-from symbiosis.errors import ExecutorUnavailable, SymbiosisError, UnknownClient
+from symbiosis.errors import ExecutorUnavailable, SymbiosisError, Unauthorized, UnknownClient
 from symbiosis.executor.executor import check_call
 from symbiosis.model.partition import BaseLayerSpec, group_spec
-from symbiosis.transport import handoff, streamops, wire
+from symbiosis.transport import auth, handoff, streamops, wire
 from symbiosis.transport.doorbell import CHECK_EVERY, Doorbell
 from symbiosis.transport.shm import SharedBuffer
 
 INITIAL_BUFFER_BYTES = 8 << 20
+HANDSHAKE_REFUSED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | \
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 # Devices on which a session of this process makes pipelined calls. Only one per device: sessions of one
 # process share its CUDA stream, and the executor's stream may take their calls in another order than that
 # stream queued them, so each could end up waiting for the other's. Later sessions wait for their answers.
@@ -49,11 +51,13 @@ FLAG_BYTES = 8  # int32 [input seq (the client writes), output seq (the executor
 
 
 class _Channel:
-    """One DEALER socket with request/reply matching by id and a timeout on every request."""
+    """One DEALER socket with request/reply matching by id and a timeout on every request. It presents the
+    client's token in ZeroMQ's handshake (`auth.py`); a handshake the executor refuses raises `Unauthorized`."""
 
-    def __init__(self, url: str, timeout: float):
+    def __init__(self, url: str, timeout: float, token: str | None):
         self.url = url
         self.timeout = timeout
+        self.token = token
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._open()
@@ -62,9 +66,16 @@ class _Channel:
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.IDENTITY, secrets.token_bytes(12))
+        auth.secure_client(self.socket, self.token)
+        self._monitor = self.socket.get_monitor_socket(HANDSHAKE_REFUSED)
+        self._poller = zmq.Poller()
+        self._poller.register(self.socket, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self.socket.connect(self.url)
 
     def close(self) -> None:
+        self.socket.disable_monitor()
+        self._monitor.close(linger=0)
         self.socket.close(linger=0)
 
     def send(self, header: dict, *tensors: torch.Tensor) -> None:
@@ -75,8 +86,15 @@ class _Channel:
         with self._lock:
             header = {**header, "id": next(self._ids)}
             wire.send(self.socket, wire.encode(header, *tensors))
-            deadline_ms = int(self.timeout * 1000)
-            while self.socket.poll(deadline_ms, zmq.POLLIN):
+            deadline = time.monotonic() + self.timeout
+            while (left := deadline - time.monotonic()) > 0:
+                events = dict(self._poller.poll(int(left * 1000) + 1))
+                if self._monitor in events:
+                    self._monitor.recv_multipart()
+                    raise Unauthorized("executor refused the client: missing or wrong token (ZeroMQ's handshake "
+                                       "failed: an executor with tokens needs one, one without takes none)")
+                if self.socket not in events:
+                    continue
                 frames = self.socket.recv_multipart(copy=False)
                 reply = wire.decode_header(frames[0]) if frames else {}
                 if reply.get("id") == header["id"]:
@@ -109,9 +127,9 @@ class RemoteExecutor:
         return RemoteSession(self, fingerprint, name, device)
 
     def _ask(self, op: str) -> dict:
-        channel = _Channel(self.url, self.timeout)
+        channel = _Channel(self.url, self.timeout, self.token)
         try:
-            return channel.request({"op": op, "token": self.token})[0]
+            return channel.request({"op": op})[0]
         finally:
             channel.close()
 
@@ -136,7 +154,7 @@ class RemoteSession:
 
     def __init__(self, executor: RemoteExecutor, fingerprint: str, name: str, device: torch.device):
         self.executor, self.fingerprint, self.name, self.device = executor, fingerprint, name, device
-        self.channel = _Channel(executor.url, executor.timeout)
+        self.channel = _Channel(executor.url, executor.timeout, executor.token)
         self.buffer: SharedBuffer | None = None
         self.doorbell: Doorbell | None = None
         self.link = None  # ipc://: the handoff connection (handoff.py): end-of-file when the executor is gone
@@ -174,8 +192,8 @@ class RemoteSession:
                 shared = {"cuda": self.buffer.description, "flags": self.flags.description}
             else:
                 shared = {"nbytes": max(buffer_bytes, INITIAL_BUFFER_BYTES)}
-        reply, _ = self.channel.request({"op": "attach", "token": self.executor.token, "fingerprint": self.fingerprint,
-                                         "name": self.name, "shared": shared})
+        reply, _ = self.channel.request({"op": "attach", "fingerprint": self.fingerprint, "name": self.name,
+                                         "shared": shared})
         if shared is not None:
             host = "nbytes" in shared
             self.link, fds = handoff.claim(reply["handoff"], bytes.fromhex(reply["ticket"]), 4 if host else 3,
@@ -215,7 +233,7 @@ class RemoteSession:
         """Attach again (after the executor restarted): a new client id; the model and its state are kept."""
         self._heartbeat_stop.set()  # the old heartbeat thread ends; _attach starts one for the new id
         self.channel.close()
-        self.channel = _Channel(self.executor.url, self.executor.timeout)
+        self.channel = _Channel(self.executor.url, self.executor.timeout, self.executor.token)
         old = (self.buffer, self.doorbell, self.link)
         if self.flags is not None:
             self._release("reconnecting")  # the old executor will never answer what it still owed
@@ -257,7 +275,7 @@ class RemoteSession:
 
     def _still_attached(self) -> None:
         """Raise if the executor answers that it does not know this client; no answer in time proves nothing."""
-        probe = _Channel(self.executor.url, min(self.executor.timeout, CHECK_EVERY))
+        probe = _Channel(self.executor.url, min(self.executor.timeout, CHECK_EVERY), self.executor.token)
         try:
             self._request({"op": "ping"}, channel=probe)
         except ExecutorUnavailable as e:
@@ -429,7 +447,7 @@ def _heartbeat(session_ref: weakref.ref, client_id: str, stop: threading.Event) 
     marked broken, so its next call raises. On ipc:// the handoff connection reads as end-of-file as soon as
     the executor's process is gone: the session is marked broken at once, not after a timeout."""
     session = session_ref()
-    channel = _Channel(session.executor.url, session.executor.timeout)
+    channel = _Channel(session.executor.url, session.executor.timeout, session.executor.token)
     period, url, link = session.heartbeat_s, session.executor.url, session.link
     del session  # held only while it is used
     try:

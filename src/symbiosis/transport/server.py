@@ -11,7 +11,6 @@ unmapped, and batching stops waiting for it.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import socket
@@ -32,7 +31,7 @@ import zmq
 
 from symbiosis.errors import BadCall, SymbiosisError, UnknownClient, Unauthorized
 from symbiosis.executor.executor import OPS, Executor
-from symbiosis.transport import handoff, streamops, wire
+from symbiosis.transport import auth, handoff, streamops, wire
 from symbiosis.transport.doorbell import SPARE_CORES, Doorbell, Request
 from symbiosis.transport.shm import SharedBuffer
 from symbiosis.transport.streamledger import StreamLedger
@@ -53,6 +52,26 @@ HOT_S = 2e-3 if SPARE_CORES else 0.0
 SHARED_STREAM_DEPTH = 2
 
 
+FDS_PER_CLIENT = 8  # descriptors an ipc:// client may hold here: two ZeroMQ connections, its link, two pipe
+# ends, and room for ZeroMQ's own
+
+
+def _raise_descriptor_limit() -> int:
+    """Raise this process's descriptor limit to its hard limit (Linux's default soft limit is 1024, which 400
+    attaches used up; ZeroMQ then aborted the process); returns what is left for clients."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+    if wanted > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError):
+            pass
+    return max(0, soft - 256)  # the executor's own files, sockets and threads
+
+
 def mps_running() -> bool:
     """Whether an NVIDIA MPS control daemon serves this host's CUDA processes: CUDA connects a process to MPS
     when it finds the daemon's pipe, in $CUDA_MPS_PIPE_DIRECTORY or /tmp/nvidia-mps."""
@@ -62,6 +81,7 @@ def mps_running() -> bool:
 @dataclass
 class RemoteClient:
     identity: bytes
+    tenant: str
     name: str
     buffer: SharedBuffer | None
     last_seen: float
@@ -74,15 +94,35 @@ class RemoteClient:
 
 
 class ExecutorServer:
-    def __init__(self, executor: Executor, url: str, token: str | None = None, client_timeout: float = 30.0):
+    """`tenants`: who may attach (`auth.Tenants`, or one bare token: one tenant, `admin`; None: anyone, as `admin`).
+    `max_attaches` in all and `max_attaches_per_tenant`: refused beyond them, before anything is made."""
+
+    def __init__(self, executor: Executor, url: str, tenants: auth.Tenants | str | None = None,
+                 client_timeout: float = 30.0, max_attaches: int = 256, max_attaches_per_tenant: int = 64):
         self.executor = executor
-        self.url = url
-        self.token = token
         self.client_timeout = client_timeout
         self.clients: dict[str, RemoteClient] = {}
-        self._context = zmq.Context.instance()
+        if isinstance(tenants, str):
+            tenants = auth.Tenants({auth.ADMIN: tenants})
+        self.max_attaches = min(max_attaches, _raise_descriptor_limit() // FDS_PER_CLIENT)
+        self.max_attaches_per_tenant = max_attaches_per_tenant
+        specs = list(executor.layer_specs.values())
+        siblings: dict[str, int] = {}
+        for spec in specs:
+            parent = spec.layer_id.rpartition(".")[0]
+            siblings[parent] = siblings.get(parent, 0) + spec.out_features
+        widest = max([max(s.in_features, s.out_features) for s in specs] + list(siblings.values()))
+        # No call a client may make needs a larger shared buffer, or frame (a group's output: its siblings').
+        self.max_buffer_bytes = executor.max_call_tokens * widest * 8
+        self._context = zmq.Context()  # its own: its ZAP handler answers for this server's socket alone
+        self._zap = auth.ZapHandler(self._context, tenants) if tenants is not None else None
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # Checked by ZeroMQ before a message is read: the token (in the handshake), then the message's size.
+        self._socket.setsockopt(zmq.MAXMSGSIZE, executor.max_call_tokens * widest * executor.dtype.itemsize + (1 << 20))
+        self._socket.setsockopt(zmq.HANDSHAKE_IVL, 5000)  # a connection that does not authenticate is closed
+        if self._zap is not None:
+            self._socket.plain_server = True
         self._socket.bind(url)
         # The bound endpoint: `tcp://host:*` binds a free port, and this says which.
         self.url = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -113,14 +153,6 @@ class ExecutorServer:
         self._tickets: dict[bytes, tuple[str, list[int], float]] = {}  # ticket -> (client, fds to hand, deadline)
         self._waiting: dict[int, tuple[socket.socket, bytes, float]] = {}  # connection fd -> (it, ticket so far, deadline)
         self._links: dict[int, str] = {}  # handoff connection fd -> client id
-        specs = list(executor.layer_specs.values())
-        siblings: dict[str, int] = {}
-        for spec in specs:
-            parent = spec.layer_id.rpartition(".")[0]
-            siblings[parent] = siblings.get(parent, 0) + spec.out_features
-        widest = max([max(s.in_features, s.out_features) for s in specs] + list(siblings.values()))
-        # No call a client may make needs a larger shared buffer (a group's output: its siblings' together).
-        self.max_buffer_bytes = executor.max_call_tokens * widest * 8
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -155,15 +187,21 @@ class ExecutorServer:
                 started = time.perf_counter()
                 retired = self._ledger.run_passed()
                 for fd in events:
-                    if fd in self._doorbells:
-                        self._take_doorbell_call(self._doorbells[fd])
-                        last_call = time.monotonic()
-                    elif fd in self._links:
-                        self._check_link(fd)
-                    elif fd in self._waiting:
-                        self._take_ticket(fd)
-                    elif self._listener is not None and fd == self._listener.fileno():
-                        self._accept_handoffs()
+                    owner = self._doorbells.get(fd) or self._links.get(fd)
+                    try:
+                        if fd in self._doorbells:
+                            self._take_doorbell_call(owner)
+                            last_call = time.monotonic()
+                        elif fd in self._links:
+                            self._check_link(fd)
+                        elif fd in self._waiting:
+                            self._take_ticket(fd)
+                        elif self._listener is not None and fd == self._listener.fileno():
+                            self._accept_handoffs()
+                    except Exception:  # never the service: only the client whose input it was
+                        log.exception("handling %s failed: detaching it", owner or "a handoff connection")
+                        if owner is not None:
+                            self._drop(owner)
                 if self._socket in events:
                     self._drain_requests()
                 if self._wake_read in events:
@@ -184,6 +222,9 @@ class ExecutorServer:
                 self._ipc_path.unlink(missing_ok=True)  # ZeroMQ leaves its socket file behind
             os.close(self._wake_read)
             os.close(self._wake_write)
+            if self._zap is not None:
+                self._zap.close()
+            self._context.term()
 
     # --- requests ------------------------------------------------------------------------------------
 
@@ -194,33 +235,36 @@ class ExecutorServer:
             except zmq.Again:
                 return
             identity, payload = frames[0].bytes, frames[1:]
+            # The tenant ZeroMQ's handshake authenticated this connection as (auth.py); no tokens: one tenant.
+            tenant = frames[0].get("User-Id") if self._zap is not None else auth.ADMIN
             header = {}
             try:
                 if not payload:
                     raise BadCall("malformed message: no header frame")
                 header = wire.decode_header(payload[0])
-                self._handle(identity, header, payload[1:])
+                self._handle(identity, tenant, header, payload[1:])
             except Exception as error:  # any bad request is answered, never fatal
                 if not isinstance(error, SymbiosisError):
                     log.exception("request %s failed", header.get("op"))
                 self._reply(identity, wire.error_reply(header.get("id"), error))
 
-    def _handle(self, identity: bytes, header: dict, frames: list) -> None:
+    def _handle(self, identity: bytes, tenant: str, header: dict, frames: list) -> None:
         op = header.get("op")
         if op == "attach":
-            return self._attach(identity, header)
-        if op == "stats":
-            self._authorize(header)
+            return self._attach(identity, tenant, header)
+        if op == "stats":  # the admin sees every tenant's figures; a tenant its own
+            own = None if tenant == auth.ADMIN else {c for c, client in self.clients.items() if client.tenant == tenant}
             return self._reply(identity, {"id": header.get("id"), "ok": True,
-                                          "stats": self.executor.stats_snapshot()})
+                                          "stats": self.executor.stats_snapshot(only=own)})
         if op == "describe":  # what a client needs to know before it attaches
-            self._authorize(header)
             return self._reply(identity, {"id": header.get("id"), "ok": True, "device": str(self.executor.device),
                                           "stream_ops": self._stream_ops})
         client_id = header.get("client")
         client = self.clients.get(client_id)
-        # Heartbeats and pings come from the client's side sockets; everything else from its call socket.
-        if client is None or (client.identity != identity and op not in ("heartbeat", "ping")):
+        # A client id is its tenant's alone. Heartbeats and pings come from the client's side sockets;
+        # everything else from its call socket.
+        if client is None or client.tenant != tenant or \
+                (client.identity != identity and op not in ("heartbeat", "ping")):
             raise UnknownClient(f"client {client_id!r} is not attached to this executor (restarted, or timed out "
                                 "without heartbeats); attach again")
         client.last_seen = time.monotonic()
@@ -260,13 +304,6 @@ class ExecutorServer:
             self._drop(client_id)
             return self._reply(identity, {"id": header.get("id"), "ok": True})
         raise BadCall(f"unknown op {op!r}")
-
-    def _authorize(self, header: dict) -> None:
-        if self.token is None:
-            return
-        given = header.get("token")
-        if not isinstance(given, str) or not hmac.compare_digest(given.encode(), self.token.encode()):
-            raise Unauthorized("executor refused the client: missing or wrong token")
 
     def _buffer_bytes(self, nbytes, at_least=None) -> int:
         """A host buffer's size, checked before anything is made: at most what the largest call needs."""
@@ -325,8 +362,12 @@ class ExecutorServer:
                 os.close(fd)
             raise
 
-    def _attach(self, identity: bytes, header: dict) -> None:
-        self._authorize(header)
+    def _attach(self, identity: bytes, tenant: str, header: dict) -> None:
+        if len(self.clients) + len(self._tickets) >= self.max_attaches:
+            raise Unauthorized(f"this executor serves {self.max_attaches} clients at most; try again later")
+        if sum(client.tenant == tenant for client in self.clients.values()) >= self.max_attaches_per_tenant:
+            raise Unauthorized(f"tenant {tenant!r} has {self.max_attaches_per_tenant} clients attached, its most; "
+                               "close one first")
         if "buffer" in header or "doorbell" in header or "flags" in header:
             raise BadCall("an attach names no files: the executor makes a client's shared memory and hands it over")
         name = str(header.get("name", "client"))[:64]
@@ -342,7 +383,7 @@ class ExecutorServer:
                     os.close(fd)
             raise
         buffer, doorbell, flags, fds = shared if shared is not None else (None, None, None, [])
-        self.clients[client_id] = RemoteClient(identity, name, buffer, time.monotonic(), doorbell, flags)
+        self.clients[client_id] = RemoteClient(identity, tenant, name, buffer, time.monotonic(), doorbell, flags)
         ticket = None
         if shared is not None:  # calls begin once the client has claimed its descriptors (_take_ticket)
             ticket = handoff.new_ticket()
