@@ -39,13 +39,12 @@ def _load_client_tensors(model: PreTrainedModel, layout: Layout, device: torch.d
     persistent = set(model.state_dict(keep_vars=True).keys())
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update((n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in persistent)
-    base_tensor = getattr(session, "base_tensor", None)  # in-process sessions only
     wanted = {}
     for key, tensor in named.items():
         name = layout.names.get(key)
         if getattr(tensor, "_is_hf_initialized", False) or name is None:
             continue  # virtual; or tied to a tensor loaded here, or a new head (check_complete said which)
-        shared = base_tensor(name, tensor) if base_tensor is not None and isinstance(tensor, nn.Parameter) else None
+        shared = session.base_tensor(name, tensor) if isinstance(tensor, nn.Parameter) else None
         if shared is not None:
             _share(model, key, name, shared)
         else:
@@ -127,7 +126,7 @@ def from_pretrained(path: str | os.PathLike, executor, auto_class=AutoModelForCa
                                   f"(executor: {served}, client: {spec})")
     if privacy is not None:
         session = MaskedSession(session, privacy, sorted({s.layer_id for s in plan.values()}), device, dtype)
-    grouper = CallGrouper(session, functools.partial(call_executor, session)) if session.supports_groups else None
+    grouper = CallGrouper(session, functools.partial(call_executor, session))
     for module_name, spec in plan.items():
         virtual = make_virtual(spec, session, grouper, device, dtype)
         virtual._is_hf_initialized = True
@@ -142,9 +141,8 @@ def from_pretrained(path: str | os.PathLike, executor, auto_class=AutoModelForCa
         model.generation_config = GenerationConfig.from_pretrained(checkpoint.path)
     model.save_pretrained = _refuse_full_save
     model.load_adapter = _checked_load_adapter(model.load_adapter)
-    synchronize = getattr(session, "synchronize", None)
-    if synchronize is not None:  # a pipelined client's calls are answered (or raise) before its output is used
-        model.register_forward_hook(lambda *_: synchronize())
+    # A pipelined client's calls are answered (or raise) before its output is used (a no-op elsewhere).
+    model.register_forward_hook(lambda *_: session.synchronize())
     model.symbiosis_session = session
     model.symbiosis_fingerprint = fingerprint
     model.symbiosis_checkpoint = checkpoint  # its bytes_read shows what this client read

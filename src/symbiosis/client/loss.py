@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from symbiosis.client.virtual import VirtualLinear
+from symbiosis.client.virtual import VirtualLinear, base_call
 from symbiosis.errors import BadCall, UnsupportedAdapter
 
 # Raw logits z -> (logits, d logits / d z), both float [tokens, vocab].
@@ -118,9 +118,9 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor | None = None, labe
             total = total + checkpoint(_chunk_loss_sum, head, hidden[piece], targets[piece], transform,
                                        ignore_index, use_reentrant=False)
         loss = total / denominator
-    synchronize = getattr(getattr(model, "symbiosis_session", None), "synchronize", None)
-    if synchronize is not None:  # a pipelined client's calls answered (or raising), as the model's forward hook
-        synchronize()
+    session = getattr(model, "symbiosis_session", None)  # a split model's (a plain model has none)
+    if session is not None:  # a pipelined client's calls answered (or raising), as the model's forward hook
+        session.synchronize()
     return loss
 
 
@@ -136,15 +136,7 @@ def _chunk_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor
 def _frozen_head(head: nn.Module) -> FrozenHead | None:
     """How to run `head` when its weights do not train: raw logits z = h W^T (+ b), and grad_h = grad_z W."""
     if isinstance(head, VirtualLinear):  # a base layer: the executor's GEMMs (on this thread where it can)
-        session, layer_id = head.session, head.layer_id
-
-        def run(h: torch.Tensor):
-            direct = session.direct(layer_id, h)  # counted as the one forward call it is
-            if direct is not None:
-                return direct.forward(h), direct.backward
-            return session.forward(layer_id, h), partial(session.backward, layer_id)
-
-        return run
+        return partial(base_call, head)
     trains = any(p.requires_grad for p in head.parameters())
     if type(head) is nn.Linear and not trains:
         return lambda h: (F.linear(h, head.weight, head.bias), lambda g: g @ head.weight)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from symbiosis.model.partition import BaseLayerSpec, group_spec
+from symbiosis.transport.base import Session
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,9 @@ class _Pool:
         self.noise, self.effect, self.calls = noise, effect, 0
 
 
-class MaskedSession:
-    """Wraps any session (in-process or remote) with noise masking; same interface."""
-
-    supports_groups = True  # a group ("q+k+v") gets its own pool, made when the group is first used
+class MaskedSession(Session):
+    """Wraps any session (in-process or remote) with noise masking; a group ("q+k+v") gets its own pool,
+    made when the group is first used."""
 
     def __init__(self, inner, masking: NoiseMasking, layer_ids: list[str], device: torch.device,
                  dtype: torch.dtype):
@@ -67,8 +67,23 @@ class MaskedSession:
         directions = ("forward", "backward") if masking.mask_backward else ("forward",)
         self.pools = {(layer_id, d): self._make_pool(layer_id, d) for layer_id in layer_ids for d in directions}
 
-    def __getattr__(self, name):  # client_id, dtype, fetch, close, reconnect, ... of the wrapped session
-        return getattr(self.inner, name)
+    # What masking does not change is the wrapped session's.
+    client_id = property(lambda self: self.inner.client_id)
+
+    def fetch(self, layer_id: str):
+        return self.inner.fetch(layer_id)
+
+    def weight_norms(self, layer_id: str) -> torch.Tensor:
+        return self.inner.weight_norms(layer_id)
+
+    def synchronize(self, gpu: bool = False) -> None:
+        self.inner.synchronize(gpu)
+
+    def reconnect(self) -> None:
+        self.inner.reconnect()
+
+    def close(self) -> None:
+        self.inner.close()
 
     def _make_pool(self, layer_id: str, direction: str) -> _Pool:
         spec = group_spec(self.layer_specs, layer_id)
@@ -100,9 +115,6 @@ class MaskedSession:
         else:  # more tokens than rows: rows must repeat (documented: repeats leak differences)
             order = torch.randint(rows, (tokens,), generator=self.generator, device=self.device)
         return pool.noise[value].index_select(0, order), pool.effect[value].index_select(0, order)
-
-    def direct(self, layer_id: str, x: torch.Tensor) -> None:
-        return None  # every masked call goes through the executor's masked path
 
     def _masked_forward(self, call, layer_id: str, x: torch.Tensor, inference: bool) -> torch.Tensor:
         noise, effect = self._draw(layer_id, "forward", x.shape[0])

@@ -14,6 +14,8 @@ and no gradient is ever computed for a base weight.
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Callable
 
 import torch
 from torch import nn
@@ -87,6 +89,16 @@ class _BaseLayerCall(torch.autograd.Function):
 def call_executor(session, tokens: torch.Tensor, layer_id: str, inference: bool, with_bias: bool = True) -> torch.Tensor:
     """One executor call with autograd: tokens [T, in] -> [T, out] (layer_id may name a group)."""
     return _BaseLayerCall.apply(tokens, session, layer_id, inference, with_bias)
+
+
+def base_call(layer: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """One forward call of a virtual layer outside autograd, for a caller that does its own backward (the
+    chunked loss's frozen head): (y [T, out], grad_y -> grad_x). The executor's GEMM on this thread where the
+    session allows it (counted as the one forward call it is), else a call and a backward call."""
+    direct = layer.session.direct(layer.layer_id, tokens)
+    if direct is not None:
+        return direct.forward(tokens), direct.backward
+    return layer.session.forward(layer.layer_id, tokens), partial(layer.session.backward, layer.layer_id)
 
 
 def base_forward(layer: nn.Module, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:

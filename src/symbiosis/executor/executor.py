@@ -29,28 +29,15 @@ from symbiosis.model.partition import (
     plan_base_layers,
 )
 from symbiosis.model.layout import Layout
+from symbiosis.protocol import DEFAULT_MAX_CALL_TOKENS, OPS, check_call
 from symbiosis.torch_dtypes import resolve_dtype
 
-DEFAULT_MAX_CALL_TOKENS = 1 << 20
-OPS = ("forward", "forward_nobias", "backward")
 
 
 def _out_of_memory(error: BaseException) -> bool:
     """CUDA raises torch.OutOfMemoryError; the CPU allocator a plain RuntimeError saying so."""
     return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error) or \
         "not enough memory" in str(error)
-
-
-def check_call(layer_id: str, spec: BaseLayerSpec | None, op: str, tensor: torch.Tensor, max_call_tokens: int) -> None:
-    """Raise what is wrong with a call of `op` on the layer `spec` describes (None: not served), but dtype."""
-    if spec is None:
-        raise UnknownLayer(f"this executor serves no base layer {layer_id[:300]!r}")
-    width = spec.out_features if op == "backward" else spec.in_features
-    if tensor.dim() != 2 or tensor.shape[1] != width:
-        raise BadCall(f"{op} call to layer {layer_id!r} expects [tokens, {width}], got {list(tensor.shape)}")
-    if tensor.shape[0] > max_call_tokens:
-        raise BadCall(f"{op} call to layer {layer_id!r} has {tensor.shape[0]} tokens, "
-                      f"more than this executor's limit of {max_call_tokens}")
 
 
 class Executor:
@@ -106,10 +93,11 @@ class Executor:
 
     # --- clients -------------------------------------------------------------------------------------
 
-    def attach(self, fingerprint: str, name: str = "client", device=None) -> "InProcessSession":
+    def attach(self, fingerprint: str, name: str = "client", device=None):
         """Admit a client built from the checkpoint with this fingerprint; returns its session."""
-        client_id = self.register(fingerprint, name)
-        return InProcessSession(self, client_id)
+        from symbiosis.transport.inprocess import InProcessSession
+
+        return InProcessSession(self, self.register(fingerprint, name))
 
     def register(self, fingerprint: str, name: str) -> str:
         if fingerprint != self.fingerprint:
@@ -202,74 +190,3 @@ class Executor:
         """||W_o||^2 for every output feature o of a base layer [out] (a public fact about the base, which DoRA's
         weight normalisation needs; computed once per layer), at least float32."""
         return self._layer_for(client_id, layer_id, groups=False).squared_norms
-
-
-class InProcessSession:
-    """A client's handle on an executor in the same process: plain calls, tensors passed by reference.
-    Group ids ("a+b+c", see `BaseWeights`) are accepted wherever a layer id is.
-
-    Casts at the boundary: activations go in the executor's dtype and device, results come back in the
-    client's (a float32 CPU client may use a bfloat16 GPU executor).
-    """
-
-    def __init__(self, executor: Executor, client_id: str):
-        self.executor = executor
-        self.client_id = client_id
-        self.layer_specs = executor.layer_specs
-        self.dtype = executor.dtype
-        self._layers = executor.weights.layers
-        self.supports_groups = True
-
-    def direct(self, layer_id: str, x: torch.Tensor) -> BaseLayer | None:
-        """The executor's own layer, for the client to run on its thread (and CUDA stream), when the
-        executor would run the call alone anyway (nobody else is attached to batch with, or the policy is
-        `none`) and the client computes on the executor's device in its dtype. Native autograd then does
-        backward: W does not require grad, so grad_x = g W is all it computes, and it saves no activation
-        (only a reference to W). The call is counted in the executor's stats, except inside a
-        `torch.compile`d model, whose traced graph would replay a count taken once.
-
-        Clients on threads of their own thus share the executor's weights without any hand-off, and a
-        compiled client traces the GEMMs along with its own ops (docs/ARCHITECTURE.md)."""
-        executor = self.executor
-        alone = len(executor.clients) == 1 or executor.policy.name == "none"
-        if not alone or x.device != executor.device or x.dtype != self.dtype:
-            return None
-        layer = self._layers.get(layer_id)
-        if layer is not None and not torch.compiler.is_compiling():
-            executor.stats.count_direct((layer_id, "forward"), x.shape[0], self.client_id)
-        return layer
-
-    def base_tensor(self, name: str, like: torch.Tensor) -> torch.Tensor | None:
-        """The executor's own tensor read as `name` (layout.Layout), when the client needs that very tensor
-        in the same shape, dtype and device: a tied embedding, which the client then holds by reference
-        instead of as a copy (`from_pretrained`)."""
-        tensor = self.executor.weights.tensor(name)
-        if tensor is None or (tensor.shape, tensor.dtype, tensor.device) != (like.shape, like.dtype, like.device):
-            return None
-        return tensor
-
-    def _send(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if tensor.dtype == self.dtype else tensor.to(self.dtype)
-
-    def _cast(self, result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        same = result.device == like.device and result.dtype == like.dtype
-        return result if same else result.to(like.device, like.dtype)
-
-    def forward(self, layer_id: str, x: torch.Tensor, inference: bool = False) -> torch.Tensor:
-        return self._cast(self.executor.forward(self.client_id, layer_id, self._send(x), inference=inference), x)
-
-    def forward_nobias(self, layer_id: str, x: torch.Tensor, inference: bool = False) -> torch.Tensor:
-        y = self.executor.forward(self.client_id, layer_id, self._send(x), inference, with_bias=False)
-        return self._cast(y, x)
-
-    def backward(self, layer_id: str, grad_out: torch.Tensor) -> torch.Tensor:
-        return self._cast(self.executor.backward(self.client_id, layer_id, self._send(grad_out)), grad_out)
-
-    def fetch(self, layer_id: str):
-        return self.executor.fetch(self.client_id, layer_id)
-
-    def weight_norms(self, layer_id: str) -> torch.Tensor:
-        return self.executor.weight_norms(self.client_id, layer_id)
-
-    def close(self) -> None:
-        self.executor.detach(self.client_id)

@@ -33,9 +33,10 @@ import torch
 import zmq
 
 from symbiosis.errors import ExecutorUnavailable, SymbiosisError, Unauthorized, UnknownClient
-from symbiosis.executor.executor import check_call
+from symbiosis.protocol import check_call
 from symbiosis.model.partition import BaseLayerSpec, group_spec
 from symbiosis.transport import auth, handoff, streamops, wire
+from symbiosis.transport.base import Session
 from symbiosis.transport.doorbell import CHECK_EVERY, Doorbell
 from symbiosis.transport.shm import SharedBuffer
 
@@ -147,10 +148,8 @@ class RemoteExecutor:
             streamops.available(device)
 
 
-class RemoteSession:
-    """A client's handle on a remote executor: same interface as the in-process session."""
-
-    supports_groups = True
+class RemoteSession(Session):
+    """A client's handle on a remote executor (`base.Session`)."""
 
     def __init__(self, executor: RemoteExecutor, fingerprint: str, name: str, device: torch.device):
         self.executor, self.fingerprint, self.name, self.device = executor, fingerprint, name, device
@@ -390,9 +389,6 @@ class RemoteSession:
         spec = group_spec(self.layer_specs, layer_id)
         check_call(layer_id, spec, op, tensor, self.max_call_tokens)
         return spec
-
-    def direct(self, layer_id: str, x: torch.Tensor) -> None:
-        return None  # the weights are in another process
 
     def forward(self, layer_id: str, x: torch.Tensor, inference: bool = False) -> torch.Tensor:
         return self._call("forward", layer_id, x, self._spec(layer_id, x, "forward").out_features, inference)

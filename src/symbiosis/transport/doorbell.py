@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 from symbiosis.errors import BadCall, ExecutorUnavailable
-from symbiosis.executor.executor import OPS  # an op travels as its index here
+from symbiosis.protocol import CALL_DTYPES as DTYPES, OPS  # each travels as its index here
 from symbiosis.transport import wire
 from symbiosis.transport.shm import sealed_memory
 
@@ -59,7 +59,6 @@ SPARE_CORES = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") 
 # x86's in-order visibility of stores (an error is written before `answered`).
 SPIN_S = 300e-6 if SPARE_CORES and platform.machine() in ("x86_64", "AMD64") else 0.0
 CHECK_EVERY = 1.0  # seconds of waiting on a reply between checks that the executor still knows the client
-DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 @dataclass

@@ -30,7 +30,8 @@ import torch
 import zmq
 
 from symbiosis.errors import BadCall, SymbiosisError, UnknownClient, Unauthorized
-from symbiosis.executor.executor import OPS, Executor
+from symbiosis.executor.executor import Executor
+from symbiosis.protocol import OPS
 from symbiosis.transport import auth, handoff, streamops, wire
 from symbiosis.transport.doorbell import SPARE_CORES, Doorbell, Request
 from symbiosis.transport.shm import SharedBuffer

@@ -1,0 +1,38 @@
+"""The call protocol both sides of the boundary share: what a layer call is, and what makes one invalid.
+
+An executor serves three ops on a base layer or a group of them (ids joined by "+": sibling layers that
+take one input, outputs side by side):
+
+    forward:        x [T, in]  -> x W^T + b   [T, out]
+    forward_nobias: x [T, in]  -> x W^T       [T, out]
+    backward:       g [T, out] -> g W         [T, in]   (no gradient for W or b is formed)
+
+`check_call` is what the executor checks before a call is queued, and what a remote session checks before
+it sends one (so a pipelined call's error shows at the call). Tenant processes import this module, never
+the executor's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from symbiosis.errors import BadCall, UnknownLayer
+from symbiosis.model.partition import BaseLayerSpec
+
+OPS = ("forward", "forward_nobias", "backward")  # an op travels as its index on the ipc:// doorbell
+CALL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # likewise a call's dtype
+DEFAULT_MAX_CALL_TOKENS = 1 << 20
+
+
+def check_call(layer_id: str, spec: BaseLayerSpec | None, op: str, tensor: torch.Tensor, max_call_tokens: int) -> None:
+    """Raise what is wrong with a call of `op` on the layer `spec` describes (None: not served), but dtype."""
+    if op not in OPS:
+        raise BadCall(f"unknown op {op!r}; expected one of {OPS}")
+    if spec is None:
+        raise UnknownLayer(f"this executor serves no base layer {layer_id[:300]!r}")
+    width = spec.out_features if op == "backward" else spec.in_features
+    if tensor.dim() != 2 or tensor.shape[1] != width:
+        raise BadCall(f"{op} call to layer {layer_id[:300]!r} expects [tokens, {width}], got {list(tensor.shape)}")
+    if tensor.shape[0] > max_call_tokens:
+        raise BadCall(f"{op} call to layer {layer_id[:300]!r} has {tensor.shape[0]} tokens, "
+                      f"more than this executor's limit of {max_call_tokens}")
