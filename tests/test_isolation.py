@@ -14,8 +14,9 @@ import zmq
 
 import symbiosis
 from processes import TOKEN, start_executor
-from symbiosis.transport import auth, handoff, wire
-from symbiosis.transport.doorbell import ANSWERED_AT, CONTROL_BYTES, REQUEST, U64, Doorbell, _slot
+from symbiosis.transport import auth, wire
+from symbiosis.transport.ipc import handoff
+from symbiosis.transport.ipc.doorbell import ANSWERED_AT, CONTROL_BYTES, REQUEST, U64, Doorbell, _slot
 
 pytestmark = pytest.mark.slow
 LAYER = "model.layers.0.mlp.up_proj"

@@ -11,7 +11,7 @@ import pytest
 import torch
 import zmq
 
-from symbiosis.transport.streamledger import StreamLedger
+from symbiosis.transport.ipc.streamledger import StreamLedger
 
 
 class FakeEvent:
@@ -69,21 +69,21 @@ def stub_server(checkpoints, monkeypatch):
     import torch
 
     import symbiosis
-    from symbiosis.transport import server as server_module
-    from symbiosis.transport.doorbell import Doorbell
+    from symbiosis.transport.ipc import streams as streams_module
+    from symbiosis.transport.ipc.doorbell import Doorbell
     from symbiosis.transport.server import ExecutorServer, RemoteClient
-    from symbiosis.transport.shm import SharedBuffer
+    from symbiosis.transport.ipc.shm import SharedBuffer
 
     path, _ = checkpoints("llama")
     executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64, policy="none")
     names, gates, writes = {}, [], []
-    monkeypatch.setattr(server_module.streamops, "write", lambda stream, address, value, device: writes.append(
+    monkeypatch.setattr(streams_module.streamops, "write", lambda stream, address, value, device: writes.append(
         (stream, address, value)))
-    monkeypatch.setattr(server_module.streamops, "wait_geq", lambda stream, address, seq, device: gates.append(
+    monkeypatch.setattr(streams_module.streamops, "wait_geq", lambda stream, address, seq, device: gates.append(
         f"{names[address]}{seq}"))
     server = ExecutorServer(executor, "inproc://stub-server")
-    server._ledger = StreamLedger(FakeEvent)
-    server._side_stream = "side"
+    server._streams.ledger = StreamLedger(FakeEvent)
+    server._streams.side_stream = "side"
     FakeEvent.made, FakeEvent.recorded = [], []
     ids, opened = {}, []
     for name in "AB":
@@ -109,7 +109,7 @@ def stub_server(checkpoints, monkeypatch):
 
 
 def _calls(server, client_id: str, seqs, inference: bool = False) -> None:
-    from symbiosis.transport.doorbell import Request
+    from symbiosis.transport.ipc.doorbell import Request
 
     layer = "model.layers.0.mlp.up_proj"
     width = server.executor.layer_specs[layer].in_features
@@ -119,10 +119,10 @@ def _calls(server, client_id: str, seqs, inference: bool = False) -> None:
 
 
 def test_pipelined_clients_sharing_the_stream_have_two_calls_each_waiting_there(stub_server):
-    """The executor service's rule (`server.py`): while several pipelined clients have calls, each may have
+    """The executor service's rule (`ipc/streams.py`): while several pipelined clients have calls, each may have
     SHARED_STREAM_DEPTH queued on the stream and not yet run, so their calls interleave there; a lone client
     is not held back."""
-    from symbiosis.transport.server import SHARED_STREAM_DEPTH
+    from symbiosis.transport.ipc.streams import SHARED_STREAM_DEPTH
 
     server, ids, gates, _ = stub_server
     a, b = ids["A"], ids["B"]
@@ -131,7 +131,7 @@ def test_pipelined_clients_sharing_the_stream_have_two_calls_each_waiting_there(
     assert gates == ["A1", "A2", "A3", "A4", "A5"] and server.clients[a].on_stream == 5
     for event in FakeEvent.recorded:
         event.passed = True
-    assert server._ledger.run_passed() == 5 and server.clients[a].on_stream == 0
+    assert server._streams.ledger.run_passed() == 5 and server.clients[a].on_stream == 0
     gates.clear()
     FakeEvent.recorded = []
     server.clients[b].pending.append(None)  # B has a call taken (not yet pumped): A is not alone
@@ -141,11 +141,11 @@ def test_pipelined_clients_sharing_the_stream_have_two_calls_each_waiting_there(
     _calls(server, b, range(6, 10))
     assert gates == ["A6", "A7", "B6", "B7"]
     FakeEvent.recorded[0].passed = True  # the stream ran A6: A queues its next one
-    server._ledger.run_passed()
+    server._streams.ledger.run_passed()
     assert gates == ["A6", "A7", "B6", "B7", "A8"]
     for event in FakeEvent.recorded[1:3]:  # A7, B6
         event.passed = True
-    server._ledger.run_passed()
+    server._streams.ledger.run_passed()
     assert gates == ["A6", "A7", "B6", "B7", "A8", "A9", "B8"]
 
 
@@ -179,11 +179,11 @@ def test_a_departed_pipelined_client_lets_the_stream_pass_its_calls(stub_server)
     assert client.buffer.tensor is not None and client.flags.tensor is not None  # the stream may still read them
     for event in FakeEvent.recorded[:3]:
         event.passed = True
-    server._ledger.run_passed()
+    server._streams.ledger.run_passed()
     assert client.buffer.tensor is not None, "closed before the stream was past the calls"
     for event in FakeEvent.recorded[3:]:
         event.passed = True
-    server._ledger.run_passed()
+    server._streams.ledger.run_passed()
     assert client.buffer.tensor is None and client.flags.tensor is None
 
 

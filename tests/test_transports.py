@@ -224,7 +224,7 @@ def test_doorbell_requests_that_are_malformed_stale_or_orphaned(served, checkpoi
     """The ipc:// call path: a malformed request gets an error in the reply block and the client keeps
     working; a wake-up without a new request is ignored; a bogus doorbell is refused at attach; a client the
     executor forgot learns so within about a second instead of waiting out its timeout."""
-    from symbiosis.transport.doorbell import REQUEST, U64, _slot
+    from symbiosis.transport.ipc.doorbell import REQUEST, U64, _slot
 
     path, _ = checkpoints("llama")
     executor, url = served("llama", "ipc")
@@ -265,7 +265,7 @@ def test_doorbell_requests_that_are_malformed_stale_or_orphaned(served, checkpoi
 def test_doorbell_ring_runs_calls_in_order_and_reports_a_failure_at_a_later_call(served, checkpoints):
     """Calls queued without waiting for answers (as pipelined clients make them), over twice the ring's size:
     the executor runs them in order, and a call that fails is reported at a later call, once."""
-    from symbiosis.transport.doorbell import SLOTS
+    from symbiosis.transport.ipc.doorbell import SLOTS
 
     executor, url = served("llama", "ipc")
     session = symbiosis.connect(url, token=TOKEN, timeout=30).attach(executor.fingerprint, "ring")
@@ -297,7 +297,7 @@ def test_doorbell_ring_runs_calls_in_order_and_reports_a_failure_at_a_later_call
 def test_doorbell_reports_the_failure_of_the_call_a_full_ring_waited_for_as_an_earlier_calls():
     """A call that finds the ring full waits for the oldest call; if that one failed, the error is reported
     as an earlier call's (this call is not made), not as the call's own."""
-    from symbiosis.transport.doorbell import SLOTS, Doorbell
+    from symbiosis.transport.ipc.doorbell import SLOTS, Doorbell
 
     executor, client_ends = Doorbell.pair()
     client = Doorbell(*client_ends)
@@ -341,7 +341,8 @@ def test_ipc_leaves_no_files_behind(served, checkpoints, tmp_path):
 def test_spinning_waits_give_the_same_results(served, checkpoints, monkeypatch):
     """The spin-then-sleep waits used on hosts with cores to spare (switched on here regardless of the
     core count): a fine-tuning step over ipc:// still equals the in-process one."""
-    from symbiosis.transport import doorbell, server
+    from symbiosis.transport import server
+    from symbiosis.transport.ipc import doorbell
 
     monkeypatch.setattr(doorbell, "SPIN_S", 0.002)
     monkeypatch.setattr(server, "HOT_S", 0.002)

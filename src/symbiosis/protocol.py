@@ -22,6 +22,7 @@ from symbiosis.model.partition import BaseLayerSpec
 OPS = ("forward", "forward_nobias", "backward")  # an op travels as its index on the ipc:// doorbell
 CALL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # likewise a call's dtype
 DEFAULT_MAX_CALL_TOKENS = 1 << 20
+CHECK_EVERY = 1.0  # seconds a client waits on a reply between asking whether the executor still knows it
 
 
 def check_call(layer_id: str, spec: BaseLayerSpec | None, op: str, tensor: torch.Tensor, max_call_tokens: int) -> None:

@@ -83,7 +83,27 @@ class _BaseLayerCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
+        _synchronize_after_backward(ctx.session)
         return ctx.session.backward(ctx.layer_id, grad_out), None, None, None, None
+
+
+_SYNC_QUEUED: set[int] = set()  # sessions whose synchronize() is queued for the end of the running pass
+
+
+def _synchronize_after_backward(session) -> None:
+    """Once per backward pass and session: when autograd finishes the pass, wait until every call of it is
+    answered and on this GPU (a pipelined session's calls return before that; a no-op for others), so the
+    optimizer never sees gradients computed from results an executor that died never sent."""
+    key = id(session)
+    if key in _SYNC_QUEUED or torch._C._current_graph_task_id() == -1:
+        return
+    _SYNC_QUEUED.add(key)
+
+    def synchronize():
+        _SYNC_QUEUED.discard(key)
+        session.synchronize(gpu=True)
+
+    torch.autograd.Variable._execution_engine.queue_callback(synchronize)
 
 
 def call_executor(session, tokens: torch.Tensor, layer_id: str, inference: bool, with_bias: bool = True) -> torch.Tensor:

@@ -1,28 +1,30 @@
 """The executor as a service: a ZeroMQ ROUTER socket in front of an `Executor`.
 
-One I/O thread owns the socket and the clients' doorbells (`doorbell.py`: on `ipc://`, layer calls come
-through a shared control block and a FIFO byte instead of the socket). Requests are decoded and submitted to the executor's batcher; when a
-call's future resolves (on the batcher thread) it is queued here and the I/O thread is woken through a
-pipe, so only the I/O thread ever touches the socket. A client that stops sending anything (calls or
-heartbeats) for `client_timeout` seconds, or an ipc:// client whose process has exited (its handoff
-connection reads as end-of-file, `handoff.py`), is detached: its queued calls are dropped, its shared memory
-unmapped, and batching stops waiting for it.
+One I/O thread owns the socket and the clients' doorbells (`ipc/doorbell.py`: on `ipc://`, layer calls come
+through a shared control block and a pipe byte instead of the socket). Requests are decoded and submitted to
+the executor's batcher; when a call's future resolves (on the batcher thread) it is queued here and the I/O
+thread is woken through a pipe, so only the I/O thread ever touches the socket. A client that stops sending
+anything (calls or heartbeats) for `client_timeout` seconds, or an ipc:// client whose process has exited
+(its handoff connection reads as end-of-file, `ipc/handoff.py`), is detached: its queued calls are dropped,
+its shared memory unmapped, and batching stops waiting for it. What is the ipc:// transport's lives in
+`ipc/`: the memory made for a client (`provision.py`), its handoff (`handoff.Desk`) and the rules of the
+executor's CUDA stream for pipelined clients (`streams.py`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import queue
 import secrets
+import socket
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from functools import partial
+from pathlib import Path
 from typing import Callable
 from urllib.parse import urlparse
 
@@ -32,27 +34,16 @@ import zmq
 from symbiosis.errors import BadCall, SymbiosisError, UnknownClient, Unauthorized
 from symbiosis.executor.executor import Executor
 from symbiosis.protocol import OPS
-from symbiosis.transport import auth, handoff, streamops, wire
-from symbiosis.transport.doorbell import SPARE_CORES, Doorbell, Request
-from symbiosis.transport.shm import SharedBuffer
-from symbiosis.transport.streamledger import StreamLedger
+from symbiosis.transport import auth, wire
+from symbiosis.transport.ipc import handoff
+from symbiosis.transport.ipc.doorbell import SPARE_CORES, Doorbell, Request
+from symbiosis.transport.ipc.provision import Provisioner
+from symbiosis.transport.ipc.shm import SharedBuffer
+from symbiosis.transport.ipc.streams import StreamRules
 
 log = logging.getLogger("symbiosis.executor")
 # For this long after a doorbell call the I/O thread polls without sleeping (the next call comes soon).
 HOT_S = 2e-3 if SPARE_CORES else 0.0
-# While several pipelined clients have calls, each may have this many queued on the executor's stream and
-# not yet run there. The stream runs calls in the order they were queued, each behind its input's flag: a
-# client whose CPU is far ahead of its GPU would otherwise queue a burst of calls (up to a doorbell ring) that
-# all wait, one after the other, for its GPU, with every other client's ready calls stuck behind them. Two
-# keep a call of each client queued while its previous one runs (hiding this thread's time per call), and
-# interleave the clients' calls so that each has the others' GEMMs' time to produce its next input.
-# Inference calls are not held: they go first (as in the batching policies), and a decoding client's calls,
-# each needing the one before, would otherwise wait behind every training client's queued calls in turn
-# (decode under four fine-tuning tenants took 1.71x its time alone, docs/PERFORMANCE.md section 4). Queued
-# as its CPU posts them, they hold the stream only for its own short kernels between calls.
-SHARED_STREAM_DEPTH = 2
-
-
 FDS_PER_CLIENT = 8  # descriptors an ipc:// client may hold here: two ZeroMQ connections, its link, two pipe
 # ends, and room for ZeroMQ's own
 
@@ -133,27 +124,14 @@ class ExecutorServer:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._poller = zmq.Poller()
-        self._doorbells: dict[int, str] = {}  # request FIFO fd -> client id
-        # Pipelined clients: the stream the executor computes on (its threads' current stream) waits for
-        # their input flags and writes their output flags.
-        self._stream_ops = streamops.available(executor.device)
-        torch_stream = torch.cuda.current_stream(executor.device) if self._stream_ops else None
-        self._stream = torch_stream.cuda_stream if torch_stream is not None else None
-        self._torch_stream = torch_stream
-        # Pipelined calls queued and not yet run by the stream, and departed clients' buffers to unmap once
-        # it is past their calls.
-        self._ledger = StreamLedger(torch.cuda.Event)
-        self._side_stream = streamops.side_stream(executor.device.index) if self._stream_ops else None
+        self._doorbells: dict[int, str] = {}  # request pipe fd -> client id
+        self._links: dict[int, str] = {}  # handoff connection fd -> client id
+        self._streams = StreamRules(executor.device)  # pipelined clients (same GPU)
+        self._provision = Provisioner(executor.device, self.max_buffer_bytes, self._streams.available)
         self._warned_no_mps = False
         # ipc://: the socket files are this user's alone, and shared memory is handed over beside them.
         self._ipc_path = Path(urlparse(self.url).path) if self.url.startswith("ipc://") else None
-        self._listener = None
-        if self._ipc_path is not None:
-            handoff.private_socket_file(self._ipc_path)
-            self._listener = handoff.Listener(handoff.handoff_path(str(self._ipc_path)))
-        self._tickets: dict[bytes, tuple[str, list[int], float]] = {}  # ticket -> (client, fds to hand, deadline)
-        self._waiting: dict[int, tuple[socket.socket, bytes, float]] = {}  # connection fd -> (it, ticket so far, deadline)
-        self._links: dict[int, str] = {}  # handoff connection fd -> client id
+        self._desk = handoff.Desk(self._ipc_path, self._poller) if self._ipc_path is not None else None
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -172,8 +150,6 @@ class ExecutorServer:
         poller = self._poller
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
-        if self._listener is not None:
-            poller.register(self._listener.fileno(), zmq.POLLIN)
         next_reap = last_call = time.monotonic()
         try:
             while not self._stopping.is_set():
@@ -182,27 +158,17 @@ class ExecutorServer:
                 hot = time.monotonic() - last_call < HOT_S and not self.executor.batcher.busy
                 # Calls held back by the stream's depth: watch the stream (a millisecond at most while the
                 # batcher thread needs the GIL).
-                held = bool(self._ledger) and not hot
+                held = bool(self._streams) and not hot
                 spin = hot or (held and SPARE_CORES and not self.executor.batcher.busy)
                 events = dict(poller.poll(timeout=0 if spin else (1 if held else 200)))
                 started = time.perf_counter()
-                retired = self._ledger.run_passed()
+                retired = self._streams.run_passed()
                 for fd in events:
-                    owner = self._doorbells.get(fd) or self._links.get(fd)
-                    try:
-                        if fd in self._doorbells:
-                            self._take_doorbell_call(owner)
-                            last_call = time.monotonic()
-                        elif fd in self._links:
-                            self._check_link(fd)
-                        elif fd in self._waiting:
-                            self._take_ticket(fd)
-                        elif self._listener is not None and fd == self._listener.fileno():
-                            self._accept_handoffs()
-                    except Exception:  # never the service: only the client whose input it was
-                        log.exception("handling %s failed: detaching it", owner or "a handoff connection")
-                        if owner is not None:
-                            self._drop(owner)
+                    if fd in (self._socket, self._wake_read):
+                        continue
+                    if fd in self._doorbells:
+                        last_call = time.monotonic()
+                    self._on_readable(fd)
                 if self._socket in events:
                     self._drain_requests()
                 if self._wake_read in events:
@@ -215,17 +181,44 @@ class ExecutorServer:
         finally:
             for client_id in list(self.clients):
                 self._drop(client_id)
-            for connection, _, _ in self._waiting.values():
-                connection.close()
             self._socket.close(linger=0)
-            if self._listener is not None:
-                self._listener.close()
+            if self._desk is not None:
+                self._desk.close()
                 self._ipc_path.unlink(missing_ok=True)  # ZeroMQ leaves its socket file behind
             os.close(self._wake_read)
             os.close(self._wake_write)
             if self._zap is not None:
                 self._zap.close()
             self._context.term()
+
+    def _on_readable(self, fd: int) -> None:
+        """A doorbell, a handoff connection or the handoff socket. A failure handling one client's input
+        detaches that client, never the service."""
+        owner = self._doorbells.get(fd) or self._links.get(fd)
+        try:
+            if fd in self._doorbells:
+                self._take_doorbell_call(owner)
+            elif fd in self._links:
+                if handoff.peer_gone(self.clients[owner].link):
+                    log.warning("client %s exited without detaching: detaching it", owner)
+                    self._drop(owner)
+            elif self._desk is not None and self._desk.owns(fd):
+                claimed = self._desk.on_readable(fd, lambda client_id: client_id in self.clients)
+                if claimed is not None:
+                    self._start_calls(*claimed)
+        except Exception:
+            log.exception("handling %s failed: detaching it", owner or "a handoff connection")
+            if owner is not None:
+                self._drop(owner)
+
+    def _start_calls(self, client_id: str, link: socket.socket) -> None:
+        """A client holds its shared memory now: its doorbell calls begin, its link watches its process."""
+        client = self.clients[client_id]
+        client.link = link
+        self._links[link.fileno()] = client_id
+        self._poller.register(link.fileno(), zmq.POLLIN)  # readable again only when the client is gone
+        self._doorbells[client.doorbell.request_fd] = client_id
+        self._poller.register(client.doorbell.request_fd, zmq.POLLIN)
 
     # --- requests ------------------------------------------------------------------------------------
 
@@ -259,7 +252,7 @@ class ExecutorServer:
                                           "stats": self.executor.stats_snapshot(only=own)})
         if op == "describe":  # what a client needs to know before it attaches
             return self._reply(identity, {"id": header.get("id"), "ok": True, "device": str(self.executor.device),
-                                          "stream_ops": self._stream_ops})
+                                          "stream_ops": self._streams.available})
         client_id = header.get("client")
         client = self.clients.get(client_id)
         # A client id is its tenant's alone. Heartbeats and pings come from the client's side sockets;
@@ -288,16 +281,15 @@ class ExecutorServer:
             if client.buffer is None or client.link is None:
                 raise BadCall("this client has no shared buffer (attached without one, or not handed over yet)")
             if client.flags is not None:  # pipelined: the client's own CUDA memory, mapped here
-                new = self._open_cuda(header.get("buffer") or {})
+                new = self._provision.cuda_buffer(header.get("buffer") or {})
                 nbytes = new.nbytes
             else:  # host memory, made here and handed over
-                nbytes = self._buffer_bytes(header.get("nbytes"), header.get("at_least"))
-                new, fd = SharedBuffer.sealed(nbytes)
+                nbytes = self._provision.buffer_bytes(header.get("nbytes"), header.get("at_least"))
+                new, fd = self._provision.host_buffer(nbytes)
                 try:
                     handoff.send(client.link, [fd])
                 finally:
                     os.close(fd)
-                self._pin(new)
             client.buffer.close()
             client.buffer = new
             return self._reply(identity, {"id": header.get("id"), "ok": True, "nbytes": nbytes})
@@ -306,65 +298,8 @@ class ExecutorServer:
             return self._reply(identity, {"id": header.get("id"), "ok": True})
         raise BadCall(f"unknown op {op!r}")
 
-    def _buffer_bytes(self, nbytes, at_least=None) -> int:
-        """A host buffer's size, checked before anything is made: at most what the largest call needs."""
-        try:
-            nbytes, at_least = int(nbytes), int(at_least if at_least is not None else nbytes)
-        except (TypeError, ValueError) as e:
-            raise BadCall(f"shared buffer size must be a number of bytes: {e}") from e
-        if at_least > self.max_buffer_bytes or at_least < 0:
-            raise BadCall(f"a shared buffer of {at_least} bytes is more than this executor's largest call needs "
-                          f"({self.max_buffer_bytes} bytes); send fewer tokens per call")
-        return max(4096, at_least, min(nbytes, self.max_buffer_bytes))
-
-    def _pin(self, buffer: SharedBuffer) -> None:
-        if self.executor.device.type == "cuda":
-            buffer.pin()  # a host buffer of a CPU client: DMA to and from the GPU
-
-    def _open_cuda(self, description: dict) -> SharedBuffer:
-        if not self._stream_ops:
-            raise BadCall("this executor cannot queue CUDA stream memory operations: attach with a host buffer")
-        buffer = SharedBuffer.open_cuda(description)
-        if buffer.tensor.device != self.executor.device:
-            buffer.close()
-            raise BadCall(f"a CUDA shared buffer must be on the executor's {self.executor.device}, not on "
-                          f"{buffer.tensor.device}; use a host buffer")
-        return buffer
-
-    def _make_shared(self, shared: dict) -> tuple[SharedBuffer, Doorbell, SharedBuffer | None, list[int]]:
-        """A client's shared memory: (buffer, doorbell, flags or None, descriptors to hand it). Host buffers are
-        made here; a pipelined client's CUDA buffer and flags are its own, mapped from their IPC handles."""
-        if self._listener is None:
-            raise BadCall("shared buffers are for clients on this host: this executor serves tcp://")
-        if not isinstance(shared, dict):
-            raise BadCall("malformed attach: 'shared' must be an object")
-        made, fds = [], []
-        try:
-            if "cuda" in shared:
-                buffer, flags = self._open_cuda(shared["cuda"]), None
-                made.append(buffer)
-                flags = self._open_cuda(shared.get("flags") or {})
-                made.append(flags)
-                if flags.nbytes < 8:
-                    raise BadCall("pipelined calls need CUDA flags of 8 bytes")
-            else:
-                buffer, fd = SharedBuffer.sealed(self._buffer_bytes(shared.get("nbytes"), at_least=0))
-                made.append(buffer)
-                fds.append(fd)
-                self._pin(buffer)
-                flags = None
-            doorbell, doorbell_fds = Doorbell.pair()
-            made.append(doorbell)
-            return buffer, doorbell, flags, doorbell_fds + fds
-        except BaseException:
-            for thing in made:
-                thing.close()
-            for fd in fds:
-                os.close(fd)
-            raise
-
     def _attach(self, identity: bytes, tenant: str, header: dict) -> None:
-        if len(self.clients) + len(self._tickets) >= self.max_attaches:
+        if len(self.clients) >= self.max_attaches:
             raise Unauthorized(f"this executor serves {self.max_attaches} clients at most; try again later")
         if sum(client.tenant == tenant for client in self.clients.values()) >= self.max_attaches_per_tenant:
             raise Unauthorized(f"tenant {tenant!r} has {self.max_attaches_per_tenant} clients attached, its most; "
@@ -372,7 +307,9 @@ class ExecutorServer:
         if "buffer" in header or "doorbell" in header or "flags" in header:
             raise BadCall("an attach names no files: the executor makes a client's shared memory and hands it over")
         name = str(header.get("name", "client"))[:64]
-        shared = self._make_shared(header["shared"]) if header.get("shared") is not None else None
+        if header.get("shared") is not None and self._desk is None:
+            raise BadCall("shared buffers are for clients on this host: this executor serves tcp://")
+        shared = self._provision.attach(header["shared"]) if header.get("shared") is not None else None
         try:  # a refused attach leaves nothing mapped or open
             client_id = self.executor.register(str(header.get("fingerprint")), f"{name}-{secrets.token_hex(4)}")
         except BaseException:
@@ -385,10 +322,8 @@ class ExecutorServer:
             raise
         buffer, doorbell, flags, fds = shared if shared is not None else (None, None, None, [])
         self.clients[client_id] = RemoteClient(identity, tenant, name, buffer, time.monotonic(), doorbell, flags)
-        ticket = None
-        if shared is not None:  # calls begin once the client has claimed its descriptors (_take_ticket)
-            ticket = handoff.new_ticket()
-            self._tickets[ticket] = (client_id, fds, time.monotonic() + handoff.TICKET_S)
+        # Calls begin once the client has claimed its descriptors (_start_calls).
+        ticket = self._desk.issue(client_id, fds) if shared is not None else None
         log.info("attached %s (%s)", client_id, f"{buffer.description['kind']} shared buffer" if buffer else "frames")
         if flags is not None and not self._warned_no_mps and not mps_running() and \
                 sum(c.flags is not None for c in self.clients.values()) > 1:
@@ -401,53 +336,9 @@ class ExecutorServer:
             "dtype": wire.dtype_name(self.executor.dtype), "device": str(self.executor.device),
             "heartbeat_s": self.client_timeout / 4, "max_call_tokens": self.executor.max_call_tokens,
             "layers": [asdict(spec) for spec in self.executor.layer_specs.values()],
-            "handoff": str(self._listener.path) if ticket else None, "ticket": ticket.hex() if ticket else None,
+            "handoff": str(self._desk.path) if ticket else None, "ticket": ticket.hex() if ticket else None,
             "buffer_bytes": buffer.nbytes if buffer is not None else 0,
         })
-
-    # --- handoff (ipc://) ------------------------------------------------------------------------------
-
-    def _accept_handoffs(self) -> None:
-        while (connection := self._listener.accept()) is not None:
-            self._waiting[connection.fileno()] = (connection, b"", time.monotonic() + handoff.TICKET_S)
-            self._poller.register(connection.fileno(), zmq.POLLIN)
-
-    def _take_ticket(self, fd: int) -> None:
-        connection, ticket, deadline = self._waiting[fd]
-        ticket, hung_up = handoff.read_ticket(connection, ticket)
-        if len(ticket) < handoff.TICKET_BYTES and not hung_up:
-            self._waiting[fd] = (connection, ticket, deadline)
-            return
-        self._poller.unregister(fd)
-        del self._waiting[fd]
-        claim = self._tickets.pop(ticket, None) if not hung_up else None
-        client = self.clients.get(claim[0]) if claim is not None else None
-        if client is None:  # no such ticket (or its client is gone): nothing is handed over
-            connection.close()
-            return
-        client_id, fds, _ = claim
-        try:
-            handoff.send(connection, fds)
-        except OSError as e:
-            log.warning("could not hand %s its shared memory: %s", client_id, e)
-            connection.close()
-            self._drop(client_id)
-            return
-        finally:
-            for handed in fds:
-                os.close(handed)
-        client.link = connection
-        self._links[fd] = client_id
-        self._poller.register(fd, zmq.POLLIN)  # readable again only when the client's process is gone
-        self._doorbells[client.doorbell.request_fd] = client_id
-        self._poller.register(client.doorbell.request_fd, zmq.POLLIN)
-
-    def _check_link(self, fd: int) -> None:
-        client_id = self._links[fd]
-        client = self.clients.get(client_id)
-        if client is not None and handoff.peer_gone(client.link):
-            log.warning("client %s exited without detaching: detaching it", client_id)
-            self._drop(client_id)
 
     def _submit(self, identity: bytes, header: dict, tensor: torch.Tensor,
                 gate: Callable[[], None] | None = None) -> None:
@@ -478,8 +369,7 @@ class ExecutorServer:
         leave the stream waiting for a flag that can only come after it."""
         client = self.clients.get(client_id)
         while client is not None and client.pending and not client.in_batcher:
-            if client.flags is not None and client.on_stream >= SHARED_STREAM_DEPTH and \
-                    not client.pending[0].inference and self._shared_stream():
+            if self._streams.holds(client, self.clients.values()):
                 return  # pumped again when the stream has run one (_ran_on_stream)
             request: Request = client.pending.popleft()
             header = {"op": request.op, "layer": request.layer, "inference": request.inference,
@@ -488,25 +378,13 @@ class ExecutorServer:
                 if request.malformed:
                     raise BadCall(request.malformed)
                 tensor = client.buffer.view(request.dtype, list(request.shape))
-                gate = None if client.flags is None else partial(
-                    streamops.wait_geq, self._stream, client.flags.tensor.data_ptr(), request.seq,
-                    self.executor.device.index)
                 client.in_batcher = True  # until _finish answers it
-                self._submit(client.identity, header, tensor, gate)
+                self._submit(client.identity, header, tensor, self._streams.gate(client, request.seq))
             except Exception as error:  # refused before it was queued
                 client.in_batcher = False
                 if not isinstance(error, SymbiosisError):
                     log.exception("doorbell call of %s failed", client_id)
                 self._answer_doorbell(client_id, client, request.seq, error)
-
-    def _shared_stream(self) -> bool:
-        """Whether another pipelined client has calls taken or queued on the stream too."""
-        busy = 0
-        for client in self.clients.values():
-            busy += client.flags is not None and bool(client.pending or client.on_stream)
-            if busy > 1:
-                return True
-        return False
 
     def _ran_on_stream(self, client_id: str) -> None:
         client = self.clients.get(client_id)
@@ -555,12 +433,7 @@ class ExecutorServer:
 
     def _answer_doorbell(self, client_id: str, client: RemoteClient, seq: int, error: BaseException | None = None) -> None:
         if client.flags is not None:  # behind the output copy on the stream, or at once for a failed call
-            try:
-                streamops.write(self._stream, client.flags.tensor.data_ptr() + 4, seq, self.executor.device.index)
-                self._ledger.after(self._torch_stream, partial(self._ran_on_stream, client_id))
-                client.on_stream += 1
-            except RuntimeError as e:
-                log.error("could not release client %s's stream: %s", client.name, e)
+            self._streams.answered(client, seq, partial(self._ran_on_stream, client_id))
         client.doorbell.answer(seq, None if error is None else wire.error_reply(None, error))
 
     def _reply(self, identity: bytes, header: dict, *tensors: torch.Tensor) -> None:
@@ -571,46 +444,25 @@ class ExecutorServer:
 
     # --- departures ----------------------------------------------------------------------------------
 
-    def _let_stream_pass(self, client: RemoteClient) -> None:
-        """A pipelined client left (or died): calls of it that the stream has queued must not wait for
-        inputs that will never come, or every client behind them would wait forever. Its input flag is set
-        far ahead from a stream of its own, and its buffer and flags stay mapped until the stream is past."""
-        try:
-            streamops.release(self._side_stream, client.flags.tensor.data_ptr(), client.doorbell.seq,
-                              self.executor.device.index)
-        except RuntimeError as e:
-            log.error("could not release the executor's stream from %s's flags: %s", client.name, e)
-        for shared in (client.buffer, client.flags):
-            self._ledger.after(self._torch_stream, shared.close)
-
     def _reap(self) -> None:
         now = time.monotonic()
         for client_id, client in list(self.clients.items()):
             if now - client.last_seen > self.client_timeout:
                 log.warning("client %s silent for %.1fs: detaching it", client_id, now - client.last_seen)
                 self._drop(client_id)
-        for ticket, (client_id, _, deadline) in list(self._tickets.items()):
-            if now > deadline:  # attached and never claimed its shared memory (died while attaching?)
-                log.warning("client %s did not claim its shared memory: detaching it", client_id)
-                self._drop(client_id)
-        for fd, (connection, _, deadline) in list(self._waiting.items()):
-            if now > deadline:
-                self._poller.unregister(fd)
-                del self._waiting[fd]
-                connection.close()
+        for client_id in self._desk.expired() if self._desk is not None else ():
+            log.warning("client %s did not claim its shared memory: detaching it", client_id)  # died attaching?
+            self._drop(client_id)
 
     def _drop(self, client_id: str) -> None:
         client = self.clients.pop(client_id, None)
         self.executor.detach(client_id)
-        for ticket, (owner, fds, _) in list(self._tickets.items()):
-            if owner == client_id:  # never handed over: the client's ends go too
-                del self._tickets[ticket]
-                for fd in fds:
-                    os.close(fd)
+        if self._desk is not None:
+            self._desk.forget(client_id)  # never handed over: the client's ends go too
         if client is None:
             return
         if client.flags is not None:
-            self._let_stream_pass(client)
+            self._streams.let_pass(client)
         elif client.buffer is not None:
             client.buffer.close()
         if client.doorbell is not None:

@@ -37,9 +37,9 @@ from typing import Callable
 import torch
 
 from symbiosis.errors import BadCall, ExecutorUnavailable
-from symbiosis.protocol import CALL_DTYPES as DTYPES, OPS  # each travels as its index here
+from symbiosis.protocol import CALL_DTYPES as DTYPES, CHECK_EVERY, OPS  # an op and a dtype travel as indexes
 from symbiosis.transport import wire
-from symbiosis.transport.shm import sealed_memory
+from symbiosis.transport.ipc.shm import sealed_memory
 
 U64 = struct.Struct("<Q")
 U32 = struct.Struct("<I")
@@ -58,7 +58,6 @@ SPARE_CORES = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") 
 # An answer is awaited this long by spinning on `answered` before sleeping in poll(). Spinning relies on
 # x86's in-order visibility of stores (an error is written before `answered`).
 SPIN_S = 300e-6 if SPARE_CORES and platform.machine() in ("x86_64", "AMD64") else 0.0
-CHECK_EVERY = 1.0  # seconds of waiting on a reply between checks that the executor still knows the client
 
 
 @dataclass

@@ -19,7 +19,9 @@ import os
 import secrets
 import socket
 import stat
+import time
 from pathlib import Path
+from typing import Callable
 
 from symbiosis.errors import ExecutorUnavailable
 
@@ -124,3 +126,98 @@ def receive(connection: socket.socket, count: int) -> list[int]:
             os.close(fd)
         raise ExecutorUnavailable(f"the executor handed over {len(fds)} descriptors, expected {count}")
     return fds
+
+
+class Desk:
+    """The executor's side: its handoff socket, connections that have not shown a ticket yet, and tickets
+    issued and not yet claimed. Registers what it listens on in the server's poller."""
+
+    def __init__(self, ipc_path: Path, poller):
+        private_socket_file(ipc_path)  # the ZeroMQ socket file beside it
+        self.listener = Listener(handoff_path(str(ipc_path)))
+        self._poller = poller
+        self._poller.register(self.listener.fileno(), 1)  # POLLIN
+        self._tickets: dict[bytes, tuple[str, list[int], float]] = {}  # ticket -> (client, fds to hand, deadline)
+        self._waiting: dict[int, tuple[socket.socket, bytes, float]] = {}  # fd -> (connection, ticket so far, deadline)
+
+    @property
+    def path(self) -> Path:
+        return self.listener.path
+
+    def __len__(self) -> int:
+        """Tickets not yet claimed (attaches in progress)."""
+        return len(self._tickets)
+
+    def issue(self, client_id: str, fds: list[int]) -> bytes:
+        ticket = new_ticket()
+        self._tickets[ticket] = (client_id, fds, time.monotonic() + TICKET_S)
+        return ticket
+
+    def owns(self, fd: int) -> bool:
+        return fd == self.listener.fileno() or fd in self._waiting
+
+    def on_readable(self, fd: int, attached: Callable[[str], bool]) -> tuple[str, socket.socket] | None:
+        """Accept connections, or read a ticket; returns (client, connection) once a client claimed its
+        descriptors (they are sent and closed here), for the server to keep as the client's link."""
+        if fd == self.listener.fileno():
+            while (connection := self.listener.accept()) is not None:
+                self._waiting[connection.fileno()] = (connection, b"", time.monotonic() + TICKET_S)
+                self._poller.register(connection.fileno(), 1)
+            return None
+        connection, ticket, deadline = self._waiting[fd]
+        ticket, hung_up = read_ticket(connection, ticket)
+        if len(ticket) < TICKET_BYTES and not hung_up:
+            self._waiting[fd] = (connection, ticket, deadline)
+            return None
+        self._poller.unregister(fd)
+        del self._waiting[fd]
+        claim = self._tickets.pop(ticket, None) if not hung_up else None
+        if claim is None or not attached(claim[0]):  # no such ticket, or its client is gone: nothing is handed
+            connection.close()
+            if claim is not None:
+                _close_all(claim[1])
+            return None
+        client_id, fds, _ = claim
+        try:
+            send(connection, fds)
+        except OSError:
+            connection.close()
+            raise
+        finally:
+            _close_all(fds)
+        return client_id, connection
+
+    def expired(self) -> list[str]:
+        """Clients that attached and did not claim their descriptors in time (their descriptors closed); idle
+        connections dropped."""
+        now, late = time.monotonic(), []
+        for ticket, (client_id, fds, deadline) in list(self._tickets.items()):
+            if now > deadline:
+                del self._tickets[ticket]
+                _close_all(fds)
+                late.append(client_id)
+        for fd, (connection, _, deadline) in list(self._waiting.items()):
+            if now > deadline:
+                self._poller.unregister(fd)
+                del self._waiting[fd]
+                connection.close()
+        return late
+
+    def forget(self, client_id: str) -> None:
+        """A client that left before claiming: its descriptors are closed."""
+        for ticket, (owner, fds, _) in list(self._tickets.items()):
+            if owner == client_id:
+                del self._tickets[ticket]
+                _close_all(fds)
+
+    def close(self) -> None:
+        for connection, _, _ in self._waiting.values():
+            connection.close()
+        for _, fds, _ in self._tickets.values():
+            _close_all(fds)
+        self.listener.close()
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)

@@ -1,0 +1,77 @@
+"""A client's request/reply channel to an executor: one ZeroMQ DEALER socket, a timeout on every request,
+the tenant's token in the handshake (`auth.py`)."""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+import time
+
+import torch
+import zmq
+
+from symbiosis.errors import ExecutorUnavailable, Unauthorized
+from symbiosis.transport import auth, wire
+
+HANDSHAKE_REFUSED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | \
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+
+
+class Channel:
+    """One DEALER socket with request/reply matching by id and a timeout on every request. It presents the
+    client's token in ZeroMQ's handshake (`auth.py`); a handshake the executor refuses raises `Unauthorized`."""
+
+    def __init__(self, url: str, timeout: float, token: str | None):
+        self.url = url
+        self.timeout = timeout
+        self.token = token
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._open()
+
+    def _open(self) -> None:
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.IDENTITY, secrets.token_bytes(12))
+        auth.secure_client(self.socket, self.token)
+        self._monitor = self.socket.get_monitor_socket(HANDSHAKE_REFUSED)
+        self._poller = zmq.Poller()
+        self._poller.register(self.socket, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self.socket.connect(self.url)
+
+    def close(self) -> None:
+        self.socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self.socket.close(linger=0)
+
+    def send(self, header: dict, *tensors: torch.Tensor) -> None:
+        with self._lock:
+            wire.send(self.socket, wire.encode(header, *tensors))
+
+    def request(self, header: dict, *tensors: torch.Tensor) -> tuple[dict, list]:
+        with self._lock:
+            header = {**header, "id": next(self._ids)}
+            wire.send(self.socket, wire.encode(header, *tensors))
+            deadline = time.monotonic() + self.timeout
+            while (left := deadline - time.monotonic()) > 0:
+                events = dict(self._poller.poll(int(left * 1000) + 1))
+                if self._monitor in events:
+                    self._monitor.recv_multipart()
+                    raise Unauthorized("executor refused the client: missing or wrong token (ZeroMQ's handshake "
+                                       "failed: an executor with tokens needs one, one without takes none)")
+                if self.socket not in events:
+                    continue
+                frames = self.socket.recv_multipart(copy=False)
+                reply = wire.decode_header(frames[0]) if frames else {}
+                if reply.get("id") == header["id"]:
+                    if not reply.get("ok"):
+                        wire.raise_error(reply)
+                    return reply, frames[1:]
+                # a stale reply to an earlier, timed-out request: skip it
+            # Nothing in time: drop the socket so queued requests are not replayed to a restarted executor.
+            self.close()
+            self._open()
+        raise ExecutorUnavailable(f"executor at {self.url} did not answer {header['op']!r} within {self.timeout:g}s "
+                                  "(stopped, restarted or overloaded)")
