@@ -71,7 +71,8 @@ def stub_server(checkpoints, monkeypatch):
     import symbiosis
     from symbiosis.transport.ipc import streams as streams_module
     from symbiosis.transport.ipc.doorbell import Doorbell
-    from symbiosis.transport.server import ExecutorServer, RemoteClient
+    from symbiosis.transport.clients import RemoteClient
+    from symbiosis.transport.server import ExecutorServer
     from symbiosis.transport.ipc.shm import SharedBuffer
 
     path, _ = checkpoints("llama")
@@ -115,7 +116,7 @@ def _calls(server, client_id: str, seqs, inference: bool = False) -> None:
     width = server.executor.layer_specs[layer].in_features
     server.clients[client_id].pending.extend(Request(seq, "forward", layer, inference, torch.float64, (3, width))
                                              for seq in seqs)
-    server._pump(client_id)
+    server._calls.pump(client_id)
 
 
 def test_pipelined_clients_sharing_the_stream_have_two_calls_each_waiting_there(stub_server):
@@ -188,7 +189,7 @@ def test_a_departed_pipelined_client_lets_the_stream_pass_its_calls(stub_server)
 
 
 def test_mps_is_found_where_cuda_looks_for_its_pipe(tmp_path, monkeypatch):
-    from symbiosis.transport.server import mps_running
+    from symbiosis.transport.clients import mps_running
 
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
     assert not mps_running()

@@ -6,6 +6,7 @@ client may arrive in any order, and a client that vanishes leaves nothing behind
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import threading
@@ -86,6 +87,16 @@ class Executor:
             device = torch.device("cuda", torch.cuda.current_device())  # compare equal to tensors' devices
         weights = BaseWeights(layout, specs, device, dtype)
         return cls(checkpoint, weights, fingerprint, device, dtype, max_call_tokens, policy)
+
+    @functools.cached_property
+    def widest(self) -> int:
+        """The widest input or output of any call: a layer's, or a group's (its sibling layers' outputs side
+        by side)."""
+        siblings: dict[str, int] = {}
+        for spec in self.layer_specs.values():
+            parent = spec.layer_id.rpartition(".")[0]
+            siblings[parent] = siblings.get(parent, 0) + spec.out_features
+        return max([max(s.in_features, s.out_features) for s in self.layer_specs.values()] + list(siblings.values()))
 
     @property
     def layer_specs(self) -> dict[str, BaseLayerSpec]:

@@ -16,13 +16,11 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import secrets
 import socket
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -31,58 +29,30 @@ from urllib.parse import urlparse
 import torch
 import zmq
 
-from symbiosis.errors import BadCall, SymbiosisError, UnknownClient, Unauthorized
+from symbiosis.errors import BadCall, SymbiosisError
 from symbiosis.executor.executor import Executor
 from symbiosis.protocol import OPS
 from symbiosis.transport import auth, wire
 from symbiosis.transport.ipc import handoff
-from symbiosis.transport.ipc.doorbell import SPARE_CORES, Doorbell, Request
+from symbiosis.transport.clients import ClientTable
+from symbiosis.transport.ipc.calls import DoorbellCalls
+from symbiosis.transport.ipc.doorbell import SPARE_CORES
 from symbiosis.transport.ipc.provision import Provisioner
-from symbiosis.transport.ipc.shm import SharedBuffer
 from symbiosis.transport.ipc.streams import StreamRules
 
 log = logging.getLogger("symbiosis.executor")
 # For this long after a doorbell call the I/O thread polls without sleeping (the next call comes soon).
 HOT_S = 2e-3 if SPARE_CORES else 0.0
-FDS_PER_CLIENT = 8  # descriptors an ipc:// client may hold here: two ZeroMQ connections, its link, two pipe
-# ends, and room for ZeroMQ's own
-
-
-def _raise_descriptor_limit() -> int:
-    """Raise this process's descriptor limit to its hard limit (Linux's default soft limit is 1024, which 400
-    attaches used up; ZeroMQ then aborted the process); returns what is left for clients."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
-    if wanted > soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-            soft = wanted
-        except (ValueError, OSError):
-            pass
-    return max(0, soft - 256)  # the executor's own files, sockets and threads
-
-
-def mps_running() -> bool:
-    """Whether an NVIDIA MPS control daemon serves this host's CUDA processes: CUDA connects a process to MPS
-    when it finds the daemon's pipe, in $CUDA_MPS_PIPE_DIRECTORY or /tmp/nvidia-mps."""
-    return os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control"))
-
-
-@dataclass
-class RemoteClient:
-    identity: bytes
-    tenant: str
-    name: str
-    buffer: SharedBuffer | None
-    last_seen: float
-    doorbell: Doorbell | None = None  # ipc://: the call path that bypasses the socket
-    flags: SharedBuffer | None = None  # a pipelined client's int32 [input seq, output seq] (client.py)
-    link: socket.socket | None = None  # ipc://: the handoff connection, open while the client's process lives
-    pending: deque = field(default_factory=deque)  # doorbell requests taken, not yet submitted (in order)
-    in_batcher: bool = False  # one of its doorbell calls is submitted and not answered yet
-    on_stream: int = 0  # pipelined: its answered calls the executor's stream has not run yet
+def _router(context: zmq.Context, url: str, authenticated: bool, max_message: int) -> zmq.Socket:
+    """The service's socket. ZeroMQ checks, before a message is read, the token (in the handshake: a
+    connection that does not authenticate within 5 s is closed) and then the message's size."""
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.MAXMSGSIZE, max_message)
+    router.setsockopt(zmq.HANDSHAKE_IVL, 5000)
+    router.plain_server = authenticated
+    router.bind(url)
+    return router
 
 
 class ExecutorServer:
@@ -93,29 +63,15 @@ class ExecutorServer:
                  client_timeout: float = 30.0, max_attaches: int = 256, max_attaches_per_tenant: int = 64):
         self.executor = executor
         self.client_timeout = client_timeout
-        self.clients: dict[str, RemoteClient] = {}
+        self.clients = ClientTable(executor, max_attaches, max_attaches_per_tenant)
         if isinstance(tenants, str):
             tenants = auth.Tenants({auth.ADMIN: tenants})
-        self.max_attaches = min(max_attaches, _raise_descriptor_limit() // FDS_PER_CLIENT)
-        self.max_attaches_per_tenant = max_attaches_per_tenant
-        specs = list(executor.layer_specs.values())
-        siblings: dict[str, int] = {}
-        for spec in specs:
-            parent = spec.layer_id.rpartition(".")[0]
-            siblings[parent] = siblings.get(parent, 0) + spec.out_features
-        widest = max([max(s.in_features, s.out_features) for s in specs] + list(siblings.values()))
-        # No call a client may make needs a larger shared buffer, or frame (a group's output: its siblings').
-        self.max_buffer_bytes = executor.max_call_tokens * widest * 8
+        # No call a client may make needs a larger shared buffer, or message.
+        self.max_buffer_bytes = executor.max_call_tokens * executor.widest * 8
         self._context = zmq.Context()  # its own: its ZAP handler answers for this server's socket alone
         self._zap = auth.ZapHandler(self._context, tenants) if tenants is not None else None
-        self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        # Checked by ZeroMQ before a message is read: the token (in the handshake), then the message's size.
-        self._socket.setsockopt(zmq.MAXMSGSIZE, executor.max_call_tokens * widest * executor.dtype.itemsize + (1 << 20))
-        self._socket.setsockopt(zmq.HANDSHAKE_IVL, 5000)  # a connection that does not authenticate is closed
-        if self._zap is not None:
-            self._socket.plain_server = True
-        self._socket.bind(url)
+        max_message = executor.max_call_tokens * executor.widest * executor.dtype.itemsize + (1 << 20)
+        self._socket = _router(self._context, url, self._zap is not None, max_message)
         # The bound endpoint: `tcp://host:*` binds a free port, and this says which.
         self.url = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._completions: queue.SimpleQueue = queue.SimpleQueue()
@@ -127,8 +83,9 @@ class ExecutorServer:
         self._doorbells: dict[int, str] = {}  # request pipe fd -> client id
         self._links: dict[int, str] = {}  # handoff connection fd -> client id
         self._streams = StreamRules(executor.device)  # pipelined clients (same GPU)
+        self._calls = DoorbellCalls(self.clients, self._streams, lambda client, header, tensor, gate: self._submit(
+            client.identity, header, tensor, gate))
         self._provision = Provisioner(executor.device, self.max_buffer_bytes, self._streams.available)
-        self._warned_no_mps = False
         # ipc://: the socket files are this user's alone, and shared memory is handed over beside them.
         self._ipc_path = Path(urlparse(self.url).path) if self.url.startswith("ipc://") else None
         self._desk = handoff.Desk(self._ipc_path, self._poller) if self._ipc_path is not None else None
@@ -197,7 +154,9 @@ class ExecutorServer:
         owner = self._doorbells.get(fd) or self._links.get(fd)
         try:
             if fd in self._doorbells:
-                self._take_doorbell_call(owner)
+                if not self._calls.take(owner):
+                    log.warning("client %s closed its doorbell without detaching: detaching it", owner)
+                    self._drop(owner)
             elif fd in self._links:
                 if handoff.peer_gone(self.clients[owner].link):
                     log.warning("client %s exited without detaching: detaching it", owner)
@@ -247,20 +206,14 @@ class ExecutorServer:
         if op == "attach":
             return self._attach(identity, tenant, header)
         if op == "stats":  # the admin sees every tenant's figures; a tenant its own
-            own = None if tenant == auth.ADMIN else {c for c, client in self.clients.items() if client.tenant == tenant}
+            own = None if tenant == auth.ADMIN else self.clients.of_tenant(tenant)
             return self._reply(identity, {"id": header.get("id"), "ok": True,
                                           "stats": self.executor.stats_snapshot(only=own)})
         if op == "describe":  # what a client needs to know before it attaches
             return self._reply(identity, {"id": header.get("id"), "ok": True, "device": str(self.executor.device),
                                           "stream_ops": self._streams.available})
         client_id = header.get("client")
-        client = self.clients.get(client_id)
-        # A client id is its tenant's alone. Heartbeats and pings come from the client's side sockets;
-        # everything else from its call socket.
-        if client is None or client.tenant != tenant or \
-                (client.identity != identity and op not in ("heartbeat", "ping")):
-            raise UnknownClient(f"client {client_id!r} is not attached to this executor (restarted, or timed out "
-                                "without heartbeats); attach again")
+        client = self.clients.owned(client_id, tenant, identity, op)
         client.last_seen = time.monotonic()
         if op == "heartbeat":
             return None
@@ -278,20 +231,7 @@ class ExecutorServer:
             return self._reply(identity, {"id": header.get("id"), "ok": True,
                                           "tensors": [wire.describe(t) for t in tensors]}, *tensors)
         if op == "buffer":  # a larger shared buffer
-            if client.buffer is None or client.link is None:
-                raise BadCall("this client has no shared buffer (attached without one, or not handed over yet)")
-            if client.flags is not None:  # pipelined: the client's own CUDA memory, mapped here
-                new = self._provision.cuda_buffer(header.get("buffer") or {})
-                nbytes = new.nbytes
-            else:  # host memory, made here and handed over
-                nbytes = self._provision.buffer_bytes(header.get("nbytes"), header.get("at_least"))
-                new, fd = self._provision.host_buffer(nbytes)
-                try:
-                    handoff.send(client.link, [fd])
-                finally:
-                    os.close(fd)
-            client.buffer.close()
-            client.buffer = new
+            nbytes = self._provision.grow(client, header)
             return self._reply(identity, {"id": header.get("id"), "ok": True, "nbytes": nbytes})
         if op == "detach":
             self._drop(client_id)
@@ -299,38 +239,17 @@ class ExecutorServer:
         raise BadCall(f"unknown op {op!r}")
 
     def _attach(self, identity: bytes, tenant: str, header: dict) -> None:
-        if len(self.clients) >= self.max_attaches:
-            raise Unauthorized(f"this executor serves {self.max_attaches} clients at most; try again later")
-        if sum(client.tenant == tenant for client in self.clients.values()) >= self.max_attaches_per_tenant:
-            raise Unauthorized(f"tenant {tenant!r} has {self.max_attaches_per_tenant} clients attached, its most; "
-                               "close one first")
-        if "buffer" in header or "doorbell" in header or "flags" in header:
-            raise BadCall("an attach names no files: the executor makes a client's shared memory and hands it over")
-        name = str(header.get("name", "client"))[:64]
+        self.clients.check_room(tenant, header)
         if header.get("shared") is not None and self._desk is None:
             raise BadCall("shared buffers are for clients on this host: this executor serves tcp://")
         shared = self._provision.attach(header["shared"]) if header.get("shared") is not None else None
-        try:  # a refused attach leaves nothing mapped or open
-            client_id = self.executor.register(str(header.get("fingerprint")), f"{name}-{secrets.token_hex(4)}")
-        except BaseException:
-            if shared is not None:
-                for thing in shared[:3]:
-                    if thing is not None:
-                        thing.close()
-                for fd in shared[3]:
-                    os.close(fd)
-            raise
-        buffer, doorbell, flags, fds = shared if shared is not None else (None, None, None, [])
-        self.clients[client_id] = RemoteClient(identity, tenant, name, buffer, time.monotonic(), doorbell, flags)
+        client_id = self.clients.admit(identity, tenant, header, shared, time.monotonic())  # or all is closed
+        buffer, _, flags, fds = shared if shared is not None else (None, None, None, [])
         # Calls begin once the client has claimed its descriptors (_start_calls).
         ticket = self._desk.issue(client_id, fds) if shared is not None else None
         log.info("attached %s (%s)", client_id, f"{buffer.description['kind']} shared buffer" if buffer else "frames")
-        if flags is not None and not self._warned_no_mps and not mps_running() and \
-                sum(c.flags is not None for c in self.clients.values()) > 1:
-            self._warned_no_mps = True
-            log.warning("several client processes compute on %s without MPS: the GPU time-slices between their "
-                        "contexts (eight 1B tenants ran at half the tokens/s on an H100). Start `nvidia-cuda-mps-control "
-                        "-d` before the executor and its clients (README, Performance)", self.executor.device)
+        if flags is not None:
+            self.clients.warn_without_mps()
         self._reply(identity, {
             "id": header.get("id"), "ok": True, "client": client_id, "fingerprint": self.executor.fingerprint,
             "dtype": wire.dtype_name(self.executor.dtype), "device": str(self.executor.device),
@@ -351,47 +270,6 @@ class ExecutorServer:
         else:
             future.add_done_callback(partial(self._complete, identity, header))
 
-    def _take_doorbell_call(self, client_id: str) -> None:
-        client = self.clients[client_id]
-        requests = client.doorbell.take_requests()
-        if client.doorbell.peer_gone:
-            log.warning("client %s closed its doorbell without detaching: detaching it", client_id)
-            return self._drop(client_id)
-        if requests:
-            client.last_seen = time.monotonic()
-            client.pending.extend(requests)
-            self._pump(client_id)
-
-    def _pump(self, client_id: str) -> None:
-        """Submit a client's taken doorbell calls, in order, one at a time: a call is submitted once the one
-        before it is answered. A pipelined client's calls then reach the executor's stream in order, each
-        behind its input's flag; its later calls depend on its earlier outputs, so any other order could
-        leave the stream waiting for a flag that can only come after it."""
-        client = self.clients.get(client_id)
-        while client is not None and client.pending and not client.in_batcher:
-            if self._streams.holds(client, self.clients.values()):
-                return  # pumped again when the stream has run one (_ran_on_stream)
-            request: Request = client.pending.popleft()
-            header = {"op": request.op, "layer": request.layer, "inference": request.inference,
-                      "client": client_id, "seq": request.seq}
-            try:
-                if request.malformed:
-                    raise BadCall(request.malformed)
-                tensor = client.buffer.view(request.dtype, list(request.shape))
-                client.in_batcher = True  # until _finish answers it
-                self._submit(client.identity, header, tensor, self._streams.gate(client, request.seq))
-            except Exception as error:  # refused before it was queued
-                client.in_batcher = False
-                if not isinstance(error, SymbiosisError):
-                    log.exception("doorbell call of %s failed", client_id)
-                self._answer_doorbell(client_id, client, request.seq, error)
-
-    def _ran_on_stream(self, client_id: str) -> None:
-        client = self.clients.get(client_id)
-        if client is not None:
-            client.on_stream -= 1
-            self._pump(client_id)
-
     # --- completions ---------------------------------------------------------------------------------
 
     def _complete(self, identity: bytes, header: dict, future: Future) -> None:
@@ -411,30 +289,18 @@ class ExecutorServer:
                 return
             self._finish(identity, header, future)
             if "seq" in header:
-                self._pump(header["client"])
+                self._calls.pump(header["client"])
 
     def _finish(self, identity: bytes, header: dict, future: Future) -> None:
-        client = self.clients.get(header["client"])
-        if client is None:
-            return  # the client left (or died) while its call ran: nobody to answer
         if "seq" in header:  # a doorbell call: the result goes into the shared buffer
-            client.in_batcher = False
-            try:
-                result = future.result()
-                client.buffer.view(result.dtype, list(result.shape)).copy_(result)
-            except Exception as error:
-                return self._answer_doorbell(header["client"], client, header["seq"], error)
-            return self._answer_doorbell(header["client"], client, header["seq"])
+            return self._calls.finish(header["client"], header["seq"], future)
+        if header["client"] not in self.clients:
+            return  # the client left (or died) while its call ran: nobody to answer
         try:  # a socket call: the result goes back as a frame
             result = future.result()
             self._reply(identity, {"id": header.get("id"), "ok": True, "tensor": wire.describe(result)}, result.cpu())
         except Exception as error:
             self._reply(identity, wire.error_reply(header.get("id"), error))
-
-    def _answer_doorbell(self, client_id: str, client: RemoteClient, seq: int, error: BaseException | None = None) -> None:
-        if client.flags is not None:  # behind the output copy on the stream, or at once for a failed call
-            self._streams.answered(client, seq, partial(self._ran_on_stream, client_id))
-        client.doorbell.answer(seq, None if error is None else wire.error_reply(None, error))
 
     def _reply(self, identity: bytes, header: dict, *tensors: torch.Tensor) -> None:
         try:

@@ -13,6 +13,7 @@ import os
 import torch
 
 from symbiosis.errors import BadCall
+from symbiosis.transport.ipc import handoff
 from symbiosis.transport.ipc.doorbell import Doorbell
 from symbiosis.transport.ipc.shm import SharedBuffer
 
@@ -81,3 +82,23 @@ class Provisioner:
             for fd in fds:
                 os.close(fd)
             raise
+
+    def grow(self, client, header: dict) -> int:
+        """A larger buffer for a client (its record: `buffer`, `flags`, `link`): a pipelined client's own CUDA
+        memory, mapped here; else host memory made here and handed over before the reply. Returns its size."""
+        if client.buffer is None or client.link is None:
+            raise BadCall("this client has no shared buffer (attached without one, or not handed over yet)")
+        if client.flags is not None:
+            new = self.cuda_buffer(header.get("buffer") or {})
+        else:
+            new, fd = self.host_buffer(self.buffer_bytes(header.get("nbytes"), header.get("at_least")))
+            try:
+                handoff.send(client.link, [fd])
+            except BaseException:
+                new.close()
+                raise
+            finally:
+                os.close(fd)
+        client.buffer.close()
+        client.buffer = new
+        return new.nbytes
