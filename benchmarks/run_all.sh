@@ -27,7 +27,7 @@ declare -A LIMIT_S=(
   [policies]=300 [mixed]=240 [privacy]=320 [long_context]=330
 )
 declare -A COMMAND=(
-  [gpu_tests]="$PY -m pytest -q -m gpu tests/test_gpu.py tests/test_compiled_clients.py -p no:cacheprovider"
+  [gpu_tests]="$PY -m pytest -q -m gpu tests/integration/test_gpu.py tests/unit/client/test_compiled_clients.py -p no:cacheprovider"
   [rtt]="$PY benchmarks/profile_overhead.py --remote"
   [single_1b]="$PY benchmarks/single_tenant.py --models llama-3.2-1b"
   [single_1b_dora]="$PY benchmarks/single_tenant.py --models llama-3.2-1b --loras lora3_r8_qkvo,dora_r8_qkvo --modes plain,in_process,separate"

@@ -1,4 +1,5 @@
-"""What the exactness tests run, in one place; the README's support tables are generated from it.
+"""What the tests run, in one place: the tiny architectures they build, and the PEFT methods on them. The
+README's support tables are generated from it.
 
 - CORE_METHODS run on every architecture tests/ builds (conftest.ARCHITECTURES), unless PEFT_CANNOT says
   plain PEFT itself refuses the pair (test_exactness checks that it does).
@@ -22,7 +23,53 @@ import peft
 import torch
 import transformers
 
-from conftest import ARCHITECTURES
+
+VOCAB = 128
+
+# name -> (config class, config kwargs, model class that saves the checkpoint, auto class a user loads with)
+ARCHITECTURES = {
+    "llama": (transformers.LlamaConfig, dict(hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+              transformers.LlamaForCausalLM, transformers.AutoModelForCausalLM),
+    "gpt2": (transformers.GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=1),
+             transformers.GPT2LMHeadModel, transformers.AutoModelForCausalLM),
+    "gpt_bigcode": (transformers.GPTBigCodeConfig, dict(n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                    multi_query=True, bos_token_id=0, eos_token_id=1), transformers.GPTBigCodeForCausalLM, transformers.AutoModelForCausalLM),
+    "gemma2": (transformers.Gemma2Config, dict(hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6),
+               transformers.Gemma2ForCausalLM, transformers.AutoModelForCausalLM),
+    "granite": (transformers.GraniteConfig, dict(hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=2.0, logits_scaling=4.0,
+                residual_multiplier=0.5, attention_multiplier=0.25),
+                transformers.GraniteForCausalLM, transformers.AutoModelForCausalLM),
+    "qwen2": (transformers.Qwen2Config, dict(hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2), transformers.Qwen2ForCausalLM,
+              transformers.AutoModelForCausalLM),
+    # Saved by transformers 5 with its head as `embed_out`, which transformers renames to `lm_head` on load.
+    "gpt_neox": (transformers.GPTNeoXConfig, dict(hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                 num_attention_heads=4, rotary_pct=0.5, tie_word_embeddings=False), transformers.GPTNeoXForCausalLM,
+                 transformers.AutoModelForCausalLM),
+    "opt": (transformers.OPTConfig, dict(hidden_size=64, ffn_dim=112, num_hidden_layers=2, num_attention_heads=4,
+            word_embed_proj_dim=64), transformers.OPTForCausalLM, transformers.AutoModelForCausalLM),
+    "bert": (transformers.BertConfig, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+             intermediate_size=112, num_labels=3), transformers.BertForSequenceClassification,
+             transformers.AutoModelForSequenceClassification),
+}
+
+
+def make_checkpoint(arch: str, directory, dtype=torch.float32, seed: int = 0, **overrides):
+    """Save a tiny random `arch` model (config + model.safetensors) into `directory`; returns its auto class."""
+    config_cls, kwargs, model_cls, auto_class = ARCHITECTURES[arch]
+    config = config_cls(vocab_size=VOCAB, max_position_embeddings=128, **{**kwargs, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).to(dtype)
+    with torch.no_grad():  # transformers starts biases at zero: code that mishandles them would pass unnoticed
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0, 0.5)
+    model.save_pretrained(directory)
+    return auto_class
+
 
 SEQ_CLS = {"bert"}
 ATTENTION = {"gpt_neox": ["query_key_value"], "llama": ["q_proj", "v_proj"], "gemma2": ["q_proj", "v_proj"],
@@ -77,6 +124,11 @@ def core_config(arch: str, method: str):
     return _core(arch, method)
 
 
+def peft_config(method: str, arch: str):
+    """A core method's config on an architecture (tests' usual spelling)."""
+    return _core(arch, method)
+
+
 # (arch, method) -> what plain PEFT says: the pair is not run, and test_exactness checks PEFT refuses it.
 PEFT_CANNOT = {
     ("gpt2", "loha"): "PEFT's LoHa has no transformers Conv1D layer",
@@ -124,9 +176,7 @@ def _open_gates(model) -> None:
 
 def _xlora(arch, batch, tmp_path):
     """Two saved LoRA adapters (plain PEFT files) that X-LoRA mixes."""
-    from conftest import ARCHITECTURES as built
-
-    config_cls, kwargs, model_cls, _ = built[arch]
+    config_cls, kwargs, model_cls, _ = ARCHITECTURES[arch]
     adapters = {}
     for i in range(2):
         directory = tmp_path / f"xlora-expert-{arch}-{i}"

@@ -18,7 +18,7 @@ from peft import get_peft_model
 
 sys.path.insert(0, os.path.dirname(__file__))
 import symbiosis  # noqa: E402
-from test_exactness import peft_config  # noqa: E402
+from matrix import peft_config  # noqa: E402
 
 STEPS = 3
 

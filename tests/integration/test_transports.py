@@ -16,7 +16,8 @@ import symbiosis
 from symbiosis.errors import BadCall, UnknownLayer, Unauthorized
 from symbiosis.transport import auth
 from symbiosis.transport.server import ExecutorServer
-from test_exactness import assert_close, batch, peft_config
+from helpers import assert_close, batch
+from matrix import peft_config
 
 TOKEN = "correct horse battery staple"
 

@@ -17,7 +17,7 @@ import matrix
 import symbiosis
 from symbiosis.client import peft_support
 from symbiosis.client.virtual import VirtualConv1D, VirtualLinear
-from test_exactness import assert_trains_as_plain_peft, batch, build_pair, executors  # noqa: F401 (a fixture)
+from helpers import assert_trains_as_plain_peft, batch, build_pair
 
 CASES = [(kind, name, arch) for kind, cases in matrix.TUNERS.items() for name, case in cases.items()
          for arch in case.archs]

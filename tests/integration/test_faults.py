@@ -11,9 +11,8 @@ import pytest
 import torch
 
 import symbiosis
-from processes import TOKEN, attached, start_executor, start_tenant, wait_until
+from helpers import TOKEN, assert_close, attached, start_executor, start_tenant, wait_until
 from tenant_process import build, train
-from test_exactness import assert_close
 
 pytestmark = pytest.mark.slow
 

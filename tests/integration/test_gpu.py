@@ -8,8 +8,8 @@ import torch
 from peft import get_peft_model
 
 import symbiosis
-from test_exactness import batch, peft_config
-from test_faults import TOKEN, start_executor
+from helpers import TOKEN, batch, start_executor
+from matrix import peft_config
 
 pytestmark = pytest.mark.gpu
 
@@ -224,7 +224,7 @@ def test_pipelined_client_processes_share_the_stream_and_a_dying_one_holds_no_on
     import signal
 
     from tenant_process import build, train
-    from test_faults import attached, start_tenant, wait_until
+    from helpers import attached, start_tenant, wait_until
 
     torch.backends.cuda.matmul.allow_tf32 = False
     path, _ = checkpoints("llama")

@@ -14,7 +14,7 @@ from symbiosis.client.generate import generate_text, load_adapter, save_adapter
 from symbiosis.demo import build_base_model
 from symbiosis.errors import AdapterError, BadCall
 from symbiosis.transport.server import ExecutorServer
-from test_exactness import peft_config
+from matrix import peft_config
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 
 import symbiosis
 from symbiosis.errors import BadCall, CheckpointError, FingerprintMismatch, UnknownClient, UnknownLayer
-from conftest import make_checkpoint
+from matrix import make_checkpoint
 
 
 @pytest.fixture

@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 
 import symbiosis
 from symbiosis.client.generate import load_adapter
-from test_exactness import assert_close, batch, peft_config
+from helpers import assert_close, batch
+from matrix import peft_config
 
 METHODS = ["lora", "ia3", "prompt", "prefix", "loha", "dora"]
 PACKAGE = Path(symbiosis.__file__).parent

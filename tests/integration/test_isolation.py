@@ -4,7 +4,6 @@ the attacker at most an error on its own calls; the executor and the other tenan
 from __future__ import annotations
 
 import glob
-import json
 import os
 import socket
 
@@ -13,7 +12,7 @@ import torch
 import zmq
 
 import symbiosis
-from processes import TOKEN, start_executor
+from helpers import TOKEN, start_executor
 from symbiosis.transport import auth, wire
 from symbiosis.transport.ipc import handoff
 from symbiosis.transport.ipc.doorbell import ANSWERED_AT, CONTROL_BYTES, REQUEST, U64, Doorbell, _slot

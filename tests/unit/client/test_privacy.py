@@ -11,7 +11,8 @@ from peft import get_peft_model
 import symbiosis
 from symbiosis import NoiseMasking
 from symbiosis.transport.server import ExecutorServer
-from test_exactness import assert_close, batch, peft_config
+from helpers import assert_close, batch
+from matrix import peft_config
 
 MASK = NoiseMasking(pool=2, rows=64, scale=1.0, seed=0)
 

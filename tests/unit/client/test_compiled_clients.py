@@ -13,8 +13,8 @@ from peft import get_peft_model, get_peft_model_state_dict
 
 import symbiosis
 from symbiosis.errors import SymbiosisError
-from conftest import make_checkpoint
-from test_exactness import assert_close, batch, peft_config
+from helpers import assert_close, batch
+from matrix import make_checkpoint, peft_config
 
 
 def _client(path, executor, device="cpu", seed=1234):

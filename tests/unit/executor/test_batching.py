@@ -13,7 +13,8 @@ import symbiosis
 from symbiosis.executor.batcher import Batcher
 from symbiosis.executor.policy import ClientCounts, Lockstep, NoBatching, Opportunistic, QueuedCall, Queues
 from symbiosis.executor.stats import ExecutorStats
-from test_exactness import assert_close, peft_config
+from helpers import assert_close
+from matrix import peft_config
 
 # Tenants of different shapes and PEFT methods: (name, method, batch size, sequence length)
 TENANTS = [("a", "lora", 1, 5), ("b", "ia3", 2, 9), ("c", "prompt", 4, 3), ("d", "lokr", 3, 7)]  # no dropout: threads share the global RNG

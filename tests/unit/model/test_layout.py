@@ -16,8 +16,8 @@ from transformers.core_model_loading import Chunk, WeightConverter
 
 import symbiosis
 from symbiosis.model.checkpoint import Checkpoint
-from conftest import ARCHITECTURES, VOCAB
-from test_exactness import assert_close
+from helpers import assert_close
+from matrix import ARCHITECTURES, VOCAB
 
 
 def rewrite_checkpoint(path, edit) -> None:

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from peft import get_peft_model
 
 import symbiosis
-from conftest import VOCAB
-from test_exactness import assert_close, batch, build_pair, executors, peft_config  # noqa: F401 (a fixture)
+from helpers import assert_close, batch, build_pair
+from matrix import VOCAB, peft_config
 
 CAUSAL_ARCHS = ["llama", "gpt2", "gpt_bigcode", "gemma2", "granite", "qwen2", "opt"]
 

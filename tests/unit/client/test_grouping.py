@@ -8,7 +8,8 @@ from peft import get_peft_model
 import symbiosis
 from symbiosis.client.grouping import CallGrouper
 from symbiosis.transport.server import ExecutorServer
-from test_exactness import assert_close, batch, peft_config, train_step
+from helpers import assert_close, batch, train_step
+from matrix import peft_config
 
 
 def test_grouped_calls_are_exact_and_fewer(checkpoints):

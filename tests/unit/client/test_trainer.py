@@ -7,7 +7,8 @@ from peft import get_peft_model
 from transformers import Trainer, TrainingArguments
 
 import symbiosis
-from test_exactness import assert_close, peft_config
+from helpers import assert_close
+from matrix import peft_config
 
 
 def _dataset(n=8, length=12):

@@ -9,7 +9,7 @@ import torch
 import symbiosis
 from symbiosis.client.virtual import VirtualWeight
 from symbiosis.model.checkpoint import Checkpoint
-from conftest import ARCHITECTURES, make_checkpoint
+from matrix import ARCHITECTURES, make_checkpoint
 
 
 def _bytes(entries, keys, dtype=None):
