@@ -3,10 +3,13 @@ and executor and tenant processes (tests/matrix.py says which architectures and 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import re
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import peft
@@ -124,42 +127,83 @@ HERE = Path(__file__).parent
 TOKEN = "fault-test-token"
 
 
+class ExecutorLog:
+    """What an executor says it did ("serving", "attached X", "detached X"), line by line, for tests to wait on
+    instead of sleeping or polling its stats: an executor process's stderr (echoed to ours), or the log of
+    one in this process."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.ended = False
+        self._changed = threading.Condition()
+
+    @classmethod
+    def reading(cls, stream) -> "ExecutorLog":
+        said = cls()
+        threading.Thread(target=said._read, args=(stream,), daemon=True, name="executor-log").start()
+        return said
+
+    @classmethod
+    @contextlib.contextmanager
+    def listening(cls, name: str = "symbiosis.executor"):
+        said, logger, handler = cls(), logging.getLogger(name), logging.Handler(logging.INFO)
+        handler.emit = lambda record: said._add(record.getMessage())
+        level = logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            yield said
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            sys.stderr.write(line)
+            self._add(line)
+        with self._changed:
+            self.ended = True
+            self._changed.notify_all()
+
+    def _add(self, line: str) -> None:
+        with self._changed:
+            self.lines.append(line)
+            self._changed.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float = 20.0) -> str:
+        """The first line matching `pattern`, once the executor has written it; fails after `timeout` seconds or
+        when the executor's stderr ends without it."""
+        regex = re.compile(pattern)
+
+        def found():
+            return next((line for line in self.lines if regex.search(line)), None)
+
+        with self._changed:
+            self._changed.wait_for(lambda: found() is not None or self.ended, timeout)
+            line = found()
+        assert line is not None, f"the executor never said {pattern!r} ({'exited' if self.ended else 'timed out'})"
+        return line
+
+
 def start_executor(model_dir, url, tmp_path, policy="opportunistic", client_timeout=2.0, device="cpu",
                    dtype="float64", tenants: dict[str, str] | None = None, *extra: str) -> subprocess.Popen:
-    """An executor process; `tenants` (name -> token) beside the admin, whose token is TOKEN."""
+    """An executor process, returned once it serves, its stderr in `.log` (an ExecutorLog); `tenants`
+    (name -> token) beside the admin, whose token is TOKEN."""
     token_file = tmp_path / "tenants"
     token_file.write_text("".join(f"{name} {token}\n" for name, token in {"admin": TOKEN, **(tenants or {})}.items()))
     process = subprocess.Popen([sys.executable, "-m", "symbiosis.cli", "executor", "--model", str(model_dir),
                                 "--listen", url, "--device", device, "--dtype", dtype, "--policy", policy,
                                 "--max-wait-ms", "50", "--client-timeout", str(client_timeout),
-                                "--token-file", str(token_file), *extra])
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        assert process.poll() is None, "executor exited during start-up"
-        try:
-            symbiosis.connect(url, token=TOKEN, timeout=0.5).stats()
-            return process
-        except symbiosis.ExecutorUnavailable:
-            time.sleep(0.2)
-    process.kill()
-    raise AssertionError("executor did not come up")
+                                "--token-file", str(token_file), *extra], stderr=subprocess.PIPE, text=True)
+    process.log = ExecutorLog.reading(process.stderr)
+    try:
+        process.log.wait_for(r"^\[executor\] serving ", timeout=90)
+    except AssertionError:
+        process.kill()
+        raise
+    return process
 
 
 def start_tenant(model_dir, url, method, seed, out, *extra) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(HERE / "tenant_process.py"), str(model_dir), url, TOKEN, method,
                              str(seed), str(out), *extra], env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def attached(url) -> list[str]:
-    return symbiosis.connect(url, token=TOKEN, timeout=5).stats()["attached_clients"]
-
-
-def wait_until(condition, timeout=20.0) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if condition():
-            return True
-        time.sleep(0.2)
-    return False
-
-

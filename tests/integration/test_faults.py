@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import symbiosis
-from helpers import TOKEN, assert_close, attached, start_executor, start_tenant, wait_until
+from helpers import TOKEN, assert_close, start_executor, start_tenant
 from tenant_process import build, train
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ def test_client_killed_mid_pass(die_in, checkpoints, tmp_path):
         for seed, process in survivors.items():
             assert process.wait(timeout=180) == 0, f"survivor {seed} failed"
         # The dead client is detached; shared memory is anonymous (memfd), so nothing is left in any directory.
-        assert wait_until(lambda: not any(c.startswith("tenant0-") for c in attached(url)))
+        executor.log.wait_for(r"detached tenant0-")
         assert not glob.glob("/dev/shm/symbiosis-*")
         assert executor.poll() is None
     finally:
@@ -59,13 +59,13 @@ def test_a_client_process_that_dies_is_detached_at_once_not_after_its_timeout(ch
         victim = start_tenant(model_dir, url, "lora", 0, tmp_path / "victim.pt", "--die-in", "backward")
         assert victim.wait(timeout=120) == -signal.SIGKILL
         died = time.time()
-        assert wait_until(lambda: not any(c.startswith("tenant0-") for c in attached(url)), timeout=10)
+        executor.log.wait_for(r"detached tenant0-", timeout=10)
         assert time.time() - died < 10
         assert not glob.glob("/dev/shm/symbiosis-*")
         worker = start_tenant(model_dir, url, "lora", 1, tmp_path / "1.pt")
         assert worker.wait(timeout=120) == 0
         # The worker exited without closing its session: detached as soon as the reaper looks, too.
-        assert wait_until(lambda: attached(url) == [], timeout=10)
+        executor.log.wait_for(r"detached tenant1-", timeout=10)
     finally:
         executor.terminate()
         executor.wait(timeout=30)
@@ -77,13 +77,13 @@ def test_frozen_client_holds_no_one_up(checkpoints, tmp_path):
     executor = start_executor(model_dir, url, tmp_path, policy="lockstep")
     frozen = start_tenant(model_dir, url, "lora", 0, tmp_path / "frozen.pt")
     try:
-        assert wait_until(lambda: any(c.startswith("tenant0-") for c in attached(url)), timeout=60)
+        executor.log.wait_for(r"attached tenant0-", timeout=60)
         frozen.send_signal(signal.SIGSTOP)  # attached, silent: no calls, no heartbeats
         started = time.time()
         worker = start_tenant(model_dir, url, "lora", 1, tmp_path / "1.pt")
         assert worker.wait(timeout=120) == 0
         assert time.time() - started < 90
-        assert wait_until(lambda: not any(c.startswith("tenant0-") for c in attached(url)))
+        executor.log.wait_for(r"tenant0-\S+ silent for .*detaching it")
     finally:
         frozen.kill()
         executor.terminate()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import symbiosis
 from symbiosis.errors import BadCall, UnknownLayer, Unauthorized
 from symbiosis.transport import auth
 from symbiosis.transport.server import ExecutorServer
-from helpers import assert_close, batch
+from helpers import ExecutorLog, assert_close, batch
 from matrix import peft_config
 
 TOKEN = "correct horse battery staple"
@@ -118,20 +119,22 @@ def test_a_session_nobody_holds_is_collected_and_the_executor_reaps_it(served, c
 
     path, auto_class = checkpoints("llama")
     executor, url = served("llama", "ipc", client_timeout=1.0)
+    earlier = set(threading.enumerate())
     model = get_peft_model(symbiosis.from_pretrained(path, symbiosis.connect(url, token=TOKEN, timeout=10),
                                                      auto_class=auto_class), peft_config("lora", "llama"))
     _train_once(model, "llama")
     session = weakref.ref(model.base_model.model.symbiosis_session)
+    client_id = session().client_id
+    heartbeat, = [t for t in threading.enumerate() if t.name == "symbiosis-heartbeat" and t not in earlier]
     assert len(executor.clients) == 1
-    del model
-    gc.collect()
-    assert session() is None
-    deadline = time.monotonic() + 10
-    while (executor.clients or any(t.name == "symbiosis-heartbeat" for t in threading.enumerate())) and \
-            time.monotonic() < deadline:
-        time.sleep(0.1)
+    with ExecutorLog.listening() as said:
+        del model
+        gc.collect()
+        assert session() is None
+        heartbeat.join(timeout=10)
+        assert not heartbeat.is_alive(), "a heartbeat thread outlived its session"
+        said.wait_for(rf"detached {re.escape(client_id)}$", timeout=10)
     assert not executor.clients, "the executor still holds the dropped client"
-    assert not any(t.name == "symbiosis-heartbeat" for t in threading.enumerate()), "a heartbeat thread outlived it"
 
 
 def test_wrong_or_missing_token_is_refused(served, checkpoints):

@@ -339,3 +339,4 @@ class ExecutorServer:
             self._links.pop(client.link.fileno(), None)
             self._poller.unregister(client.link.fileno())
             client.link.close()
+        log.info("detached %s", client_id)
