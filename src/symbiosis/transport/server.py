@@ -14,14 +14,11 @@ executor's CUDA stream for pipelined clients (`streams.py`).
 from __future__ import annotations
 
 import logging
-import os
-import queue
 import socket
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import asdict
-from functools import partial
 from pathlib import Path
 from typing import Callable
 from urllib.parse import urlparse
@@ -35,6 +32,7 @@ from symbiosis.protocol import OPS
 from symbiosis.transport import auth, wire
 from symbiosis.transport.ipc import handoff
 from symbiosis.transport.clients import ClientTable
+from symbiosis.transport.mailbox import Mailbox
 from symbiosis.transport.ipc.calls import DoorbellCalls
 from symbiosis.transport.ipc.doorbell import SPARE_CORES
 from symbiosis.transport.ipc.provision import Provisioner
@@ -74,9 +72,7 @@ class ExecutorServer:
         self._socket = _router(self._context, url, self._zap is not None, max_message)
         # The bound endpoint: `tcp://host:*` binds a free port, and this says which.
         self.url = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._completions: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_read, False)
+        self._finished = Mailbox()  # calls the batcher thread completed, for the I/O thread to answer
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._poller = zmq.Poller()
@@ -99,14 +95,14 @@ class ExecutorServer:
 
     def stop(self) -> None:
         self._stopping.set()
-        os.write(self._wake_write, b"x")
+        self._finished.post()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
     def serve_forever(self) -> None:
         poller = self._poller
         poller.register(self._socket, zmq.POLLIN)
-        poller.register(self._wake_read, zmq.POLLIN)
+        poller.register(self._finished.fd, zmq.POLLIN)
         next_reap = last_call = time.monotonic()
         try:
             while not self._stopping.is_set():
@@ -121,15 +117,15 @@ class ExecutorServer:
                 started = time.perf_counter()
                 retired = self._streams.run_passed()
                 for fd in events:
-                    if fd in (self._socket, self._wake_read):
+                    if fd in (self._socket, self._finished.fd):
                         continue
                     if fd in self._doorbells:
                         last_call = time.monotonic()
                     self._on_readable(fd)
                 if self._socket in events:
                     self._drain_requests()
-                if self._wake_read in events:
-                    self._drain_completions()
+                if self._finished.fd in events:
+                    self._answer_finished()
                 if events or retired:
                     self.executor.stats.add_busy("io", time.perf_counter() - started)
                 if time.monotonic() >= next_reap:
@@ -142,8 +138,7 @@ class ExecutorServer:
             if self._desk is not None:
                 self._desk.close()
                 self._ipc_path.unlink(missing_ok=True)  # ZeroMQ leaves its socket file behind
-            os.close(self._wake_read)
-            os.close(self._wake_write)
+            self._finished.close()
             if self._zap is not None:
                 self._zap.close()
             self._context.term()
@@ -268,25 +263,12 @@ class ExecutorServer:
         if future.done():
             self._finish(identity, header, future)
         else:
-            future.add_done_callback(partial(self._complete, identity, header))
+            future.add_done_callback(lambda done: self._finished.post((identity, header, done)))
 
     # --- completions ---------------------------------------------------------------------------------
 
-    def _complete(self, identity: bytes, header: dict, future: Future) -> None:
-        self._completions.put((identity, header, future))
-        os.write(self._wake_write, b"x")
-
-    def _drain_completions(self) -> None:
-        try:
-            while os.read(self._wake_read, 4096):
-                pass
-        except BlockingIOError:
-            pass
-        while True:
-            try:
-                identity, header, future = self._completions.get_nowait()
-            except queue.Empty:
-                return
+    def _answer_finished(self) -> None:
+        for identity, header, future in self._finished.take():
             self._finish(identity, header, future)
             if "seq" in header:
                 self._calls.pump(header["client"])

@@ -100,8 +100,7 @@ def stub_server(checkpoints, monkeypatch):
         names[flags.tensor.data_ptr()] = name
     yield server, ids, gates, writes
     server._socket.close(linger=0)
-    os.close(server._wake_read)
-    os.close(server._wake_write)
+    server._finished.close()
     for shared in opened:
         try:
             shared.close()
