@@ -7,9 +7,11 @@ import contextlib
 import logging
 import os
 import re
+import resource
 import subprocess
 import sys
 import threading
+from functools import partial
 from pathlib import Path
 
 import peft
@@ -186,15 +188,18 @@ class ExecutorLog:
 
 
 def start_executor(model_dir, url, tmp_path, policy="opportunistic", client_timeout=2.0, device="cpu",
-                   dtype="float64", tenants: dict[str, str] | None = None, *extra: str) -> subprocess.Popen:
+                   dtype="float64", tenants: dict[str, str] | None = None, *extra: str,
+                   descriptors: int | None = None) -> subprocess.Popen:
     """An executor process, returned once it serves, its stderr in `.log` (an ExecutorLog); `tenants`
-    (name -> token) beside the admin, whose token is TOKEN."""
+    (name -> token) beside the admin, whose token is TOKEN; `descriptors`: its hard limit of open files."""
     token_file = tmp_path / "tenants"
     token_file.write_text("".join(f"{name} {token}\n" for name, token in {"admin": TOKEN, **(tenants or {})}.items()))
     process = subprocess.Popen([sys.executable, "-m", "symbiosis.cli", "executor", "--model", str(model_dir),
                                 "--listen", url, "--device", device, "--dtype", dtype, "--policy", policy,
                                 "--max-wait-ms", "50", "--client-timeout", str(client_timeout),
-                                "--token-file", str(token_file), *extra], stderr=subprocess.PIPE, text=True)
+                                "--token-file", str(token_file), *extra], stderr=subprocess.PIPE, text=True,
+                               preexec_fn=None if descriptors is None else partial(
+                                   resource.setrlimit, resource.RLIMIT_NOFILE, (descriptors, descriptors)))
     process.log = ExecutorLog.reading(process.stderr)
     try:
         process.log.wait_for(r"^\[executor\] serving ", timeout=90)

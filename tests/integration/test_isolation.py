@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -201,3 +202,37 @@ def test_a_tenant_can_neither_use_nor_keep_alive_nor_watch_another_tenants_clien
     assert torch.allclose(victim.forward(LAYER, x), local.weights.layers[LAYER].forward(x, True), rtol=1e-12)
     victim.close()
     session.close()
+
+
+def test_a_flood_of_connections_fills_the_descriptor_table_without_killing_the_executor(checkpoints, tmp_path):
+    """Attack: open connections until the executor has no descriptor left (ZeroMQ aborts a process whose
+    descriptors run out at the wrong place). With the table full, the attached tenant's calls go on, exactly;
+    once the flood ends (unauthenticated connections are closed after 5 s, or when the attacker goes) new
+    tenants attach again."""
+    model_dir, _ = checkpoints("llama")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"tcp://127.0.0.1:{port}"
+    process = start_executor(model_dir, url, tmp_path, "opportunistic", 5, "cpu", "float64", TENANTS,
+                             descriptors=400)
+    local = symbiosis.Executor.from_pretrained(model_dir, dtype=torch.float64)
+    try:
+        alice = symbiosis.connect(url, token=TENANTS["alice"], timeout=10).attach(local.fingerprint, "alice")
+        flood, in_use = [], 0
+        while in_use < 398 and len(flood) < 1500:  # the kernel queues 100 at a time for the executor to accept
+            flood += [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(50)]
+            time.sleep(0.05)
+            in_use = len(os.listdir(f"/proc/{process.pid}/fd"))
+        assert in_use >= 398, "the flood did not fill the executor's descriptor table"
+        x = torch.randn(5, 64, dtype=torch.float64)
+        for _ in range(20):
+            assert torch.allclose(alice.forward(LAYER, x), local.weights.layers[LAYER].forward(x, True), rtol=1e-12)
+        assert process.poll() is None
+        for connection in flood:
+            connection.close()
+        _healthy_call(url, local)
+        alice.close()
+    finally:
+        process.terminate()
+        assert process.wait(timeout=30) == 0, "the executor did not stop cleanly"
