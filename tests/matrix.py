@@ -49,6 +49,13 @@ ARCHITECTURES = {
     "gpt_neox": (transformers.GPTNeoXConfig, dict(hidden_size=64, intermediate_size=112, num_hidden_layers=2,
                  num_attention_heads=4, rotary_pct=0.5, tie_word_embeddings=False), transformers.GPTNeoXForCausalLM,
                  transformers.AutoModelForCausalLM),
+    # Built for the engine's tests only (decoder architectures it must serve), not for the PEFT matrix.
+    "mistral": (transformers.MistralConfig, dict(hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, sliding_window=None), transformers.MistralForCausalLM,
+                transformers.AutoModelForCausalLM),
+    "qwen3": (transformers.Qwen3Config, dict(hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16), transformers.Qwen3ForCausalLM,
+              transformers.AutoModelForCausalLM),
     "opt": (transformers.OPTConfig, dict(hidden_size=64, ffn_dim=112, num_hidden_layers=2, num_attention_heads=4,
             word_embed_proj_dim=64), transformers.OPTForCausalLM, transformers.AutoModelForCausalLM),
     "bert": (transformers.BertConfig, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -73,14 +80,16 @@ def make_checkpoint(arch: str, directory, dtype=torch.float32, seed: int = 0, **
 
 SEQ_CLS = {"bert"}
 ATTENTION = {"gpt_neox": ["query_key_value"], "llama": ["q_proj", "v_proj"], "gemma2": ["q_proj", "v_proj"],
-             "granite": ["q_proj", "v_proj"], "qwen2": ["q_proj", "v_proj"], "opt": ["q_proj", "v_proj"],
+             "granite": ["q_proj", "v_proj"], "qwen2": ["q_proj", "v_proj"], "qwen3": ["q_proj", "v_proj"],
+             "mistral": ["q_proj", "v_proj"], "opt": ["q_proj", "v_proj"],
              "gpt2": ["c_attn"], "gpt_bigcode": ["c_attn"], "bert": ["query", "value"]}
 FEEDFORWARD = {"gpt_neox": "dense_4h_to_h", "llama": "down_proj", "gemma2": "down_proj", "granite": "down_proj",
-               "qwen2": "down_proj", "opt": "fc2", "gpt2": "mlp.c_proj", "gpt_bigcode": "mlp.c_proj",
+               "qwen2": "down_proj", "qwen3": "down_proj", "mistral": "down_proj", "opt": "fc2", "gpt2": "mlp.c_proj", "gpt_bigcode": "mlp.c_proj",
                "bert": "output.dense"}
 NORMS = {"llama": ["input_layernorm", "post_attention_layernorm"], "opt": ["self_attn_layer_norm", "final_layer_norm"],
          "gpt2": ["ln_1", "ln_2"]}
-ARCHS = list(ARCHITECTURES)
+ENGINE_ONLY = {"mistral", "qwen3"}
+ARCHS = [arch for arch in ARCHITECTURES if arch not in ENGINE_ONLY]
 
 
 def task(arch: str) -> str:

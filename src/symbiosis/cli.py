@@ -79,23 +79,57 @@ def executor_session(model):
 
 
 def generate_command(args: argparse.Namespace) -> int:
-    """Generate text from a split model attached to a running executor, streaming tokens as they come."""
+    """Generate text: on the hosted engine (the base loaded here, every prompt batched in one engine, each with
+    the adapter), or, with --executor, on a split model attached to a running executor. Streams a single prompt."""
     from transformers import AutoTokenizer
 
     import symbiosis
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    try:
+        if args.executor:
+            return _generate_split(args, tokenizer)
+        return _generate_engine(args, tokenizer)
+    except symbiosis.SymbiosisError as e:
+        print(f"symbiosis generate: {e}", file=sys.stderr)
+        return 2
+
+
+def _generate_engine(args: argparse.Namespace, tokenizer) -> int:
+    from symbiosis.engine import Engine, SamplingParams
+
+    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, tokenizer=tokenizer,
+                                    max_lora_rank=args.max_lora_rank).start()
+    try:
+        params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p or 1.0,
+                                top_k=args.top_k or 0, seed=args.seed, stop=tuple(args.stop or ()))
+        adapter = ("cli", args.adapter) if args.adapter else None
+        handles = [engine.submit(tokenizer(prompt)["input_ids"], params, adapter) for prompt in args.prompt]
+        if len(handles) == 1:
+            for token in handles[0]:
+                print(token.text, end="", flush=True)
+            print()
+        else:
+            for prompt, handle in zip(args.prompt, handles):
+                print(json.dumps({"prompt": prompt, "text": handle.result().text}))
+    finally:
+        engine.close()
+    return 0
+
+
+def _generate_split(args: argparse.Namespace, tokenizer) -> int:
+    import symbiosis
     from symbiosis.client.generate import generate_text, load_adapter
 
+    if len(args.prompt) != 1:
+        raise symbiosis.errors.BadCall("a split model generates one --prompt at a time")
     executor = symbiosis.connect(args.executor, token=_read_token(args.token_file), timeout=args.timeout)
     model = symbiosis.from_pretrained(args.model, executor, device=args.device, name="generate")
     try:
         if args.adapter:
             model = load_adapter(model, args.adapter)
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        generate_text(model, tokenizer, args.prompt[0], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, stream=True)
-    except symbiosis.SymbiosisError as e:
-        print(f"symbiosis generate: {e}", file=sys.stderr)
-        return 2
     finally:
         executor_session(model).close()
     return 0
@@ -118,17 +152,20 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(run=demo_command)
 
     generate = commands.add_parser("generate", help=generate_command.__doc__)
-    generate.add_argument("--executor", required=True, help="URL of a running executor")
-    generate.add_argument("--model", required=True, help="the model directory the executor serves")
-    generate.add_argument("--adapter", help="a PEFT adapter directory")
-    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--executor", help="URL of a running executor: generate on a split model attached to it "
+                          "(default: on the hosted engine, in this process)")
+    generate.add_argument("--model", required=True, help="the model directory (the executor's, with --executor)")
+    generate.add_argument("--adapter", help="a PEFT adapter directory (safetensors)")
+    generate.add_argument("--prompt", required=True, action="append", help="repeatable: the engine batches them")
     generate.add_argument("--max-new-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     generate.add_argument("--top-p", type=float, default=None)
     generate.add_argument("--top-k", type=int, default=None)
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--stop", action="append", help="stop when this text is generated (repeatable)")
-    generate.add_argument("--device", default="cpu", help="where this client computes (cpu, cuda:0, ...)")
+    generate.add_argument("--device", default="cpu", help="where the engine (or the split client) computes (cpu, cuda:0, ...)")
+    generate.add_argument("--dtype", default=None, help="the engine's dtype, e.g. bfloat16 (default: the checkpoint's)")
+    generate.add_argument("--max-lora-rank", type=int, default=64, help="the engine's largest adapter rank")
     generate.add_argument("--token-file", help="file holding the executor's token")
     generate.add_argument("--timeout", type=float, default=60.0)
     generate.set_defaults(run=generate_command)

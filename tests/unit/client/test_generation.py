@@ -3,6 +3,8 @@ streaming `symbiosis generate` command, and clear errors for bad requests."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from peft import PeftModel, get_peft_model
@@ -104,6 +106,27 @@ def test_generate_command_streams(lm, tmp_path, capsys):
         assert code == 2 and "max_new_tokens must be positive" in capsys.readouterr().err
     finally:
         server.stop()
+
+
+def test_generate_command_runs_the_engine(lm, tmp_path, capsys):
+    """Without --executor, `symbiosis generate` loads the base itself and runs its prompts on the hosted engine:
+    the same text as the split model, a stop string cut off, several prompts batched."""
+    path, _, tokenizer = lm
+    split, _ = _pair(lm)
+    save_adapter(split, tmp_path / "adapter")
+    expected = generate_text(split, tokenizer, "<s> a dog", max_new_tokens=8)
+    capsys.readouterr()
+    common = ["generate", "--model", str(path), "--dtype", "float64", "--max-new-tokens", "8"]
+    assert main(common + ["--adapter", str(tmp_path / "adapter"), "--prompt", "<s> a dog"]) == 0
+    assert capsys.readouterr().out.strip() == expected.strip()
+    stop = expected.split()[2]
+    assert main(common + ["--adapter", str(tmp_path / "adapter"), "--prompt", "<s> a dog", "--stop", stop]) == 0
+    assert capsys.readouterr().out.strip() == expected[:expected.index(stop)].strip()
+    assert main(common + ["--adapter", str(tmp_path / "adapter"), "--prompt", "<s> a dog", "--prompt", "<s> the cat"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["prompt"] for line in lines] == ["<s> a dog", "<s> the cat"] and lines[0]["text"] == expected
+    assert main(common + ["--adapter", str(tmp_path / "nowhere"), "--prompt", "<s> a dog"]) == 2
+    assert "not a local adapter directory" in capsys.readouterr().err
 
 
 def test_prefill_then_decode_elsewhere_matches_plain_greedy(lm):

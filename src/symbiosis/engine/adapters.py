@@ -1,0 +1,303 @@
+"""Hosted LoRA adapters: read from a PEFT directory on first use, checked against the base, kept on the device in
+slots under an LRU bound; an adapter that a running request uses is never evicted.
+
+Reading (`AdapterStore.load`, any thread): safetensors only (no pickle anywhere in the directory), LoRA only (other
+methods run exactly on a split client: `symbiosis.from_pretrained` + PEFT), every tensor named, shaped and finite as
+the base model's layer needs, rank at most the store's `max_rank`, the base model's fingerprint where the directory
+records one (`symbiosis.json`, written by `save_adapter`). The result stays in host memory (pinned on a GPU engine).
+
+Placing (`acquire`, the engine's thread): each base layer that some adapter targets has device pools
+    a[S, R, in], b[S, out, R], scale[S]    (S slots, R = max_rank; a rank-r adapter fills rows/columns :r, zero beyond)
+read by the SGMV kernels; the input embedding, when targeted, has a[S, vocab, R] and b[S, R, dim]. Copies run on a
+side stream; the step that first uses a slot waits for its copy, nothing else does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from peft.utils.other import get_pattern_key
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from symbiosis.client.adapter_files import check_adapter_directory
+from symbiosis.client.generate import FINGERPRINT_FILE
+from symbiosis.errors import AdapterError, UnsupportedAdapter
+from symbiosis.model.partition import BaseLayerSpec
+
+PREFIX = "base_model.model."
+SPLIT_CLIENT_HINT = ("the engine runs LoRA adapters; run this one exactly on a split client instead "
+                     "(symbiosis.from_pretrained(model_dir, executor) + PeftModel.from_pretrained)")
+# LoraConfig fields whose non-default value changes the math beyond plain LoRA
+REFUSED_OPTIONS = ("use_dora", "lora_bias", "modules_to_save", "trainable_token_indices", "target_parameters",
+                   "layer_replication", "use_qalora", "bias")
+PLAIN = (None, False, "none", [], {})  # what those fields hold in a plain LoRA config
+
+
+@dataclass
+class LoRALayer:
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [out, r]
+    scale: float
+
+
+@dataclass
+class HostAdapter:
+    """One adapter, checked, in host memory. `key` changes when its files change."""
+    name: str
+    key: tuple
+    layers: dict[str, LoRALayer]  # base layer id -> its LoRA
+    embedding: LoRALayer | None  # a [r, vocab], b [dim, r]
+    rank: int
+    nbytes: int = 0
+
+
+@dataclass
+class Slot:
+    adapter: HostAdapter
+    users: int = 0
+    ready: object = None  # a CUDA event the first step using the slot waits on
+    layers: set = field(default_factory=set)
+
+
+class AdapterStore:
+    def __init__(self, modules: dict[str, BaseLayerSpec], embedding: tuple[str, int, int] | None, fingerprint: str,
+                 device: torch.device, dtype: torch.dtype, max_rank: int = 64, slots: int = 8, host_cache: int = 64,
+                 vocabulary_weights: dict[str, torch.Tensor] | None = None):
+        """`modules`: module name -> base layer spec; `embedding`: (module name, vocab, dim) of the input embedding;
+        `vocabulary_weights`: module name -> weight of the input embedding and the output head, which PEFT saves
+        beside an adapter that targets them (accepted when they are the base model's own)."""
+        self.vocabulary_weights = vocabulary_weights or {}
+        if not 1 <= max_rank <= 1024 or slots < 1:
+            raise ValueError(f"max_rank must be in 1..1024 and slots >= 1 (got {max_rank}, {slots})")
+        self.modules, self.embedding_module, self.fingerprint = modules, embedding, fingerprint
+        self.device, self.dtype, self.max_rank, self.num_slots = device, dtype, max_rank, slots
+        self.pools: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer id -> (a, b, scale)
+        self.embedding_pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._slots: OrderedDict[int, Slot] = OrderedDict()  # least recently used first
+        self._by_key: dict[tuple, int] = {}
+        self._host: OrderedDict[tuple, HostAdapter] = OrderedDict()
+        self._host_cache = host_cache
+        self._lock = threading.Lock()
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    # -- reading (any thread) --
+
+    def load(self, name: str, directory: str | os.PathLike) -> HostAdapter:
+        directory = check_adapter_directory(directory)
+        weights_file, config_file = directory / "adapter_model.safetensors", directory / "adapter_config.json"
+        key = (str(directory.resolve()),) + tuple((s.st_mtime_ns, s.st_size) for s in
+                                                  (weights_file.stat(), config_file.stat()))
+        with self._lock:
+            if key in self._host:
+                self._host.move_to_end(key)
+                return self._host[key]
+        adapter = self._read(name, directory, key)
+        with self._lock:
+            self._host[key] = adapter
+            while len(self._host) > self._host_cache:
+                self._host.popitem(last=False)
+        return adapter
+
+    def _read(self, name: str, directory: Path, key: tuple) -> HostAdapter:
+        config = _read_config(directory / "adapter_config.json")
+        marker = directory / FINGERPRINT_FILE
+        if marker.is_file():
+            try:
+                recorded = json.loads(marker.read_text()).get("base_fingerprint")
+            except (ValueError, AttributeError) as e:
+                raise AdapterError(f"adapter {name!r}: {marker.name} is not a symbiosis adapter record ({e})") from e
+            if recorded != self.fingerprint:
+                raise AdapterError(f"adapter {name!r} was trained on another base model (fingerprint "
+                                   f"{str(recorded)[:16]}…, this engine's base {self.fingerprint[:16]}…)")
+        try:
+            tensors = load_file(directory / "adapter_model.safetensors")
+        except (SafetensorError, OSError, ValueError) as e:
+            raise AdapterError(f"adapter {name!r}: adapter_model.safetensors is not a readable safetensors file ({e})") from e
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for tensor_name, tensor in tensors.items():
+            module = tensor_name.removeprefix(PREFIX).removesuffix(".base_layer.weight")
+            if module in self.vocabulary_weights and tensor_name.endswith(".base_layer.weight"):
+                self._check_saved_base(name, module, tensor)
+                continue
+            module, _, part = tensor_name.removeprefix(PREFIX).rpartition(".lora_")
+            if not tensor_name.startswith(PREFIX) or part not in ("A.weight", "B.weight", "embedding_A", "embedding_B"):
+                raise UnsupportedAdapter(f"adapter {name!r}: tensor {tensor_name!r} is not a LoRA A or B matrix; "
+                                         + SPLIT_CLIENT_HINT)
+            pairs.setdefault(module, {})[part] = tensor
+        layers, embedding, rank, pin = {}, None, 0, self.device.type == "cuda"
+        for module, parts in sorted(pairs.items()):
+            embedded = "embedding_A" in parts or "embedding_B" in parts
+            a, b = (parts.get("embedding_A"), parts.get("embedding_B")) if embedded else (parts.get("A.weight"), parts.get("B.weight"))
+            if a is None or b is None or len(parts) != 2:
+                raise AdapterError(f"adapter {name!r}: {module!r} lacks its LoRA A or B matrix")
+            if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+                raise AdapterError(f"adapter {name!r}: {module!r} has LoRA matrices of shapes {list(a.shape)} and "
+                                   f"{list(b.shape)}, which are not a rank-r pair")
+            r = a.shape[0]
+            if r > self.max_rank:
+                raise AdapterError(f"adapter {name!r}: {module!r} has rank {r}, above this engine's limit of "
+                                   f"{self.max_rank} (--max-lora-rank)")
+            if embedded:
+                if self.embedding_module is None or module != self.embedding_module[0]:
+                    raise AdapterError(f"adapter {name!r}: {module!r} is not this base model's input embedding")
+                expected = ([r, self.embedding_module[1]], [self.embedding_module[2], r])
+            else:
+                spec = self.modules.get(module)
+                if spec is None:
+                    raise AdapterError(f"adapter {name!r}: {module!r} is not a linear layer of this base model")
+                expected = ([r, spec.in_features], [spec.out_features, r])
+            if [list(a.shape), list(b.shape)] != list(expected):
+                raise AdapterError(f"adapter {name!r}: {module!r} has LoRA matrices of shapes {list(a.shape)} and "
+                                   f"{list(b.shape)}; this base model needs {expected[0]} and {expected[1]} "
+                                   "(an adapter for another base model?)")
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                raise AdapterError(f"adapter {name!r}: {module!r} holds NaN or Inf values")
+            alpha = config["alpha_pattern"].get(get_pattern_key(config["alpha_pattern"].keys(), module), config["lora_alpha"])
+            scale = alpha / math.sqrt(r) if config["use_rslora"] else alpha / r
+            a, b = a.to(self.dtype), b.to(self.dtype)
+            if pin:
+                a, b = a.pin_memory(), b.pin_memory()
+            lora = LoRALayer(a, b, float(scale))
+            rank = max(rank, r)
+            if embedded:
+                embedding = lora
+            else:
+                layers[self.modules[module].layer_id] = lora
+        if not layers and embedding is None:
+            raise AdapterError(f"adapter {name!r}: adapter_model.safetensors holds no LoRA matrices")
+        nbytes = sum(t.numel() * t.element_size() for lora in [*layers.values(), embedding] if lora for t in (lora.a, lora.b))
+        return HostAdapter(name, key, layers, embedding, rank, nbytes)
+
+    def _check_saved_base(self, name: str, module: str, tensor: torch.Tensor) -> None:
+        base = self.vocabulary_weights[module]
+        if tensor.shape != base.shape or not torch.equal(tensor.to(base.device, base.dtype), base):
+            raise UnsupportedAdapter(f"adapter {name!r} carries its own {module!r} weights (a resized or retrained "
+                                     "vocabulary), not the base model's; " + SPLIT_CLIENT_HINT)
+
+    # -- placing (the engine's thread) --
+
+    def acquire(self, adapter: HostAdapter) -> int | None:
+        """The slot holding `adapter`, pinned for one more user; placed now if it was not (evicting the least
+        recently used unpinned adapter). None when every slot is pinned: the request waits."""
+        slot = self._by_key.get(adapter.key)
+        if slot is None:
+            slot = self._free_slot()
+            if slot is None:
+                return None
+            self._place(slot, adapter)
+        entry = self._slots[slot]
+        entry.users += 1
+        self._slots.move_to_end(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._slots[slot].users -= 1
+
+    def wait_ready(self, slots) -> None:
+        """Make the current stream wait for the copies of these slots (once each)."""
+        for slot in slots:
+            entry = self._slots[slot]
+            if entry.ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(entry.ready)
+                entry.ready = None
+
+    @property
+    def resident(self) -> dict[str, int]:
+        return {entry.adapter.name: slot for slot, entry in self._slots.items()}
+
+    def _free_slot(self) -> int | None:
+        if len(self._slots) < self.num_slots:
+            return next(i for i in range(self.num_slots) if i not in self._slots)
+        for slot, entry in self._slots.items():  # least recently used first
+            if entry.users == 0:
+                self._evict(slot)
+                return slot
+        return None
+
+    def _evict(self, slot: int) -> None:
+        entry = self._slots.pop(slot)
+        del self._by_key[entry.adapter.key]
+        for layer_id in entry.layers:  # a later adapter may not target this layer: its rows must read zero
+            self.pools[layer_id][2][slot] = 0.0
+        if entry.adapter.embedding is not None:
+            self.embedding_pool[2][slot] = 0.0
+
+    def _pool(self, layer_id: str, spec: BaseLayerSpec):
+        if layer_id not in self.pools:
+            s, r = self.num_slots, self.max_rank
+            self.pools[layer_id] = (torch.zeros(s, r, spec.in_features, device=self.device, dtype=self.dtype),
+                                    torch.zeros(s, spec.out_features, r, device=self.device, dtype=self.dtype),
+                                    torch.zeros(s, device=self.device, dtype=torch.float32))
+        return self.pools[layer_id]
+
+    def _place(self, slot: int, adapter: HostAdapter) -> None:
+        specs = {spec.layer_id: spec for spec in self.modules.values()}
+        stream = self._copy_stream
+        with torch.cuda.stream(stream) if stream is not None else _nothing():
+            for layer_id, lora in adapter.layers.items():
+                a_pool, b_pool, scales = self._pool(layer_id, specs[layer_id])
+                r = lora.a.shape[0]
+                a_pool[slot, :r].copy_(lora.a, non_blocking=True)
+                a_pool[slot, r:].zero_()
+                b_pool[slot, :, :r].copy_(lora.b, non_blocking=True)
+                b_pool[slot, :, r:].zero_()
+                scales[slot] = lora.scale
+            if adapter.embedding is not None:
+                if self.embedding_pool is None:
+                    _, vocab, dim = self.embedding_module
+                    self.embedding_pool = (torch.zeros(self.num_slots, vocab, self.max_rank, device=self.device, dtype=self.dtype),
+                                           torch.zeros(self.num_slots, self.max_rank, dim, device=self.device, dtype=self.dtype),
+                                           torch.zeros(self.num_slots, device=self.device, dtype=torch.float32))
+                a_pool, b_pool, scales = self.embedding_pool
+                lora, r = adapter.embedding, adapter.embedding.a.shape[0]
+                a_pool[slot, :, :r].copy_(lora.a.t(), non_blocking=True)
+                a_pool[slot, :, r:].zero_()
+                b_pool[slot, :r].copy_(lora.b.t(), non_blocking=True)
+                b_pool[slot, r:].zero_()
+                scales[slot] = lora.scale
+        ready = None
+        if stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        self._slots[slot] = Slot(adapter, ready=ready, layers=set(adapter.layers))
+        self._by_key[adapter.key] = slot
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, OSError) as e:
+        raise AdapterError(f"{path}: not a JSON adapter config ({e})") from e
+    if not isinstance(config, dict):
+        raise AdapterError(f"{path}: not a JSON object")
+    method = config.get("peft_type")
+    if method != "LORA":
+        raise UnsupportedAdapter(f"{path}: a {method} adapter; " + SPLIT_CLIENT_HINT)
+    for option in REFUSED_OPTIONS:
+        if config.get(option) not in PLAIN:
+            raise UnsupportedAdapter(f"{path}: LoRA with {option}={config[option]!r}; " + SPLIT_CLIENT_HINT)
+    try:
+        alpha = float(config.get("lora_alpha", 8))
+        patterns = config.get("alpha_pattern") or {}
+        if not isinstance(patterns, dict):
+            raise TypeError("alpha_pattern is not an object")
+        alpha_pattern = {str(k): float(v) for k, v in patterns.items()}
+    except (TypeError, ValueError) as e:
+        raise AdapterError(f"{path}: lora_alpha / alpha_pattern are not numbers ({e})") from e
+    return {"lora_alpha": alpha, "alpha_pattern": alpha_pattern, "use_rslora": bool(config.get("use_rslora", False))}

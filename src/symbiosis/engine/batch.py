@@ -1,0 +1,103 @@
+"""One engine step's batch, built once per step and read by every layer.
+
+The step runs the tokens of several requests as one flat sequence of T tokens (batch dimension 1): each
+scheduled request contributes a *chunk*, its tokens `start .. start + length - 1` (a whole decode step is one
+token; a prefill is cut into chunks under the step's token budget). Chunks are laid out grouped by adapter slot, so
+that each adapter's tokens are one contiguous segment for the SGMV kernels; requests without an adapter come
+last and are in no segment.
+
+Shapes (R chunks, Q = longest chunk, L = longest context, K = rows sampled):
+    input_ids, positions, slots   [T]       token, its position in its request, its flat KV slot
+    query_index                    [R, Q]    flat token of each chunk's q-th query (padding: 0)
+    query_valid                    [R, Q]
+    context_slots                  [R, L]    flat KV slot of each chunk's context position l (padding: 0)
+    context_positions              [L]       0 .. L-1
+    sample_rows                    [K]       the flat rows whose logits are sampled (a chunk's last token, when
+                                             it reaches the end of what the request has so far)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from symbiosis.kernels.sgmv import Segments
+
+
+@dataclass
+class Chunk:
+    request: object  # engine.scheduler.Request
+    start: int
+    tokens: list[int]
+    slot: int | None  # adapter slot, None: the base model alone
+    sample: bool
+
+
+def _segments(slots: list[int | None], lengths: list[int], device: torch.device) -> Segments | None:
+    """Contiguous runs of one adapter slot over rows laid out in `slots` order (None: no adapter)."""
+    starts, seg_slots, offset, longest = [], [], 0, 0
+    for slot, length in zip(slots, lengths):
+        if slot is not None and length:
+            if seg_slots and seg_slots[-1] == slot and starts[-1][1] == offset:
+                starts[-1][1] += length
+            else:
+                starts.append([offset, offset + length])
+                seg_slots.append(slot)
+            longest = max(longest, starts[-1][1] - starts[-1][0])
+        offset += length
+    if not seg_slots:
+        return None
+    bounds = [s for s, _ in starts] + [starts[-1][1]]
+    # A gap between segments (rows without adapter in between) is not possible: chunks are sorted, None last.
+    return Segments(torch.tensor(bounds, dtype=torch.int32, device=device),
+                    torch.tensor(seg_slots, dtype=torch.int32, device=device), longest)
+
+
+class StepBatch:
+    def __init__(self, chunks: list[Chunk], block_size: int, device: torch.device):
+        # adapters first, grouped by slot; the base model's requests last
+        self.chunks = chunks = sorted(chunks, key=lambda c: (c.slot is None, c.slot if c.slot is not None else 0))
+        self.device = device
+        ids, positions, slots, query_index, context_slots, sample_rows = [], [], [], [], [], []
+        longest_query = max(len(c.tokens) for c in chunks)
+        longest_context = max(c.start + len(c.tokens) for c in chunks)
+        for chunk in chunks:
+            table = chunk.request.blocks
+            flat = [table[p // block_size] * block_size + p % block_size for p in range(chunk.start + len(chunk.tokens))]
+            first = len(ids)
+            ids += chunk.tokens
+            positions += range(chunk.start, chunk.start + len(chunk.tokens))
+            slots += flat[chunk.start:]
+            query_index.append(list(range(first, len(ids))) + [0] * (longest_query - len(chunk.tokens)))
+            context_slots.append(flat + [0] * (longest_context - len(flat)))
+            if chunk.sample:
+                sample_rows.append(len(ids) - 1)
+        as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        self.input_ids, self.positions, self.slots = as_long(ids), as_long(positions), as_long(slots)
+        self.query_index, self.context_slots = as_long(query_index), as_long(context_slots)
+        lengths = torch.tensor([len(c.tokens) for c in chunks], device=device)
+        self.query_valid = torch.arange(longest_query, device=device)[None, :] < lengths[:, None]
+        self.query_positions = self.positions[self.query_index].masked_fill(~self.query_valid, 0)  # [R, Q]
+        self.context_positions = torch.arange(longest_context, device=device)
+        self.sample_rows = as_long(sample_rows)
+        self.sampled_chunks = [c for c in chunks if c.sample]
+        self.token_segments = _segments([c.slot for c in chunks], [len(c.tokens) for c in chunks], device)
+        self.row_segments = _segments([c.slot for c in self.sampled_chunks], [1] * len(self.sampled_chunks), device)
+        self.embedding_slots = [(c.slot, c) for c in chunks]
+        self._masks: dict[int | None, torch.Tensor] = {}
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[R, 1, Q, L] bool: query q of chunk r sees context position l (causal, within the window if any)."""
+        if sliding_window not in self._masks:
+            q = self.query_positions[:, None, :, None]
+            l = self.context_positions[None, None, None, :]  # noqa: E741
+            allowed = l <= q
+            if sliding_window is not None:
+                allowed = allowed & (l > q - sliding_window)
+            self._masks[sliding_window] = allowed
+        return self._masks[sliding_window]

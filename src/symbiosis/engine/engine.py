@@ -1,0 +1,304 @@
+"""The hosted inference engine: many requests, each with its own adapter or none, decoded together.
+
+    engine = Engine.from_pretrained("path/to/model", device="cuda", dtype=torch.bfloat16, tokenizer=tokenizer)
+    engine.start()                                       # a thread that steps while there is work
+    handle = engine.submit(prompt_ids, SamplingParams(max_tokens=64), adapter=("alice/support", "/adapters/a"))
+    for token in handle: ...                             # tokens as they are made
+    completion = handle.result()
+
+One step: the scheduler picks chunks (decodes and prefill pieces, under the token budget), `StepBatch` lays them out
+(grouped by adapter) and builds the indices every layer reads, the model runs once over all of them (base layers
+on the executor's weights + SGMV LoRA; paged attention), the sampled rows' logits choose one token per finished
+chunk. A request that fails (NaN logits, a cancelled stream) ends alone; the others go on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from symbiosis.engine import layers, sampling
+from symbiosis.engine.adapters import AdapterStore
+from symbiosis.engine.batch import StepBatch
+from symbiosis.engine.kv import BlockPool, PagedKV
+from symbiosis.engine.params import SamplingParams
+from symbiosis.engine.scheduler import Request, Scheduler
+from symbiosis.errors import BadCall, SymbiosisError
+
+
+class GenerationError(SymbiosisError):
+    """One request could not go on (its logits were NaN or Inf, or the step running it failed)."""
+
+
+@dataclass
+class Token:
+    """One generated token, as streamed: its id, the text it adds (with a tokenizer), its log-probabilities."""
+    id: int
+    text: str = ""
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_tokens: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (a stop token or string) or "length" (max_tokens)
+    logprobs: list[Token] = field(default_factory=list)
+    preemptions: int = 0
+
+
+class _Finished:
+    def __init__(self, reason: str | None, error: Exception | None = None):
+        self.reason, self.error = reason, error
+
+
+class RequestHandle:
+    """A submitted request: iterate for its tokens as they come, or wait for `result()`."""
+
+    def __init__(self, request: Request, engine: "Engine"):
+        self.request, self._engine = request, engine
+        self._tokens: list[Token] = []
+        self._finished: _Finished | None = None
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    def __iter__(self):
+        while self._finished is None:
+            event = self.request.events.get()
+            if isinstance(event, _Finished):
+                self._finished = event
+            else:
+                self._tokens.append(event)
+                yield event
+        if self._finished.error is not None:
+            raise self._finished.error
+
+    def result(self, timeout: float | None = None) -> Completion:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for _ in self:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        request = self.request
+        return Completion(request.id, len(request.prompt), list(request.output), request.text,
+                          self._finished.reason, list(self._tokens) if request.params.logprobs is not None else [],
+                          request.preemptions)
+
+    def cancel(self) -> None:
+        self.request.cancelled = True
+        self._engine._wake()
+
+
+class Engine:
+    def __init__(self, model_path, executor, tokenizer=None, *, kv_blocks: int = 2048, block_size: int = 16,
+                 max_batch_tokens: int = 512, max_running: int = 64, max_lora_rank: int = 64, adapter_slots: int = 8):
+        """An engine over `executor` (an in-process `symbiosis.Executor` of `model_path`): its model shares
+        the executor's base weights. KV pool: `kv_blocks` blocks of `block_size` tokens."""
+        self.device, self.dtype, self.tokenizer = executor.device, executor.dtype, tokenizer
+        self.state = layers.StepState()
+        self.model, modules, embedding, vocabulary = layers.build(model_path, executor, self.state)
+        self.config = self.model.config.get_text_config()
+        self.pool = BlockPool(kv_blocks, block_size)
+        self.state.kv = PagedKV(self.pool, self.device, self.dtype)
+        self.state.adapters = self.adapters = AdapterStore(modules, embedding, executor.fingerprint, self.device,
+                                                           self.dtype, max_lora_rank, adapter_slots,
+                                                           vocabulary_weights=vocabulary)
+        if max_batch_tokens < 1 or max_running < 1:
+            raise ValueError("max_batch_tokens and max_running must be positive")
+        self.scheduler = Scheduler(self.pool, self.adapters, max_batch_tokens, max_running)
+        eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
+        self.context_limit = getattr(self.config, "max_position_embeddings", None)
+        self._incoming: list[Request] = []
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.steps = 0
+
+    @classmethod
+    def from_pretrained(cls, model_path, device="cpu", dtype=None, tokenizer=None, **options) -> "Engine":
+        from symbiosis.executor.executor import Executor
+
+        return cls(model_path, Executor.from_pretrained(model_path, device=device, dtype=dtype), tokenizer, **options)
+
+    # -- submitting (any thread) --
+
+    def submit(self, prompt: list[int], params: SamplingParams | None = None, adapter: tuple[str, str] | None = None,
+               request_id: str | None = None) -> RequestHandle:
+        """Queue one request. `adapter`: (name, PEFT directory), read and checked now (an error here is this
+        request's alone); None: the base model."""
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt]
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        if not prompt:
+            raise BadCall("the prompt is empty")
+        if any(not 0 <= t < vocab for t in prompt):
+            raise BadCall(f"the prompt holds token ids outside the vocabulary (0..{vocab - 1})")
+        total = len(prompt) + params.max_tokens
+        if self.context_limit is not None and total > self.context_limit:
+            raise BadCall(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the model's "
+                          f"context of {self.context_limit} tokens")
+        capacity = self.pool.num_blocks * self.pool.block_size
+        if total > capacity:
+            raise BadCall(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the engine's whole "
+                          f"KV cache of {capacity} tokens")
+        if params.stop and self.tokenizer is None:
+            raise BadCall("stop strings need an engine with a tokenizer")
+        host_adapter = None if adapter is None else self.adapters.load(*adapter)
+        generator = None
+        if params.temperature > 0:
+            generator = torch.Generator(self.device)
+            generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
+        request = Request(request_id or uuid.uuid4().hex, prompt, params, host_adapter, generator)
+        with self._lock:
+            self._incoming.append(request)
+            self._lock.notify()
+        return RequestHandle(request, self)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 adapters: list | None = None) -> list[Completion]:
+        """Run these requests together to the end (stepping here if no engine thread runs)."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        handles = [self.submit(p, q, a) for p, q, a in zip(prompts, params_list, adapters or [None] * len(prompts))]
+        if self._thread is None:
+            while self.has_work():
+                self.step()
+        return [h.result() for h in handles]
+
+    # -- stepping (the engine's thread) --
+
+    def has_work(self) -> bool:
+        return bool(self._incoming or self.scheduler.waiting or self.scheduler.running)
+
+    def step(self) -> int:
+        """One step; returns how many tokens it ran."""
+        with self._lock:
+            incoming, self._incoming = self._incoming, []
+        for request in incoming:
+            self.scheduler.add(request)
+        for request in [r for r in self.scheduler.running + self.scheduler.waiting if r.cancelled]:
+            self._end(request, _Finished("cancelled"))
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return 0
+        batch = StepBatch(chunks, self.pool.block_size, self.device)
+        self.adapters.wait_ready({c.slot for c in chunks if c.slot is not None})
+        self.state.batch = batch
+        try:
+            with torch.inference_mode():
+                logits = self.model(input_ids=batch.input_ids[None], position_ids=batch.positions[None],
+                                    logits_to_keep=batch.sample_rows, use_cache=False).logits[0]
+        except Exception as e:  # noqa: BLE001 -- the step's requests fail with it; the engine goes on
+            for chunk in chunks:
+                self._end(chunk.request, _Finished(None, GenerationError(f"the step running request "
+                                                                          f"{chunk.request.id} failed: {e}")))
+            return 0
+        finally:
+            self.state.batch = None
+        self.steps += 1
+        for chunk in chunks:
+            chunk.request.computed = chunk.start + len(chunk.tokens)
+        if batch.sampled_chunks:
+            self._sample(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits,
+                         [c.request for c in batch.sampled_chunks])
+        return batch.num_tokens
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        finite = torch.isfinite(logits).all(-1).tolist()
+        good = [i for i, ok in enumerate(finite) if ok]
+        for i, ok in enumerate(finite):
+            if not ok:
+                self._end(requests[i], _Finished(None, GenerationError(
+                    f"request {requests[i].id}: the model's logits are NaN or Inf at output token "
+                    f"{len(requests[i].output)}; the request is stopped")))
+        kept = [requests[i] for i in good]
+        choices = sampling.choose(logits[good], kept, [r.generator for r in kept]) if good else []
+        for request, choice in zip(kept, choices):
+            request.output.append(choice.token)
+            reason = self._stop_reason(request, choice.token)
+            text = self._advance_text(request, final=reason is not None)
+            request.events.put(Token(choice.token, text, choice.logprob, choice.top_logprobs))
+            if reason is not None:
+                self._end(request, _Finished(reason))
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
+            return "stop"
+        if self.tokenizer is not None and params.stop:
+            ids = request.output
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            hits = [text.find(s) for s in params.stop if s in text]
+            if hits:
+                request.text = text[:min(hits)]
+                request.stop_text = True
+                return "stop"
+        if len(request.output) >= params.max_tokens:
+            return "length"
+        return None
+
+    def _advance_text(self, request: Request, final: bool) -> str:
+        """The text that the newest token adds, held back while it might still become a stop string or ends in
+        an incomplete character."""
+        if self.tokenizer is None:
+            return ""
+        if not request.stop_text:
+            ids = request.output
+            if final and ids and (ids[-1] in request.params.stop_token_ids or
+                                  (not request.params.ignore_eos and ids[-1] in self.eos_ids)):
+                ids = ids[:-1]
+            request.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        end = len(request.text)
+        if not final:
+            end -= max((len(s) - 1 for s in request.params.stop), default=0)
+            while end > request.emitted and request.text[end - 1] == "\ufffd":
+                end -= 1
+        delta = request.text[request.emitted:max(end, request.emitted)]
+        request.emitted += len(delta)
+        return delta
+
+    def _end(self, request: Request, finished: _Finished) -> None:
+        self.scheduler.finish(request)
+        if request in self.scheduler.waiting:
+            self.scheduler.waiting.remove(request)
+        request.events.put(finished)
+
+    # -- the engine's thread --
+
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="symbiosis-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._lock.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self.has_work():
+                    self._lock.wait()
+                if self._stopping:
+                    return
+            if self.step() == 0 and not self._incoming:
+                time.sleep(0.001)  # work that cannot run yet (blocks or adapter slots in use): let others finish
+
+    def close(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        for request in self.scheduler.running + self.scheduler.waiting + self._incoming:
+            self._end(request, _Finished(None, GenerationError("the engine was closed")))

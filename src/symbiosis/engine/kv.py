@@ -1,0 +1,58 @@
+"""The paged KV cache: one pool of fixed-size blocks shared by every request, on the engine's device.
+
+A request owns a list of block ids (its block table); token position p of the request lives in block
+`table[p // block_size]`, row `p % block_size`, i.e. flat slot `table[p // block_size] * block_size + p % block_size`.
+Every attention layer has its own key and value tensors of shape [num_blocks, block_size, kv_heads, head_dim],
+made on the layer's first call (their head counts and sizes are whatever the architecture's attention gives).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class BlockPool:
+    """Which of `num_blocks` blocks are free. Allocation is all or nothing."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"the KV pool needs at least one block of at least one token (got {num_blocks} x {block_size})")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: low ids first
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def allocate(self, count: int) -> list[int] | None:
+        if count > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(count)]
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+        blocks.clear()
+
+
+class PagedKV:
+    """The key/value tensors of every attention layer, indexed by flat slot."""
+
+    def __init__(self, pool: BlockPool, device: torch.device, dtype: torch.dtype):
+        self.pool, self.device, self.dtype = pool, device, dtype
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    def layer(self, index: int, kv_heads: int, head_dim: int, value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s (keys, values), flat: [num_blocks * block_size, kv_heads, head_dim]."""
+        if index not in self.keys:
+            slots = self.pool.num_blocks * self.pool.block_size
+            self.keys[index] = torch.zeros(slots, kv_heads, head_dim, device=self.device, dtype=self.dtype)
+            self.values[index] = torch.zeros(slots, kv_heads, value_dim, device=self.device, dtype=self.dtype)
+        return self.keys[index], self.values[index]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))

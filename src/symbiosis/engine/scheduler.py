@@ -1,0 +1,131 @@
+"""Which tokens run in the next step: continuous batching with chunked prefill, over a paged KV pool.
+
+Each step has a token budget (`max_batch_tokens`). Running requests that are decoding go first, one token each,
+oldest first; then prefills (running ones that are part way, then waiting ones, oldest first) take what is left
+of the budget, cut into chunks, so a long prompt never holds up the decodes. A request joins when its first chunk
+and its adapter fit; it leaves the moment it finishes.
+
+When a running request needs a block and the pool has none, the newest running request not yet in this step is
+preempted: its blocks go back to the pool and it waits at the head of the queue; when it runs again its prompt
+and every token it has made so far are recomputed as a prefill (its output so far is kept, so no token is lost or
+made twice).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+from dataclasses import dataclass, field
+
+import torch
+
+from symbiosis.engine.adapters import AdapterStore, HostAdapter
+from symbiosis.engine.batch import Chunk
+from symbiosis.engine.kv import BlockPool
+from symbiosis.engine.params import SamplingParams
+
+_arrivals = itertools.count()
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    adapter: HostAdapter | None
+    generator: torch.Generator | None
+    events: queue.Queue = field(default_factory=queue.Queue)
+    output: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # leading tokens whose keys and values are in the cache
+    slot: int | None = None  # adapter slot while running
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+    preemptions: int = 0
+    cancelled: bool = False
+    text: str = ""  # the output's text so far (with a tokenizer)
+    emitted: int = 0  # characters of `text` already streamed
+    stop_text: bool = False  # `text` was cut at a stop string
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def decoding(self) -> bool:
+        return self.computed == len(self.prompt) + len(self.output) - 1
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, adapters: AdapterStore, max_batch_tokens: int, max_running: int):
+        self.pool, self.adapters = pool, adapters
+        self.max_batch_tokens, self.max_running = max_batch_tokens, max_running
+        self.waiting: list[Request] = []  # by arrival
+        self.running: list[Request] = []  # by arrival
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.waiting.sort(key=lambda r: r.arrival)
+
+    def schedule(self) -> list[Chunk]:
+        chunks: list[Chunk] = []
+        scheduled: set[str] = set()
+        budget = self.max_batch_tokens
+        for request in [r for r in self.running if r.decoding] + [r for r in self.running if not r.decoding]:
+            if budget == 0:
+                break
+            if request.id in scheduled or request not in self.running:  # preempted meanwhile
+                continue
+            count = min(len(request.tokens) - request.computed, budget)
+            if not self._grow(request, request.computed + count, scheduled):
+                continue
+            chunks.append(self._chunk(request, count))
+            scheduled.add(request.id)
+            budget -= count
+        while budget and self.waiting and len(self.running) < self.max_running:
+            request = self.waiting[0]
+            count = min(len(request.tokens), budget)
+            if self.pool.blocks_for(count) > self.pool.free:
+                break  # joins when blocks free up; admission never preempts
+            if request.adapter is not None:
+                request.slot = self.adapters.acquire(request.adapter)
+                if request.slot is None:
+                    break  # every adapter slot is in use by running requests
+            self.waiting.pop(0)
+            request.blocks = self.pool.allocate(self.pool.blocks_for(count))
+            self.running.append(request)
+            chunks.append(self._chunk(request, count))
+            scheduled.add(request.id)
+            budget -= count
+        return chunks
+
+    def _chunk(self, request: Request, count: int) -> Chunk:
+        start = request.computed
+        return Chunk(request, start, request.tokens[start:start + count], request.slot,
+                     sample=start + count == len(request.tokens))
+
+    def _grow(self, request: Request, tokens: int, scheduled: set[str]) -> bool:
+        """Blocks for `tokens` positions of `request`, preempting newer unscheduled requests if need be."""
+        needed = self.pool.blocks_for(tokens) - len(request.blocks)
+        while needed > self.pool.free:
+            victims = [r for r in self.running if r.id not in scheduled and r is not request]
+            if not victims:
+                return False
+            self.preempt(max(victims, key=lambda r: r.arrival))
+        if needed > 0:
+            request.blocks += self.pool.allocate(needed)
+        return True
+
+    def preempt(self, request: Request) -> None:
+        self.finish(request)
+        request.computed = 0
+        request.preemptions += 1
+        self.add(request)
+
+    def finish(self, request: Request) -> None:
+        """Out of the running set: its blocks and its adapter slot go back."""
+        if request in self.running:
+            self.running.remove(request)
+        self.pool.release(request.blocks)
+        if request.slot is not None:
+            self.adapters.release(request.slot)
+            request.slot = None

@@ -1,0 +1,294 @@
+"""Punica-style SGMV (segmented gather matrix-vector) LoRA kernels: one launch applies many adapters to a
+token-flattened batch (Punica, Chen et al. 2023, section 4; ../shared/papers/punica.txt).
+
+The batch is cut into segments, each using one adapter slot of the pools:
+
+    for s in range(n):                       # segments
+        t0, t1, i = starts[s], starts[s + 1], slots[s]
+        v[t0:t1]  = x[t0:t1] @ A[i].T                       # shrink: a_pool [S, R, in] -> v [T, R]
+        y[t0:t1] += scales[i] * v[t0:t1] @ B[i].T           # expand: b_pool [S, out, R]
+
+Adapters of different ranks share a batch: each slot's A (B) is padded to R rows (columns) with zeros, so the
+padding adds exact zeros; `ranks` (optional, int32 [S]) lets the kernels skip loading the padded part.
+
+Dispatch: CUDA tensors of float16/bfloat16/float32 run the Triton kernels below (float32 dots in IEEE
+precision); anything else (the CPU, float64, no Triton) runs the torch reference in reference.py. The Triton
+grid depends on host values only (the number of segments, `max_len`, the shapes), so calls can be captured
+in a CUDA graph and replayed with new segment contents; run each shape once before capturing (compilation).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from symbiosis.kernels import reference
+
+try:  # the kernels need Triton and a GPU; without them every call takes the reference path
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """A batch of T tokens cut into segments that each use one adapter slot.
+
+    Tokens outside every segment (requests without an adapter) are untouched and cost nothing. Empty
+    segments (starts[s] == starts[s+1]) are allowed anywhere (CUDA graphs pad to a fixed n) and are no-ops."""
+
+    starts: torch.Tensor
+    """int32 [n+1] on the tokens' device, non-decreasing, starts[0] >= 0, starts[n] <= T: segment s is
+    tokens starts[s]:starts[s+1]."""
+    slots: torch.Tensor
+    """int32 [n]: the adapter slot (row of the pools) of segment s."""
+    max_len: int
+    """A host-side upper bound on every segment's length (it sizes the grid; longer segments are cut)."""
+
+    @classmethod
+    def from_lengths(cls, lengths: list[int], slots: list[int], start: int = 0, device=None) -> Segments:
+        """Consecutive segments of the given lengths from token `start` on (host lists -> device tensors)."""
+        bounds = [start]
+        for length in lengths:
+            bounds.append(bounds[-1] + length)
+        return cls(torch.tensor(bounds, dtype=torch.int32, device=device),
+                   torch.tensor(slots, dtype=torch.int32, device=device), max(lengths, default=0))
+
+
+def lora_shrink(x: torch.Tensor, a_pool: torch.Tensor, segments: Segments, *,
+                ranks: torch.Tensor | None = None) -> torch.Tensor:
+    """v [T, R] in x's dtype; rows outside segments are zero.
+
+    Semantics: for each segment s, t in starts[s]:starts[s+1]: v[t] = x[t] @ a_pool[slots[s]].T
+    (x [T, in], a_pool [S, R, in]; fp32 accumulation on the Triton path)."""
+    _check(x, a_pool.shape[2], a_pool)
+    if not _use_triton(x):
+        return reference.lora_shrink(x, a_pool, segments, ranks=ranks)
+    plan = _plan(segments, x.shape[0], x.shape[1], 1, a_pool.shape[1], x.device)
+    partials = torch.zeros(plan.split_k, x.shape[0], a_pool.shape[1], dtype=torch.float32, device=x.device)
+    _launch_shrink(x, a_pool, segments, ranks, partials, plan)
+    return partials.sum(0).to(x.dtype)                                               # [T, R]
+
+
+def lora_expand(y: torch.Tensor, v: torch.Tensor, b_pool: torch.Tensor, scales: torch.Tensor,
+                segments: Segments, *, ranks: torch.Tensor | None = None) -> None:
+    """In place; rows outside segments are untouched.
+
+    Semantics: for each segment s, i = slots[s], t in starts[s]:starts[s+1]:
+        y[t] += scales[i] * v[t] @ b_pool[i].T          (y [T, out], v [T, R], b_pool [S, out, R], scales f32 [S])"""
+    _check(y, b_pool.shape[1], b_pool)
+    if not _use_triton(y):
+        return reference.lora_expand(y, v, b_pool, scales, segments, ranks=ranks)
+    plan = _plan(segments, y.shape[0], 1, y.shape[1], b_pool.shape[2], y.device)
+    _launch_expand(y, v.unsqueeze(0), b_pool, scales, segments, ranks, plan)
+
+
+def lora_apply(y: torch.Tensor, x: torch.Tensor, a_pool: torch.Tensor, b_pool: torch.Tensor,
+               scales: torch.Tensor, segments: Segments, *, ranks: torch.Tensor | None = None) -> None:
+    """y += the LoRA delta of every segment, in place: lora_expand(y, lora_shrink(x, ...), ...).
+
+    Semantics: for each segment s, i = slots[s], t in starts[s]:starts[s+1]:
+        y[t] += scales[i] * (x[t] @ a_pool[i].T) @ b_pool[i].T
+    On the Triton path: two launches; the shrink's split-K partial sums (fp32 [split, T, R]) are reduced by
+    the expand as it loads them, then rounded to x's dtype (as lora_shrink's v is)."""
+    _check(x, a_pool.shape[2], a_pool)
+    _check(y, b_pool.shape[1], b_pool)
+    if not _use_triton(x):
+        return reference.lora_apply(y, x, a_pool, b_pool, scales, segments, ranks=ranks)
+    plan = _plan(segments, x.shape[0], x.shape[1], y.shape[1], a_pool.shape[1], x.device)
+    partials = torch.empty(plan.split_k, x.shape[0], a_pool.shape[1], dtype=torch.float32, device=x.device)
+    _launch_shrink(x, a_pool, segments, ranks, partials, plan)
+    _launch_expand(y, partials, b_pool, scales, segments, ranks, plan)
+
+
+def _check(t: torch.Tensor, features: int, pool: torch.Tensor) -> None:
+    """Host-side shape/dtype checks only (no device reads: graph capture and no syncs)."""
+    if t.dim() != 2 or t.shape[1] != features:
+        raise ValueError(f"expected [T, {features}] activations for a pool of shape {tuple(pool.shape)}, "
+                         f"got {tuple(t.shape)}")
+    if t.dtype != pool.dtype:
+        raise ValueError(f"activations are {t.dtype} but the pool is {pool.dtype}")
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return triton is not None and t.is_cuda and t.dtype in TRITON_DTYPES
+
+
+# ---------------------------------------------------------------------------------------------- launch plan
+
+@dataclass(frozen=True)
+class Plan:
+    """Block sizes and grid of one call, from host values only (n, max_len, shapes, the SM count)."""
+
+    block_m: int
+    """tokens of one segment per program (tl.dot needs >= 16; a decode segment of 1 token masks the rest)"""
+    block_k: int
+    """shrink: in-features per loop step"""
+    split_k: int
+    """shrink: programs splitting the in-features of one token tile (partial sums reduced by the expand)"""
+    k_per_split: int
+    """shrink: in-features per split (a multiple of block_k)"""
+    block_n: int
+    """expand: out-features per program"""
+    r_block: int
+    """R rounded up to a power of two >= 16"""
+    m_tiles: int
+    """cdiv(max_len, block_m)"""
+    num_warps: int = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _plan(segments: Segments, T: int, K: int, N: int, R: int, device: torch.device) -> Plan:
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 132
+    return make_plan(segments.slots.numel(), segments.max_len, T, K, N, R, sms)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=4096)
+def make_plan(n: int, max_len: int, T: int, K: int, N: int, R: int, sms: int) -> Plan:
+    """Decode (segments of 1 token, distinct adapters) is bound by reading A and B: enough programs to keep
+    every SM loading (split-K for the shrink, whose output is only R wide; out-tiles for the expand).
+    Prefill (long segments) has token tiles enough to need little or no split."""
+    # The largest token tile that still gives every SM a tile (tl.dot needs >= 16 rows; masked rows cost no
+    # loads): a decode segment of 1 token takes 16, one long prefill segment is cut into 16-32 token tiles.
+    block_m = 16
+    for candidate in (64, 32):
+        if candidate < 2 * max_len and n * _cdiv(max_len, candidate) >= sms:
+            block_m = candidate
+            break
+    r_block = max(16, 1 << (R - 1).bit_length())
+    m_tiles = max(1, _cdiv(max_len, block_m))
+    tiles = min(n * m_tiles, _cdiv(T, block_m) + n)  # token tiles that hold tokens (the rest exit at once)
+    block_k = 256 if r_block <= 32 else 128
+    split = max(1, min(_cdiv(4 * sms, tiles), _cdiv(K, block_k)))
+    k_per_split = _cdiv(_cdiv(K, split), block_k) * block_k
+    split = _cdiv(K, k_per_split)
+    block_n = 64
+    for candidate in ((256, 128) if r_block <= 32 and block_m <= 32 else (128,)):
+        if tiles * _cdiv(N, candidate) >= 2 * sms:
+            block_n = candidate
+            break
+    return Plan(block_m, block_k, split, k_per_split, block_n, r_block, m_tiles)
+
+
+def _launch_shrink(x, a_pool, segments: Segments, ranks, partials: torch.Tensor, plan: Plan):
+    """partials[k, t] = x[t, kK:(k+1)K] @ A[slot(t), :, kK:(k+1)K].T for t in segments (rows outside unwritten)."""
+    n = segments.slots.numel()
+    if n == 0 or segments.max_len == 0:
+        return
+    assert partials.shape[0] == plan.split_k
+    grid = (plan.split_k, plan.m_tiles, n)
+    _shrink_kernel[grid](
+        x, a_pool, partials, segments.starts, segments.slots, ranks if ranks is not None else segments.slots,
+        x.shape[1], a_pool.shape[1], plan.k_per_split,
+        x.stride(0), x.stride(1), a_pool.stride(0), a_pool.stride(1), a_pool.stride(2),
+        partials.stride(0), partials.stride(1), partials.stride(2),
+        HAS_RANKS=ranks is not None, BLOCK_M=plan.block_m, BLOCK_K=plan.block_k, R_BLOCK=plan.r_block,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=plan.num_warps)
+
+
+def _launch_expand(y, partials, b_pool, scales, segments: Segments, ranks, plan: Plan):
+    """y[t] += scales[slot] * (sum_k partials[k, t]).to(dtype) @ B[slot].T for t in segments."""
+    n = segments.slots.numel()
+    if n == 0 or segments.max_len == 0:
+        return
+    grid = (triton.cdiv(y.shape[1], plan.block_n), plan.m_tiles, n)
+    _expand_kernel[grid](
+        y, partials, b_pool, scales, segments.starts, segments.slots, ranks if ranks is not None else segments.slots,
+        y.shape[1], b_pool.shape[2], partials.shape[0],
+        y.stride(0), y.stride(1), partials.stride(0), partials.stride(1), partials.stride(2),
+        b_pool.stride(0), b_pool.stride(1), b_pool.stride(2),
+        HAS_RANKS=ranks is not None, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, R_BLOCK=plan.r_block,
+        PRECISION="ieee" if y.dtype == torch.float32 else "tf32", num_warps=plan.num_warps)
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _shrink_kernel(x_ptr, a_ptr, partial_ptr, starts_ptr, slots_ptr, ranks_ptr,
+                       K, R, k_per_split,
+                       stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_ps, stride_pt, stride_pr,
+                       HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                       R_BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+        """Semantics, for program (k, m, s), i = slots[s], rows = starts[s] + m*BLOCK_M + [0, BLOCK_M) < starts[s+1]:
+            partial[k, rows] = x[rows, k*k_per_split : (k+1)*k_per_split] @ A[i, :, same].T   (fp32)"""
+        pid_k = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        seg = tl.program_id(2)
+        end = tl.load(starts_ptr + seg + 1)
+        row0 = tl.load(starts_ptr + seg) + pid_m * BLOCK_M
+        if row0 >= end:  # past this segment's tokens (or an empty segment)
+            return
+        slot = tl.load(slots_ptr + seg).to(tl.int64)
+        rows = row0 + tl.arange(0, BLOCK_M)                                          # [BM]
+        row_ok = rows < end
+        rs = tl.arange(0, R_BLOCK)                                                   # [RB]
+        r_ok = rs < R
+        if HAS_RANKS:
+            r_ok = r_ok & (rs < tl.load(ranks_ptr + slot))
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xt                      # [BM, 1]
+        a_rows = a_ptr + slot * stride_as + rs[:, None] * stride_ar                  # [RB, 1]
+        acc = tl.zeros([BLOCK_M, R_BLOCK], dtype=tl.float32)
+        k0 = pid_k * k_per_split
+        for k in range(0, k_per_split, BLOCK_K):
+            ks = k0 + k + tl.arange(0, BLOCK_K)                                         # [BK]
+            k_ok = ks < K
+            xt = tl.load(x_rows + ks[None, :] * stride_xk, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            at = tl.load(a_rows + ks[None, :] * stride_ak, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(xt, tl.trans(at), acc, input_precision=PRECISION)          # [BM, BK] @ [BK, RB]
+        out = partial_ptr + pid_k * stride_ps + rows.to(tl.int64)[:, None] * stride_pt + rs[None, :] * stride_pr
+        tl.store(out, acc, mask=row_ok[:, None] & (rs < R)[None, :])
+
+    @triton.jit
+    def _expand_kernel(y_ptr, partial_ptr, b_ptr, scales_ptr, starts_ptr, slots_ptr, ranks_ptr,
+                       N, R, split,
+                       stride_yt, stride_yn, stride_ps, stride_pt, stride_pr, stride_bs, stride_bn, stride_br,
+                       HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       R_BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+        """Semantics, for program (j, m, s), i = slots[s], rows as in the shrink, cols = j*BLOCK_N + [0, BLOCK_N) < N:
+            v = sum(partial[:, rows], 0).to(B.dtype)                  # the shrink's split-K reduction
+            y[rows, cols] += scales[i] * v @ B[i, cols].T             (fp32 accumulation, one rounding to y)"""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        seg = tl.program_id(2)
+        end = tl.load(starts_ptr + seg + 1)
+        row0 = tl.load(starts_ptr + seg) + pid_m * BLOCK_M
+        if row0 >= end:
+            return
+        slot = tl.load(slots_ptr + seg).to(tl.int64)
+        rows = row0 + tl.arange(0, BLOCK_M)                                          # [BM]
+        row_ok = rows < end
+        rs = tl.arange(0, R_BLOCK)                                                   # [RB]
+        r_ok = rs < R
+        if HAS_RANKS:
+            r_ok = r_ok & (rs < tl.load(ranks_ptr + slot))
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                               # [BN]
+        col_ok = cols < N
+        b = tl.load(b_ptr + slot * stride_bs + cols.to(tl.int64)[:, None] * stride_bn + rs[None, :] * stride_br,
+                    mask=col_ok[:, None] & r_ok[None, :], other=0.0)                 # [BN, RB]
+        v_tile = partial_ptr + rows.to(tl.int64)[:, None] * stride_pt + rs[None, :] * stride_pr
+        v_ok = row_ok[:, None] & r_ok[None, :]
+        v = tl.zeros([BLOCK_M, R_BLOCK], dtype=tl.float32)
+        for k in range(split):
+            v += tl.load(v_tile + k * stride_ps, mask=v_ok, other=0.0).to(tl.float32)
+        delta = tl.dot(v.to(b_ptr.dtype.element_ty), tl.trans(b), input_precision=PRECISION)  # [BM, BN]
+        scale = tl.load(scales_ptr + slot)
+        y_tile = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + cols[None, :] * stride_yn
+        y_ok = row_ok[:, None] & col_ok[None, :]
+        y = tl.load(y_tile, mask=y_ok, other=0.0)
+        tl.store(y_tile, (y.to(tl.float32) + scale * delta).to(y_ptr.dtype.element_ty), mask=y_ok)

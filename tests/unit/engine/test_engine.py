@@ -1,0 +1,238 @@
+"""The hosted engine against plain transformers + PEFT: every request of a mixed batch (different adapters, none,
+different lengths, joining mid-way, chunked, preempted and resumed) makes the tokens that request makes alone, with
+the same log-probabilities; seeded sampling repeats; bad requests fail alone."""
+
+from __future__ import annotations
+
+import json
+
+import peft
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import symbiosis
+from symbiosis.engine import Engine, GenerationError, SamplingParams
+from symbiosis.errors import AdapterError, BadCall, UnsupportedAdapter
+from matrix import ATTENTION, FEEDFORWARD, make_checkpoint
+
+ENGINE_ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gpt2", "gpt_neox"]
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 39)), [100, 7, 9, 12, 3]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """arch -> (checkpoint, {adapter name: directory}): three LoRA adapters of different ranks, scalings and
+    targets (one on every linear layer, the input embedding and the head)."""
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            root = tmp_path_factory.mktemp(f"engine-{arch}")
+            make_checkpoint(arch, root / "base")
+            base = AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float64)
+            embedding = next(n for n, m in base.named_modules() if m is base.get_input_embeddings()).split(".")[-1]
+            configs = {
+                "attn_r2": peft.LoraConfig(r=2, lora_alpha=4, target_modules=ATTENTION[arch], init_lora_weights=False),
+                "mlp_r8": peft.LoraConfig(r=8, lora_alpha=32, target_modules=ATTENTION[arch] + [FEEDFORWARD[arch]],
+                                          init_lora_weights=False),
+                "everything_rs": peft.LoraConfig(r=4, lora_alpha=8, use_rslora=True, init_lora_weights=False,
+                                                 target_modules="all-linear"),
+            }
+            if arch == "llama":  # the input embedding and the head too
+                configs["embed_head"] = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                        target_modules=["q_proj", embedding, "lm_head"])
+            adapters = {}
+            for i, (name, config) in enumerate(configs.items()):
+                torch.manual_seed(10 + i)
+                model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float64), config)
+                with torch.no_grad():  # large enough that a wrong or missing adapter changes the tokens
+                    for n, p in model.named_parameters():
+                        if "lora_" in n:
+                            p.normal_(0, 0.3)
+                model.save_pretrained(root / name)
+                adapters[name] = root / name
+            made[arch] = (root / "base", adapters)
+        return made[arch]
+
+    return get
+
+
+def _alone(checkpoint, adapter, prompt, max_tokens, dtype=torch.float64):
+    """(tokens, log-probabilities of every step's logits) of plain transformers (+ PEFT), this request alone."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter)
+    model.generation_config.eos_token_id = None
+    sequence = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    with torch.no_grad():  # generate() hands out float32 logits: the float64 ones, by one pass over the sequence
+        logits = model(sequence[:, :-1]).logits[0, len(prompt) - 1:]
+    return sequence[0, len(prompt):].tolist(), logits.log_softmax(-1)
+
+
+def _check(completion, expected, prompt, rtol=1e-9):
+    tokens, logprobs = expected
+    assert completion.token_ids == tokens, f"prompt {prompt}"
+    ours = torch.tensor([t.logprob for t in completion.logprobs], dtype=torch.float64)
+    theirs = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].double()
+    assert torch.allclose(ours, theirs, rtol=rtol, atol=rtol), f"prompt {prompt}: {(ours - theirs).abs().max()}"
+    for token, alternatives in zip(completion.logprobs, logprobs):
+        top = torch.topk(alternatives, 3)
+        assert [i for i, _ in token.top_logprobs] == top.indices.tolist()
+
+
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
+def test_a_mixed_batch_equals_each_request_alone(models, arch):
+    checkpoint, adapters = models(arch)
+    # 4-token blocks and an 8-token budget: prompts are prefilled in chunks beside other requests' decodes
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, max_batch_tokens=8)
+    names = [None, *adapters]
+    jobs = [(prompt, names[i % len(names)]) for i, prompt in enumerate(PROMPTS + PROMPTS[:2])]
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3)
+    handles = []
+    for i, (prompt, name) in enumerate(jobs):
+        handles.append(engine.submit(prompt, params, None if name is None else (name, adapters[name])))
+        if i % 2:  # the next requests join while these run
+            engine.step()
+            engine.step()
+    while engine.has_work():
+        engine.step()
+    # transformers' eager attention (which Gemma2's soft-capping takes) computes its softmax in float32
+    rtol = 1e-6 if arch == "gemma2" else 1e-9
+    for handle, (prompt, name) in zip(handles, jobs):
+        _check(handle.result(), _alone(checkpoint, adapters.get(name), prompt, 6), prompt, rtol)
+    assert engine.pool.free == engine.pool.num_blocks, "every block went back to the pool"
+
+
+def test_preempted_requests_resume_without_losing_or_repeating_a_token(models):
+    checkpoint, adapters = models("llama")
+    # 12 blocks of 4 tokens: four requests of up to 19 + 12 tokens cannot all stay
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=12, block_size=4, max_batch_tokens=32)
+    names = [None, "attn_r2", "mlp_r8", "embed_head"]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
+    completions = engine.generate(PROMPTS, params, [None if n is None else (n, adapters[n]) for n in names])
+    assert sum(c.preemptions for c in completions) > 0, "the pool was large enough: nothing was preempted"
+    for completion, prompt, name in zip(completions, PROMPTS, names):
+        _check(completion, _alone(checkpoint, adapters.get(name), prompt, 12), prompt)
+
+
+def test_float32_greedy_equals_plain(models):
+    checkpoint, adapters = models("llama")
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float32, kv_blocks=64, block_size=4, max_batch_tokens=8)
+    names = [None, "attn_r2", "everything_rs", "embed_head"]
+    completions = engine.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3),
+                                  [None if n is None else (n, adapters[n]) for n in names])
+    for completion, prompt, name in zip(completions, PROMPTS, names):
+        _check(completion, _alone(checkpoint, adapters.get(name), prompt, 8, torch.float32), prompt, rtol=1e-4)
+
+
+def test_seeded_sampling_repeats_whatever_else_is_batched(models):
+    checkpoint, adapters = models("llama")
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4)
+    sampled = SamplingParams(max_tokens=12, temperature=1.5, top_p=0.9, top_k=20, seed=7, ignore_eos=True)
+    alone = engine.generate([PROMPTS[0]], sampled, [("attn_r2", adapters["attn_r2"])])[0].token_ids
+    crowd = engine.generate([PROMPTS[2], PROMPTS[0], PROMPTS[1]], [SamplingParams(max_tokens=5), sampled, sampled],
+                            [None, ("attn_r2", adapters["attn_r2"]), None])
+    assert crowd[1].token_ids == alone
+    other_seed = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=1.5, top_p=0.9, top_k=20,
+                                                              seed=8, ignore_eos=True),
+                                 [("attn_r2", adapters["attn_r2"])])[0].token_ids
+    assert other_seed != alone
+
+
+def test_stop_token_ids_and_max_tokens(models):
+    checkpoint, _ = models("llama")
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4)
+    free = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 8
+    stop_at = free.token_ids[3]
+    first = free.token_ids.index(stop_at)
+    stopped = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=8, stop_token_ids=[stop_at], ignore_eos=True))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[:first + 1]
+
+
+def test_adapters_beyond_the_slots_wait_and_the_least_recently_used_is_evicted(models):
+    checkpoint, adapters = models("llama")
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, adapter_slots=2)
+    names = ["attn_r2", "mlp_r8", "everything_rs", "embed_head", "attn_r2"]
+    params = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=3)
+    completions = engine.generate([PROMPTS[i % 4] for i in range(5)], params, [(n, adapters[n]) for n in names])
+    for i, (completion, name) in enumerate(zip(completions, names)):
+        _check(completion, _alone(checkpoint, adapters[name], PROMPTS[i % 4], 5), PROMPTS[i % 4])
+    assert len(engine.adapters.resident) == 2
+
+
+def test_the_engine_computes_with_the_executors_weights(models):
+    checkpoint, _ = models("llama")
+    executor = symbiosis.Executor.from_pretrained(checkpoint, dtype=torch.float64)
+    engine = Engine(checkpoint, executor, kv_blocks=8, block_size=4)
+    layer = engine.model.get_submodule("model.layers.0.self_attn.q_proj")
+    assert layer.base.weight.data_ptr() == executor.weights.layers[layer.layer_id].weight.data_ptr()
+    assert not any(p.numel() >= 64 * 64 and p.dim() == 2 and "embed" not in n for n, p in engine.model.named_parameters()), \
+        "the engine holds a base layer's weight of its own"
+
+
+def test_tokens_stream_from_the_engine_thread(models):
+    checkpoint, adapters = models("llama")
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4).start()
+    try:
+        handle = engine.submit(PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True), ("mlp_r8", adapters["mlp_r8"]))
+        streamed = [token.id for token in handle]
+        assert streamed == handle.result().token_ids and len(streamed) == 6
+        assert streamed == _alone(checkpoint, adapters["mlp_r8"], PROMPTS[1], 6)[0]
+    finally:
+        engine.close()
+
+
+def _write_lora(directory, tensors: dict, config: dict) -> None:
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    save_file(tensors, directory / "adapter_model.safetensors")
+    (directory / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4, **config}))
+
+
+def test_bad_requests_fail_alone(models, tmp_path):
+    checkpoint, adapters = models("llama")
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=16, block_size=4, max_lora_rank=4)
+    healthy = engine.submit(PROMPTS[0], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3), ("attn_r2", adapters["attn_r2"]))
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_"
+    cases = {
+        "missing": (tmp_path / "nowhere", AdapterError, "not a local adapter directory"),
+        "rank": (adapters["mlp_r8"], AdapterError, "rank 8, above this engine's limit of 4"),
+        "shapes": (None, AdapterError, "this base model needs"),
+        "fingerprint": (None, AdapterError, "another base model"),
+        "ia3": (None, UnsupportedAdapter, "a IA3 adapter; the engine runs LoRA adapters"),
+        "dora": (None, UnsupportedAdapter, "use_dora=True"),
+        "pickle": (None, AdapterError, "a pickle"),
+    }
+    _write_lora(tmp_path / "shapes", {key + "A.weight": torch.zeros(2, 32), key + "B.weight": torch.zeros(64, 2)}, {})
+    _write_lora(tmp_path / "fingerprint", {key + "A.weight": torch.zeros(2, 64), key + "B.weight": torch.zeros(64, 2)}, {})
+    (tmp_path / "fingerprint" / "symbiosis.json").write_text(json.dumps({"base_fingerprint": "0" * 64}))
+    _write_lora(tmp_path / "ia3", {"base_model.model.model.layers.0.mlp.down_proj.ia3_l": torch.ones(1, 112)},
+                {"peft_type": "IA3"})
+    _write_lora(tmp_path / "dora", {key + "A.weight": torch.zeros(2, 64), key + "B.weight": torch.zeros(64, 2)},
+                {"use_dora": True})
+    _write_lora(tmp_path / "pickle", {key + "A.weight": torch.zeros(2, 64), key + "B.weight": torch.zeros(64, 2)}, {})
+    (tmp_path / "pickle" / "adapter_model.bin").write_bytes(b"\x80\x04K\x01.")
+    for name, (directory, error, message) in cases.items():
+        with pytest.raises(error, match=message):
+            engine.submit(PROMPTS[1], SamplingParams(max_tokens=4), (name, directory or tmp_path / name))
+    with pytest.raises(BadCall, match="exceeds the model's context of 128"):
+        engine.submit([1] * 120, SamplingParams(max_tokens=16))
+    with pytest.raises(BadCall, match="exceeds the engine's whole KV cache of 64 tokens"):
+        engine.submit([1] * 60, SamplingParams(max_tokens=16))
+    with pytest.raises(BadCall, match="outside the vocabulary"):
+        engine.submit([1, 128], SamplingParams(max_tokens=4))
+    with pytest.raises(BadCall, match="top_p"):
+        SamplingParams(top_p=0.0)
+    # An adapter whose values are finite but whose output overflows: NaN logits end that request alone.
+    _write_lora(tmp_path / "overflow", {key + "A.weight": torch.full((2, 64), 1e200, dtype=torch.float64),
+                                        key + "B.weight": torch.full((64, 2), 1e200, dtype=torch.float64)}, {})
+    broken = engine.submit(PROMPTS[1], SamplingParams(max_tokens=4), ("overflow", tmp_path / "overflow"))
+    while engine.has_work():
+        engine.step()
+    with pytest.raises(GenerationError, match="NaN or Inf"):
+        broken.result()
+    _check(healthy.result(), _alone(checkpoint, adapters["attn_r2"], PROMPTS[0], 6), PROMPTS[0])
+    assert engine.pool.free == engine.pool.num_blocks
