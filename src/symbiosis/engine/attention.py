@@ -29,18 +29,19 @@ def paged_attention(module, query, key, value, attention_mask=None, scaling=None
     keys.index_copy_(0, step.slots, key[0].transpose(0, 1).to(keys.dtype))
     values.index_copy_(0, step.slots, value[0].transpose(0, 1).to(values.dtype))
 
-    q = query[0].transpose(0, 1)[step.query_index].transpose(1, 2)  # [R, H, Q, D]
+    group = heads // kv_heads  # grouped-query attention: query heads kv*group .. kv*group+group-1 read kv head kv
+    q = query[0].transpose(0, 1)[step.query_index]  # [R, Q, H, D]
+    chunks, longest = q.shape[0], q.shape[1]
+    q = q.view(chunks, longest, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4).reshape(chunks, kv_heads, group * longest, head_dim)
     k = keys[step.context_slots].transpose(1, 2)  # [R, Hkv, L, D]
     v = values[step.context_slots].transpose(1, 2)
-    if kv_heads != heads:  # grouped-query attention: each kv head serves heads // kv_heads query heads
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * (head_dim ** -0.5 if scaling is None else scaling)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (head_dim ** -0.5 if scaling is None else scaling)  # [R, Hkv, G*Q, L]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~step.mask(sliding_window), float("-inf"))
+    scores = scores.view(chunks, kv_heads, group, longest, -1).masked_fill(~step.mask(sliding_window)[:, :, None], float("-inf"))
     probabilities = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
-    out = torch.matmul(probabilities.to(v.dtype), v)  # [R, H, Q, Dv]
+    out = torch.matmul(probabilities.to(v.dtype).view(chunks, kv_heads, group * longest, -1), v)  # [R, Hkv, G*Q, Dv]
+    out = out.view(chunks, heads, longest, value_dim)  # [R, H, Q, Dv]
     out = out.transpose(1, 2)[step.query_valid]  # [T, H, Dv], in flat token order
     return out.unsqueeze(0), None
 

@@ -1,0 +1,221 @@
+"""End to end: the hosted engine's tokens/s and decode-step latency with many adapters, beside its baselines.
+
+    python benchmarks/engine.py --model llama-3-8b --batches 1,8,32,64
+
+For each batch size B and adapter popularity (distinct: each request its own adapter; uniform: ~sqrt(B) adapters,
+requests spread evenly; skewed: Zipf(1.5) over B adapters; identical: one adapter; none: the base model), B
+requests run together to the end. Workload (ShareGPT-like, seeded): prompt lengths log-normal with median 160
+tokens (sigma 0.8, clipped to 16..1024), `--new-tokens` generated each (eos ignored). Adapters: LoRA rank `--rank`
+on q, k, v, o, gate, up, down, random values. Reported per run: generated tokens/s over the whole run, and the
+mean latency of the steps that were pure decodes.
+
+Baselines in the same process and run: (a) transformers + PEFT with the same adapters loaded and mixed in one
+`generate(adapter_names=...)` batch (`--peft-batches`), (b) this engine with no adapter (pattern none),
+(c) transformers' base model with a static KV cache and torch.compile, its decode step (`--compiled-batches`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from common import CONFIGS, checkpoint, device, dtype, emit, sync
+from symbiosis.engine import Engine, SamplingParams
+from symbiosis.executor.executor import Executor
+
+PROJECTIONS = {"self_attn": ["q_proj", "k_proj", "v_proj", "o_proj"], "mlp": ["gate_proj", "up_proj", "down_proj"]}
+
+
+def write_adapters(model: str, count: int, rank: int, root: Path) -> list[Path]:
+    """`count` random rank-`rank` LoRA adapters on every projection, as PEFT writes them."""
+    config = CONFIGS[model]
+    hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim", hidden // heads)
+    kv = config.get("num_key_value_heads", heads) * head_dim
+    shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+              "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+              "down_proj": (inter, hidden)}
+    directories = []
+    for i in range(count):
+        directory = root / f"{model}-r{rank}-{i}"
+        directories.append(directory)
+        if (directory / "adapter_model.safetensors").is_file():
+            continue
+        directory.mkdir(parents=True, exist_ok=True)
+        generator = torch.Generator().manual_seed(i)
+        tensors = {}
+        for layer in range(config["num_hidden_layers"]):
+            for block, names in PROJECTIONS.items():
+                for name in names:
+                    fan_in, fan_out = shapes[name]
+                    key = f"base_model.model.model.layers.{layer}.{block}.{name}"
+                    tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=generator) / math.sqrt(fan_in)).bfloat16()
+                    tensors[f"{key}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=generator) * 0.01).bfloat16()
+        save_file(tensors, directory / "adapter_model.safetensors")
+        (directory / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+            "target_modules": [n for names in PROJECTIONS.values() for n in names], "base_model_name_or_path": model}))
+    return directories
+
+
+def popularity(pattern: str, batch: int, rng: random.Random) -> list[int | None]:
+    """Adapter index of each of `batch` requests."""
+    if pattern == "none":
+        return [None] * batch
+    if pattern == "distinct":
+        return list(range(batch))
+    if pattern == "identical":
+        return [0] * batch
+    if pattern == "uniform":
+        return [i % max(1, round(math.sqrt(batch))) for i in range(batch)]
+    weights = [1 / (k + 1) ** 1.5 for k in range(batch)]  # skewed: Zipf 1.5
+    return rng.choices(range(batch), weights, k=batch)
+
+
+def prompt_lengths(batch: int, rng: random.Random) -> list[int]:
+    return [min(1024, max(16, round(rng.lognormvariate(math.log(160), 0.8)))) for _ in range(batch)]
+
+
+def run_engine(engine: Engine, adapters: list[Path], pattern: str, batch: int, new_tokens: int, vocab: int) -> dict:
+    rng = random.Random(batch)
+    lengths, owners = prompt_lengths(batch, rng), popularity(pattern, batch, rng)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    sync()
+    start = time.perf_counter()
+    handles = [engine.submit([rng.randrange(vocab) for _ in range(n)], params,
+                             None if a is None else (f"adapter-{a}", adapters[a])) for n, a in zip(lengths, owners)]
+    decode_times = []
+    while engine.has_work():
+        pure_decode = all(r.decoding for r in engine.scheduler.running) and not engine.scheduler.waiting \
+            and len(engine.scheduler.running) == batch
+        began = time.perf_counter()
+        engine.step()
+        sync()
+        if pure_decode:
+            decode_times.append(time.perf_counter() - began)
+    wall = time.perf_counter() - start
+    generated = sum(len(h.result().token_ids) for h in handles)
+    return {"tokens_per_s": generated / wall, "decode_step_ms": 1e3 * sum(decode_times) / max(1, len(decode_times)),
+            "decode_steps": len(decode_times), "adapters": len({a for a in owners if a is not None}),
+            "prompt_tokens": sum(lengths)}
+
+
+def run_peft(model_dir: Path, adapters: list[Path], batch: int, new_tokens: int, vocab: int) -> dict:
+    """Baseline (a): transformers + PEFT, `batch` distinct adapters mixed in one generate() call."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device_map="cuda")
+    model = PeftModel.from_pretrained(model, adapters[0], adapter_name="a0")
+    for i in range(1, batch):
+        model.load_adapter(adapters[i], adapter_name=f"a{i}")
+    rng = random.Random(batch)
+    lengths = prompt_lengths(batch, rng)
+    longest = max(lengths)
+    ids = torch.zeros(batch, longest, dtype=torch.long)
+    mask = torch.zeros(batch, longest, dtype=torch.long)
+    for row, n in enumerate(lengths):  # left padding
+        ids[row, longest - n:] = torch.tensor([rng.randrange(vocab) for _ in range(n)])
+        mask[row, longest - n:] = 1
+    kwargs = dict(input_ids=ids.cuda(), attention_mask=mask.cuda(), do_sample=False, pad_token_id=0,
+                  adapter_names=[f"a{i}" for i in range(batch)], eos_token_id=None)
+    model.generate(**kwargs, max_new_tokens=2)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = model.generate(**kwargs, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    generated = (out.shape[1] - longest) * batch
+    del model
+    torch.cuda.empty_cache()
+    return {"tokens_per_s": generated / wall, "adapters": batch}
+
+
+def run_compiled(model_dir: Path, batch: int, steps: int = 64) -> dict:
+    """Baseline (c): transformers' base model, static KV cache, torch.compile'd decode step (its best plain decode)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device_map="cuda")
+    model.generation_config.cache_implementation = "static"  # generate() then compiles its decode step itself
+    ids = torch.randint(0, 1000, (batch, 160), device="cuda")
+    kwargs = dict(input_ids=ids, do_sample=False, pad_token_id=0, eos_token_id=None)
+    for _ in range(2):  # compile and capture
+        model.generate(**kwargs, max_new_tokens=steps, min_new_tokens=steps)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(**kwargs, max_new_tokens=steps, min_new_tokens=steps)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    del model
+    torch.cuda.empty_cache()
+    return {"decode_step_ms": 1e3 * wall / steps, "tokens_per_s": batch * steps / wall}
+
+
+def profile_decode(engine: Engine, adapters: list[Path], vocab: int, path: Path) -> None:
+    """Where a decode step's time goes: 8 requests with distinct adapters, 10 decode steps profiled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    handles = [engine.submit([i + 1] * 100, SamplingParams(max_tokens=40, ignore_eos=True), (f"adapter-{i}", adapters[i]))
+               for i in range(8)]
+    for _ in range(15):  # prefill and a few decodes
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        for _ in range(10):
+            engine.step()
+        sync()
+    path.write_text(profiler.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+    while engine.has_work():
+        engine.step()
+    for handle in handles:
+        handle.result()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama-3-8b", choices=sorted(CONFIGS))
+    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--patterns", default="none,distinct,uniform,skewed,identical")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--peft-batches", default="8", help="batch sizes of baseline (a); empty: skip")
+    parser.add_argument("--compiled-batches", default="1,8", help="batch sizes of baseline (c); empty: skip")
+    parser.add_argument("--adapters-dir", default="/tmp/symbiosis-bench-adapters")
+    parser.add_argument("--profile", help="write a torch.profiler table of decode steps at batch 8, distinct, here")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    model_dir = checkpoint(args.model)
+    vocab = CONFIGS[args.model]["vocab_size"]
+    adapters = write_adapters(args.model, max(batches), args.rank, Path(args.adapters_dir))
+    common = dict(bench="engine", model=args.model, rank=args.rank, new_tokens=args.new_tokens, gpu=gpu)
+
+    executor = Executor.from_pretrained(model_dir, device=device(), dtype=dtype())
+    kv_tokens = max(batches) * (1024 + args.new_tokens)
+    engine = Engine(model_dir, executor, kv_blocks=kv_tokens // 16 + 1, block_size=16, max_batch_tokens=2048,
+                    max_running=max(batches), max_lora_rank=args.rank, adapter_slots=max(batches))
+    run_engine(engine, adapters, "distinct", min(8, max(batches)), 4, vocab)  # warm up (adapter copies, allocator)
+    if args.profile:
+        profile_decode(engine, adapters, vocab, Path(args.profile))
+    for batch in batches:
+        for pattern in args.patterns.split(","):
+            emit(**common, system="symbiosis", pattern=pattern, batch=batch,
+                 **run_engine(engine, adapters, pattern, batch, args.new_tokens, vocab))
+    del engine, executor
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    for batch in [int(b) for b in args.peft_batches.split(",") if b]:
+        emit(**common, system="transformers+peft", pattern="distinct", batch=batch,
+             **run_peft(model_dir, adapters, batch, args.new_tokens // 2, vocab))
+    for batch in [int(b) for b in args.compiled_batches.split(",") if b]:
+        emit(**common, system="transformers static+compile", pattern="none", batch=batch, **run_compiled(model_dir, batch))
+
+
+if __name__ == "__main__":
+    main()
