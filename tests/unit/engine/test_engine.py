@@ -236,3 +236,16 @@ def test_bad_requests_fail_alone(models, tmp_path):
         broken.result()
     _check(healthy.result(), _alone(checkpoint, adapters["attn_r2"], PROMPTS[0], 6), PROMPTS[0])
     assert engine.pool.free == engine.pool.num_blocks
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_triton_kernels_give_plain_peft_tokens(models):
+    """float32 on CUDA (the SGMV kernels in Triton, the attention on the GPU) against plain transformers + PEFT there."""
+    checkpoint, adapters = models("llama")
+    engine = Engine.from_pretrained(checkpoint, device="cuda", dtype=torch.float32, kv_blocks=64, block_size=4,
+                                    max_batch_tokens=8)
+    names = [None, "attn_r2", "mlp_r8", "everything_rs"]
+    completions = engine.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3),
+                                  [None if n is None else (n, adapters[n]) for n in names])
+    for completion, prompt, name in zip(completions, PROMPTS, names):
+        _check(completion, _alone(checkpoint, adapters.get(name), prompt, 8, torch.float32), prompt, rtol=1e-3)
