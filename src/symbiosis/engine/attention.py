@@ -42,7 +42,7 @@ def paged_attention(module, query, key, value, attention_mask=None, scaling=None
     probabilities = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
     out = torch.matmul(probabilities.to(v.dtype).view(chunks, kv_heads, group * longest, -1), v)  # [R, Hkv, G*Q, Dv]
     out = out.view(chunks, heads, longest, value_dim)  # [R, H, Q, Dv]
-    out = out.transpose(1, 2)[step.query_valid]  # [T, H, Dv], in flat token order
+    out = out.transpose(1, 2).reshape(chunks * longest, heads, value_dim)[step.query_rows]  # [T, H, Dv], flat order
     return out.unsqueeze(0), None
 
 

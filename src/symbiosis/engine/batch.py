@@ -10,6 +10,7 @@ Shapes (R chunks, Q = longest chunk, L = longest context, K = rows sampled):
     input_ids, positions, slots   [T]       token, its position in its request, its flat KV slot
     query_index                    [R, Q]    flat token of each chunk's q-th query (padding: 0)
     query_valid                    [R, Q]
+    query_rows                     [T]       row r * Q + q of the padded queries that each flat token is
     context_slots                  [R, L]    flat KV slot of each chunk's context position l (padding: 0)
     context_positions              [L]       0 .. L-1
     sample_rows                    [K]       the flat rows whose logits are sampled (a chunk's last token, when
@@ -79,6 +80,9 @@ class StepBatch:
         lengths = torch.tensor([len(c.tokens) for c in chunks], device=device)
         self.query_valid = torch.arange(longest_query, device=device)[None, :] < lengths[:, None]
         self.query_positions = self.positions[self.query_index].masked_fill(~self.query_valid, 0)  # [R, Q]
+        # rows of the [R * Q] padded queries that are real, in flat token order (an index, not a mask: a boolean
+        # index makes the device count its rows before every layer's attention can return)
+        self.query_rows = as_long([r * longest_query + q for r, c in enumerate(chunks) for q in range(len(c.tokens))])
         self.context_positions = torch.arange(longest_context, device=device)
         self.sample_rows = as_long(sample_rows)
         self.sampled_chunks = [c for c in chunks if c.sample]
