@@ -96,21 +96,29 @@ def methods(x, y, a_pool, b_pool, scales, pattern):
     return found
 
 
-def time_eager(fn, batches, iters=200, repeats=5) -> float:
-    """Median µs per call of back-to-back calls (launch overhead included), timed with CUDA events."""
-    for i in range(10):
-        fn(batches[i % len(batches)])
-    torch.cuda.synchronize()
+def median_us(work, calls_per_run: int, repeats: int = 5) -> float:
+    """Median µs per call of `work()` (which makes `calls_per_run` calls), timed with CUDA events."""
     runs = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for i in range(iters):
-            fn(batches[i % len(batches)])
+        work()
         end.record()
         end.synchronize()
-        runs.append(start.elapsed_time(end) * 1e3 / iters)
+        runs.append(start.elapsed_time(end) * 1e3 / calls_per_run)
     return statistics.median(runs)
+
+
+def time_eager(fn, batches, iters=200, repeats=5) -> float:
+    """Median µs per call of back-to-back calls (launch overhead included)."""
+    def calls():
+        for i in range(iters):
+            fn(batches[i % len(batches)])
+
+    for i in range(10):
+        fn(batches[i % len(batches)])
+    torch.cuda.synchronize()
+    return median_us(calls, iters, repeats)
 
 
 def time_graph(fn, batches, calls=40, replays=20, repeats=5) -> float:
@@ -123,17 +131,12 @@ def time_graph(fn, batches, calls=40, replays=20, repeats=5) -> float:
             fn(batches[i % len(batches)])
     graph.replay()
     torch.cuda.synchronize()
-    runs = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def replay():
         for _ in range(replays):
             graph.replay()
-        end.record()
-        end.synchronize()
-        runs.append(start.elapsed_time(end) * 1e3 / (replays * calls))
-    del graph
-    return statistics.median(runs)
+
+    return median_us(replay, replays * calls, repeats)
 
 
 def pools(in_features, out_features, rank, slots):

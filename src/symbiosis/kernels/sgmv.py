@@ -238,6 +238,20 @@ def _launch_expand(y, partials, b_pool, scales, segments: Segments, ranks, plan:
 if triton is not None:
 
     @triton.jit
+    def _segment_tile(slots_ptr, ranks_ptr, seg, row0, end, R, HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      R_BLOCK: tl.constexpr):
+        """The tile both kernels work on: segment `seg`'s slot, its BLOCK_M token rows from row0 (row_ok: before
+        `end`), and the R_BLOCK rank columns that are real (r_ok: below R and, with ranks, below the slot's rank)."""
+        slot = tl.load(slots_ptr + seg).to(tl.int64)
+        rows = row0 + tl.arange(0, BLOCK_M)                                          # [BM]
+        row_ok = rows < end
+        rs = tl.arange(0, R_BLOCK)                                                   # [RB]
+        r_ok = rs < R
+        if HAS_RANKS:
+            r_ok = r_ok & (rs < tl.load(ranks_ptr + slot))
+        return slot, rows, row_ok, rs, r_ok
+
+    @triton.jit
     def _shrink_kernel(x_ptr, a_ptr, partial_ptr, starts_ptr, slots_ptr, ranks_ptr,
                        K, R, k_per_split,
                        stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_ps, stride_pt, stride_pr,
@@ -254,13 +268,8 @@ if triton is not None:
             return
         if SIGNAL_DEPENDENTS:  # a PDL-launched expand may start once every program got here
             tl.extra.cuda.gdc_launch_dependents()
-        slot = tl.load(slots_ptr + seg).to(tl.int64)
-        rows = row0 + tl.arange(0, BLOCK_M)                                          # [BM]
-        row_ok = rows < end
-        rs = tl.arange(0, R_BLOCK)                                                   # [RB]
-        r_ok = rs < R
-        if HAS_RANKS:
-            r_ok = r_ok & (rs < tl.load(ranks_ptr + slot))
+        slot, rows, row_ok, rs, r_ok = _segment_tile(slots_ptr, ranks_ptr, seg, row0, end, R,
+                                                     HAS_RANKS, BLOCK_M, R_BLOCK)
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xt                      # [BM, 1]
         a_rows = a_ptr + slot * stride_as + rs[:, None] * stride_ar                  # [RB, 1]
         acc = tl.zeros([BLOCK_M, R_BLOCK], dtype=tl.float32)
@@ -290,13 +299,8 @@ if triton is not None:
         row0 = tl.load(starts_ptr + seg) + pid_m * BLOCK_M
         if row0 >= end:
             return
-        slot = tl.load(slots_ptr + seg).to(tl.int64)
-        rows = row0 + tl.arange(0, BLOCK_M)                                          # [BM]
-        row_ok = rows < end
-        rs = tl.arange(0, R_BLOCK)                                                   # [RB]
-        r_ok = rs < R
-        if HAS_RANKS:
-            r_ok = r_ok & (rs < tl.load(ranks_ptr + slot))
+        slot, rows, row_ok, rs, r_ok = _segment_tile(slots_ptr, ranks_ptr, seg, row0, end, R,
+                                                     HAS_RANKS, BLOCK_M, R_BLOCK)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                               # [BN]
         col_ok = cols < N
         b = tl.load(b_ptr + slot * stride_bs + cols.to(tl.int64)[:, None] * stride_bn + rs[None, :] * stride_br,
