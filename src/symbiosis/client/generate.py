@@ -28,19 +28,25 @@ def save_adapter(peft_model: PeftModel, directory: str | os.PathLike) -> None:
     (Path(directory) / FINGERPRINT_FILE).write_text(json.dumps({"base_fingerprint": fingerprint}))
 
 
-def load_adapter(model: PreTrainedModel, directory: str | os.PathLike, **kwargs) -> PeftModel:
-    """`PeftModel.from_pretrained` with errors that name the problem: a missing directory or file, an adapter
-    saved for another base model (fingerprint recorded by `save_adapter`), or tensors of the wrong shape."""
-    directory = check_adapter_directory(directory)
+def check_base_fingerprint(directory: Path, fingerprint: str) -> None:
+    """`AdapterError` if `directory` records (`save_adapter`) a base model other than `fingerprint`'s; an adapter
+    without the record (plain PEFT) passes."""
     marker = directory / FINGERPRINT_FILE
     if marker.is_file():
         try:
             recorded = json.loads(marker.read_text()).get("base_fingerprint")
         except (ValueError, AttributeError) as e:  # not JSON, or not an object
             raise AdapterError(f"{marker}: not a symbiosis adapter record ({e})") from e
-        if recorded != model.symbiosis_fingerprint:
+        if recorded != fingerprint:
             raise AdapterError(f"{directory}: this adapter was trained on another base model (fingerprint "
-                               f"{str(recorded)[:16]}…, this model {model.symbiosis_fingerprint[:16]}…)")
+                               f"{str(recorded)[:16]}…, this model {fingerprint[:16]}…)")
+
+
+def load_adapter(model: PreTrainedModel, directory: str | os.PathLike, **kwargs) -> PeftModel:
+    """`PeftModel.from_pretrained` with errors that name the problem: a missing directory or file, an adapter
+    saved for another base model (fingerprint recorded by `save_adapter`), or tensors of the wrong shape."""
+    directory = check_adapter_directory(directory)
+    check_base_fingerprint(directory, model.symbiosis_fingerprint)
     try:
         return PeftModel.from_pretrained(model, directory, **kwargs)
     except (RuntimeError, ValueError, KeyError) as e:

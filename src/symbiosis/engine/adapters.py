@@ -14,6 +14,7 @@ side stream; the step that first uses a slot waits for its copy, nothing else do
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -28,7 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from symbiosis.client.adapter_files import check_adapter_directory
-from symbiosis.client.generate import FINGERPRINT_FILE
+from symbiosis.client.generate import check_base_fingerprint
 from symbiosis.errors import AdapterError, UnsupportedAdapter
 from symbiosis.model.partition import BaseLayerSpec
 
@@ -55,8 +56,6 @@ class HostAdapter:
     key: tuple
     layers: dict[str, LoRALayer]  # base layer id -> its LoRA
     embedding: LoRALayer | None  # a [r, vocab], b [dim, r]
-    rank: int
-    nbytes: int = 0
 
 
 @dataclass
@@ -78,6 +77,7 @@ class AdapterStore:
         if not 1 <= max_rank <= 1024 or slots < 1:
             raise ValueError(f"max_rank must be in 1..1024 and slots >= 1 (got {max_rank}, {slots})")
         self.modules, self.embedding_module, self.fingerprint = modules, embedding, fingerprint
+        self.specs = {spec.layer_id: spec for spec in modules.values()}  # layer id -> spec
         self.device, self.dtype, self.max_rank, self.num_slots = device, dtype, max_rank, slots
         self.pools: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer id -> (a, b, scale)
         self.embedding_pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -108,15 +108,7 @@ class AdapterStore:
 
     def _read(self, name: str, directory: Path, key: tuple) -> HostAdapter:
         config = _read_config(directory / "adapter_config.json")
-        marker = directory / FINGERPRINT_FILE
-        if marker.is_file():
-            try:
-                recorded = json.loads(marker.read_text()).get("base_fingerprint")
-            except (ValueError, AttributeError) as e:
-                raise AdapterError(f"adapter {name!r}: {marker.name} is not a symbiosis adapter record ({e})") from e
-            if recorded != self.fingerprint:
-                raise AdapterError(f"adapter {name!r} was trained on another base model (fingerprint "
-                                   f"{str(recorded)[:16]}…, this engine's base {self.fingerprint[:16]}…)")
+        check_base_fingerprint(directory, self.fingerprint)
         try:
             tensors = load_file(directory / "adapter_model.safetensors")
         except (SafetensorError, OSError, ValueError) as e:
@@ -132,7 +124,7 @@ class AdapterStore:
                 raise UnsupportedAdapter(f"adapter {name!r}: tensor {tensor_name!r} is not a LoRA A or B matrix; "
                                          + SPLIT_CLIENT_HINT)
             pairs.setdefault(module, {})[part] = tensor
-        layers, embedding, rank, pin = {}, None, 0, self.device.type == "cuda"
+        layers, embedding, pin = {}, None, self.device.type == "cuda"
         for module, parts in sorted(pairs.items()):
             embedded = "embedding_A" in parts or "embedding_B" in parts
             a, b = (parts.get("embedding_A"), parts.get("embedding_B")) if embedded else (parts.get("A.weight"), parts.get("B.weight"))
@@ -166,15 +158,13 @@ class AdapterStore:
             if pin:
                 a, b = a.pin_memory(), b.pin_memory()
             lora = LoRALayer(a, b, float(scale))
-            rank = max(rank, r)
             if embedded:
                 embedding = lora
             else:
                 layers[self.modules[module].layer_id] = lora
         if not layers and embedding is None:
             raise AdapterError(f"adapter {name!r}: adapter_model.safetensors holds no LoRA matrices")
-        nbytes = sum(t.numel() * t.element_size() for lora in [*layers.values(), embedding] if lora for t in (lora.a, lora.b))
-        return HostAdapter(name, key, layers, embedding, rank, nbytes)
+        return HostAdapter(name, key, layers, embedding)
 
     def _check_saved_base(self, name: str, module: str, tensor: torch.Tensor) -> None:
         base = self.vocabulary_weights[module]
@@ -239,11 +229,10 @@ class AdapterStore:
         return self.pools[layer_id]
 
     def _place(self, slot: int, adapter: HostAdapter) -> None:
-        specs = {spec.layer_id: spec for spec in self.modules.values()}
         stream = self._copy_stream
-        with torch.cuda.stream(stream) if stream is not None else _nothing():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for layer_id, lora in adapter.layers.items():
-                a_pool, b_pool, scales = self._pool(layer_id, specs[layer_id])
+                a_pool, b_pool, scales = self._pool(layer_id, self.specs[layer_id])
                 r = lora.a.shape[0]
                 a_pool[slot, :r].copy_(lora.a, non_blocking=True)
                 a_pool[slot, r:].zero_()
@@ -269,14 +258,6 @@ class AdapterStore:
             ready.record(stream)
         self._slots[slot] = Slot(adapter, ready=ready, layers=set(adapter.layers))
         self._by_key[adapter.key] = slot
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _read_config(path: Path) -> dict:

@@ -35,24 +35,24 @@ class Chunk:
     sample: bool
 
 
-def _segments(slots: list[int | None], lengths: list[int], device: torch.device) -> Segments | None:
-    """Contiguous runs of one adapter slot over rows laid out in `slots` order (None: no adapter)."""
-    starts, seg_slots, offset, longest = [], [], 0, 0
+def _runs(slots: list[int | None], lengths: list[int]) -> list[tuple[int, int, int]]:
+    """(first row, end row, slot) of each run of rows of one adapter slot, over rows laid out in `slots` order
+    (None: no adapter). Chunks are sorted with the adapter-less ones last, so the runs are contiguous from row 0."""
+    runs, offset = [], 0
     for slot, length in zip(slots, lengths):
         if slot is not None and length:
-            if seg_slots and seg_slots[-1] == slot and starts[-1][1] == offset:
-                starts[-1][1] += length
+            if runs and runs[-1][2] == slot:
+                runs[-1] = (runs[-1][0], offset + length, slot)
             else:
-                starts.append([offset, offset + length])
-                seg_slots.append(slot)
-            longest = max(longest, starts[-1][1] - starts[-1][0])
+                runs.append((offset, offset + length, slot))
         offset += length
-    if not seg_slots:
+    return runs
+
+
+def _segments(runs: list[tuple[int, int, int]], device: torch.device) -> Segments | None:
+    if not runs:
         return None
-    bounds = [s for s, _ in starts] + [starts[-1][1]]
-    # A gap between segments (rows without adapter in between) is not possible: chunks are sorted, None last.
-    return Segments(torch.tensor(bounds, dtype=torch.int32, device=device),
-                    torch.tensor(seg_slots, dtype=torch.int32, device=device), longest)
+    return Segments.from_lengths([end - first for first, end, _ in runs], [slot for _, _, slot in runs], device=device)
 
 
 class StepBatch:
@@ -86,9 +86,9 @@ class StepBatch:
         self.context_positions = torch.arange(longest_context, device=device)
         self.sample_rows = as_long(sample_rows)
         self.sampled_chunks = [c for c in chunks if c.sample]
-        self.token_segments = _segments([c.slot for c in chunks], [len(c.tokens) for c in chunks], device)
-        self.row_segments = _segments([c.slot for c in self.sampled_chunks], [1] * len(self.sampled_chunks), device)
-        self.embedding_slots = [(c.slot, c) for c in chunks]
+        self.token_runs = _runs([c.slot for c in chunks], [len(c.tokens) for c in chunks])  # host-side, as below
+        self.token_segments = _segments(self.token_runs, device)
+        self.row_segments = _segments(_runs([c.slot for c in self.sampled_chunks], [1] * len(self.sampled_chunks)), device)
         self._masks: dict[int | None, torch.Tensor] = {}
 
     @property

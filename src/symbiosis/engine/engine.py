@@ -213,49 +213,40 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> None:
         finite = torch.isfinite(logits).all(-1).tolist()
-        good = [i for i, ok in enumerate(finite) if ok]
-        for i, ok in enumerate(finite):
+        for request, ok in zip(requests, finite):
             if not ok:
-                self._end(requests[i], _Finished(None, GenerationError(
-                    f"request {requests[i].id}: the model's logits are NaN or Inf at output token "
-                    f"{len(requests[i].output)}; the request is stopped")))
+                self._end(request, _Finished(None, GenerationError(
+                    f"request {request.id}: the model's logits are NaN or Inf at output token "
+                    f"{len(request.output)}; the request is stopped")))
+        good = [i for i, ok in enumerate(finite) if ok]
         kept = [requests[i] for i in good]
         choices = sampling.choose(logits[good], kept, [r.generator for r in kept]) if good else []
         for request, choice in zip(kept, choices):
             request.output.append(choice.token)
             reason = self._stop_reason(request, choice.token)
-            text = self._advance_text(request, final=reason is not None)
+            text = self._new_text(request, final=reason is not None)
             request.events.put(Token(choice.token, text, choice.logprob, choice.top_logprobs))
             if reason is not None:
                 self._end(request, _Finished(reason))
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
+        """Why the request ends with `token`, if it does; with a tokenizer, `request.text` becomes the output's
+        text (without a final stop token, cut before a stop string)."""
         params = request.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
-            return "stop"
-        if self.tokenizer is not None and params.stop:
-            ids = request.output
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            hits = [text.find(s) for s in params.stop if s in text]
+        reason = "stop" if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids) else None
+        if self.tokenizer is not None:
+            request.text = self.tokenizer.decode(request.output[:-1] if reason else request.output,
+                                                 skip_special_tokens=True)
+            hits = [request.text.find(s) for s in params.stop if s in request.text] if reason is None else []
             if hits:
-                request.text = text[:min(hits)]
-                request.stop_text = True
-                return "stop"
-        if len(request.output) >= params.max_tokens:
-            return "length"
-        return None
+                request.text, reason = request.text[:min(hits)], "stop"
+        if reason is None and len(request.output) >= params.max_tokens:
+            reason = "length"
+        return reason
 
-    def _advance_text(self, request: Request, final: bool) -> str:
+    def _new_text(self, request: Request, final: bool) -> str:
         """The text that the newest token adds, held back while it might still become a stop string or ends in
         an incomplete character."""
-        if self.tokenizer is None:
-            return ""
-        if not request.stop_text:
-            ids = request.output
-            if final and ids and (ids[-1] in request.params.stop_token_ids or
-                                  (not request.params.ignore_eos and ids[-1] in self.eos_ids)):
-                ids = ids[:-1]
-            request.text = self.tokenizer.decode(ids, skip_special_tokens=True)
         end = len(request.text)
         if not final:
             end -= max((len(s) - 1 for s in request.params.stop), default=0)
@@ -267,8 +258,6 @@ class Engine:
 
     def _end(self, request: Request, finished: _Finished) -> None:
         self.scheduler.finish(request)
-        if request in self.scheduler.waiting:
-            self.scheduler.waiting.remove(request)
         request.events.put(finished)
 
     # -- the engine's thread --

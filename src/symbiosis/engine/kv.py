@@ -53,6 +53,3 @@ class PagedKV:
             self.values[index] = torch.zeros(slots, kv_heads, value_dim, device=self.device, dtype=self.dtype)
         return self.keys[index], self.values[index]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))

@@ -68,13 +68,10 @@ class EngineEmbedding(nn.Module):
             return out
         a_pool, b_pool, scales = pools
         flat, ids = out.view(-1, out.shape[-1]), input_ids.reshape(-1)
-        segments = batch.token_segments
-        bounds, slots = segments.starts.tolist(), segments.slots.tolist()
         scale = getattr(self.embedding, "embed_scale", None)
-        for i, slot in enumerate(slots):
-            rows = slice(bounds[i], bounds[i + 1])
-            delta = (a_pool[slot][ids[rows]] @ b_pool[slot]) * scales[slot].to(flat.dtype)
-            flat[rows] += delta if scale is None else delta * scale.to(delta.dtype)
+        for first, end, slot in batch.token_runs:  # the segments' bounds as host values: no device read
+            delta = (a_pool[slot][ids[first:end]] @ b_pool[slot]) * scales[slot].to(flat.dtype)
+            flat[first:end] += delta if scale is None else delta * scale.to(delta.dtype)
         return out
 
 

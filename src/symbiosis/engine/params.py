@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from symbiosis.errors import BadCall
 
@@ -30,7 +30,6 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
-    extra: dict = field(default_factory=dict, compare=False, repr=False)  # the caller's own bookkeeping
 
     def __post_init__(self):
         if isinstance(self.stop, str):

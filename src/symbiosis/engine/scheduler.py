@@ -44,7 +44,6 @@ class Request:
     cancelled: bool = False
     text: str = ""  # the output's text so far (with a tokenizer)
     emitted: int = 0  # characters of `text` already streamed
-    stop_text: bool = False  # `text` was cut at a stop string
 
     @property
     def tokens(self) -> list[int]:
@@ -122,9 +121,11 @@ class Scheduler:
         self.add(request)
 
     def finish(self, request: Request) -> None:
-        """Out of the running set: its blocks and its adapter slot go back."""
+        """Out of the running set (or the queue): its blocks and its adapter slot go back."""
         if request in self.running:
             self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
         self.pool.release(request.blocks)
         if request.slot is not None:
             self.adapters.release(request.slot)
