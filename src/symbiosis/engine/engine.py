@@ -14,6 +14,7 @@ chunk. A request that fails (NaN logits, a cancelled stream) ends alone; the oth
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 import uuid
@@ -72,8 +73,14 @@ class RequestHandle:
         return self.request.id
 
     def __iter__(self):
+        return self._tokens_until(None)
+
+    def _tokens_until(self, deadline: float | None):
         while self._finished is None:
-            event = self.request.events.get()
+            try:
+                event = self.request.events.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"request {self.id} did not finish in time") from None
             if isinstance(event, _Finished):
                 self._finished = event
             else:
@@ -83,10 +90,9 @@ class RequestHandle:
             raise self._finished.error
 
     def result(self, timeout: float | None = None) -> Completion:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for _ in self:
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        """The whole completion; `TimeoutError` if it has not finished within `timeout` seconds."""
+        for _ in self._tokens_until(None if timeout is None else time.monotonic() + timeout):
+            pass
         request = self.request
         return Completion(request.id, len(request.prompt), list(request.output), request.text,
                           self._finished.reason, list(self._tokens) if request.params.logprobs is not None else [],

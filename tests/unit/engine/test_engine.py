@@ -184,6 +184,17 @@ def test_tokens_stream_from_the_engine_thread(models):
         engine.close()
 
 
+def test_result_times_out_when_no_step_runs(models):
+    checkpoint, _ = models("llama")
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=8, block_size=4)  # no thread
+    handle = engine.submit(PROMPTS[1], SamplingParams(max_tokens=2))
+    with pytest.raises(TimeoutError, match="did not finish in time"):
+        handle.result(timeout=0.05)
+    while engine.has_work():
+        engine.step()
+    assert len(handle.result(timeout=0.05).token_ids) == 2
+
+
 def _write_lora(directory, tensors: dict, config: dict) -> None:
     from safetensors.torch import save_file
 
