@@ -7,7 +7,8 @@ requests spread evenly; skewed: Zipf(1.5) over B adapters; identical: one adapte
 requests run together to the end. Workload (ShareGPT-like, seeded): prompt lengths log-normal with median 160
 tokens (sigma 0.8, clipped to 16..1024), `--new-tokens` generated each (eos ignored). Adapters: LoRA rank `--rank`
 on q, k, v, o, gate, up, down, random values. Reported per run: generated tokens/s over the whole run, and the
-mean latency of the steps that were pure decodes.
+median latency of the steps that were pure decodes. Each (batch, pattern) runs `--repeats` times and the last is
+reported (the first records the CUDA graphs of its decode step shapes; `--eager`: none).
 
 Baselines in the same process and run: (a) transformers + PEFT with the same adapters loaded and mixed in one
 `generate(adapter_names=...)` batch (`--peft-batches`), (b) this engine with no adapter (pattern none),
@@ -20,6 +21,7 @@ import argparse
 import json
 import math
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -102,7 +104,7 @@ def run_engine(engine: Engine, adapters: list[Path], pattern: str, batch: int, n
             decode_times.append(time.perf_counter() - began)
     wall = time.perf_counter() - start
     generated = sum(len(h.result().token_ids) for h in handles)
-    return {"tokens_per_s": generated / wall, "decode_step_ms": 1e3 * sum(decode_times) / max(1, len(decode_times)),
+    return {"tokens_per_s": generated / wall, "decode_step_ms": 1e3 * statistics.median(decode_times or [0.0]),
             "decode_steps": len(decode_times), "adapters": len({a for a in owners if a is not None}),
             "prompt_tokens": sum(lengths)}
 
@@ -187,6 +189,8 @@ def main() -> None:
     parser.add_argument("--peft-batches", default="8", help="batch sizes of baseline (a); empty: skip")
     parser.add_argument("--compiled-batches", default="1,8", help="batch sizes of baseline (c); empty: skip")
     parser.add_argument("--adapters-dir", default="/tmp/symbiosis-bench-adapters")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each (batch, pattern); the last is reported")
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
     parser.add_argument("--profile", help="write a torch.profiler table of decode steps at batch 8, distinct, here")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -199,13 +203,16 @@ def main() -> None:
     executor = Executor.from_pretrained(model_dir, device=device(), dtype=dtype())
     kv_tokens = max(batches) * (1024 + args.new_tokens)
     engine = Engine(model_dir, executor, kv_blocks=kv_tokens // 16 + 1, block_size=16, max_batch_tokens=2048,
-                    max_running=max(batches), max_lora_rank=args.rank, adapter_slots=max(batches))
+                    max_running=max(batches), max_lora_rank=args.rank, adapter_slots=max(batches),
+                    decode_graphs=not args.eager and torch.cuda.is_available())
     run_engine(engine, adapters, "distinct", min(8, max(batches)), 4, vocab)  # warm up (adapter copies, allocator)
     if args.profile:
         profile_decode(engine, adapters, vocab, Path(args.profile))
     for batch in batches:
         for pattern in args.patterns.split(","):
-            emit(**common, system="symbiosis", pattern=pattern, batch=batch,
+            for _ in range(args.repeats - 1):  # CUDA graphs of this run's step shapes are recorded here
+                run_engine(engine, adapters, pattern, batch, args.new_tokens, vocab)
+            emit(**common, system="symbiosis", pattern=pattern, batch=batch, graphs=engine.graphs is not None,
                  **run_engine(engine, adapters, pattern, batch, args.new_tokens, vocab))
     del engine, executor
     if torch.cuda.is_available():

@@ -81,6 +81,7 @@ class AdapterStore:
         self.device, self.dtype, self.max_rank, self.num_slots = device, dtype, max_rank, slots
         self.pools: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer id -> (a, b, scale)
         self.embedding_pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.pools_version = 0  # how many pools have been made (a recorded decode graph reads those it saw)
         self._slots: OrderedDict[int, Slot] = OrderedDict()  # least recently used first
         self._by_key: dict[tuple, int] = {}
         self._host: OrderedDict[tuple, HostAdapter] = OrderedDict()
@@ -226,6 +227,7 @@ class AdapterStore:
             self.pools[layer_id] = (torch.zeros(s, r, spec.in_features, device=self.device, dtype=self.dtype),
                                     torch.zeros(s, spec.out_features, r, device=self.device, dtype=self.dtype),
                                     torch.zeros(s, device=self.device, dtype=torch.float32))
+            self.pools_version += 1
         return self.pools[layer_id]
 
     def _place(self, slot: int, adapter: HostAdapter) -> None:
@@ -245,6 +247,7 @@ class AdapterStore:
                     self.embedding_pool = (torch.zeros(self.num_slots, vocab, self.max_rank, device=self.device, dtype=self.dtype),
                                            torch.zeros(self.num_slots, self.max_rank, dim, device=self.device, dtype=self.dtype),
                                            torch.zeros(self.num_slots, device=self.device, dtype=torch.float32))
+                    self.pools_version += 1
                 a_pool, b_pool, scales = self.embedding_pool
                 lora, r = adapter.embedding, adapter.embedding.a.shape[0]
                 a_pool[slot, :, :r].copy_(lora.a.t(), non_blocking=True)

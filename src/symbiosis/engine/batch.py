@@ -56,13 +56,23 @@ def _segments(runs: list[tuple[int, int, int]], device: torch.device) -> Segment
 
 
 class StepBatch:
-    def __init__(self, chunks: list[Chunk], block_size: int, device: torch.device):
+    """`padded` = (rows, context, trash slot), for a decode step replayed from a CUDA graph (engine/graphs.py):
+    every shape is fixed by (rows, context) and nothing else: the chunks (one token each) are followed by
+    padding rows (token 0 at position 0, written to and reading only the KV cache's trash slot, sampled but
+    never read), contexts are padded to `context`, and the SGMV segments are one per chunk (length 1, never
+    merged), padded with empty ones to `rows`."""
+
+    TENSORS = ("input_ids", "positions", "slots", "query_index", "context_slots", "query_valid", "query_positions",
+               "query_rows", "context_positions", "sample_rows")  # what a replayed graph reads (copy_from)
+
+    def __init__(self, chunks: list[Chunk], block_size: int, device: torch.device,
+                 padded: tuple[int, int, int] | None = None):
         # adapters first, grouped by slot; the base model's requests last
         self.chunks = chunks = sorted(chunks, key=lambda c: (c.slot is None, c.slot if c.slot is not None else 0))
         self.device = device
         ids, positions, slots, query_index, context_slots, sample_rows = [], [], [], [], [], []
         longest_query = max(len(c.tokens) for c in chunks)
-        longest_context = max(c.start + len(c.tokens) for c in chunks)
+        longest_context = max(c.start + len(c.tokens) for c in chunks) if padded is None else padded[1]
         for chunk in chunks:
             table = chunk.request.blocks
             flat = [table[p // block_size] * block_size + p % block_size for p in range(chunk.start + len(chunk.tokens))]
@@ -74,22 +84,48 @@ class StepBatch:
             context_slots.append(flat + [0] * (longest_context - len(flat)))
             if chunk.sample:
                 sample_rows.append(len(ids) - 1)
+        lengths = [len(c.tokens) for c in chunks]
+        if padded is not None:
+            rows, _, trash = padded
+            for row in range(len(chunks), rows):
+                ids.append(0)
+                positions.append(0)
+                slots.append(trash)
+                query_index.append([row])
+                context_slots.append([trash] * longest_context)
+                sample_rows.append(row)
+            lengths += [1] * (rows - len(chunks))
         as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
         self.input_ids, self.positions, self.slots = as_long(ids), as_long(positions), as_long(slots)
         self.query_index, self.context_slots = as_long(query_index), as_long(context_slots)
-        lengths = torch.tensor([len(c.tokens) for c in chunks], device=device)
-        self.query_valid = torch.arange(longest_query, device=device)[None, :] < lengths[:, None]
+        self.query_valid = torch.arange(longest_query, device=device)[None, :] < as_long(lengths)[:, None]
         self.query_positions = self.positions[self.query_index].masked_fill(~self.query_valid, 0)  # [R, Q]
         # rows of the [R * Q] padded queries that are real, in flat token order (an index, not a mask: a boolean
         # index makes the device count its rows before every layer's attention can return)
-        self.query_rows = as_long([r * longest_query + q for r, c in enumerate(chunks) for q in range(len(c.tokens))])
+        self.query_rows = as_long([r * longest_query + q for r, length in enumerate(lengths) for q in range(length)])
         self.context_positions = torch.arange(longest_context, device=device)
         self.sample_rows = as_long(sample_rows)
         self.sampled_chunks = [c for c in chunks if c.sample]
         self.token_runs = _runs([c.slot for c in chunks], [len(c.tokens) for c in chunks])  # host-side, as below
-        self.token_segments = _segments(self.token_runs, device)
-        self.row_segments = _segments(_runs([c.slot for c in self.sampled_chunks], [1] * len(self.sampled_chunks)), device)
+        if padded is None:
+            self.token_segments = _segments(self.token_runs, device)
+            self.row_segments = _segments(_runs([c.slot for c in self.sampled_chunks], [1] * len(self.sampled_chunks)), device)
+        else:  # one token, one sampled row per chunk: the same segments for both
+            adapted = [c.slot for c in chunks if c.slot is not None]
+            self.token_segments = self.row_segments = None if not adapted else Segments.from_lengths(
+                [1] * len(adapted) + [0] * (padded[0] - len(adapted)), adapted + [0] * (padded[0] - len(adapted)),
+                device=device)
         self._masks: dict[int | None, torch.Tensor] = {}
+
+    def copy_from(self, other: "StepBatch") -> None:
+        """Take `other`'s values into this batch's tensors (same shapes), in place: a graph captured on this
+        batch then runs `other`."""
+        for name in self.TENSORS:
+            getattr(self, name).copy_(getattr(other, name))
+        self._masks.clear()  # made again from the new positions (inside a graph, by the graph)
+        if self.token_segments is not None:
+            self.token_segments.starts.copy_(other.token_segments.starts)
+            self.token_segments.slots.copy_(other.token_segments.slots)
 
     @property
     def num_tokens(self) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from symbiosis.engine import layers, sampling
+from symbiosis.engine import graphs, layers, sampling
 from symbiosis.engine.adapters import AdapterStore
 from symbiosis.engine.batch import StepBatch
 from symbiosis.engine.kv import BlockPool, PagedKV
@@ -105,9 +105,11 @@ class RequestHandle:
 
 class Engine:
     def __init__(self, model_path, executor, tokenizer=None, *, kv_blocks: int = 2048, block_size: int = 16,
-                 max_batch_tokens: int = 512, max_running: int = 64, max_lora_rank: int = 64, adapter_slots: int = 8):
+                 max_batch_tokens: int = 512, max_running: int = 64, max_lora_rank: int = 64, adapter_slots: int = 8,
+                 decode_graphs: bool | None = None):
         """An engine over `executor` (an in-process `symbiosis.Executor` of `model_path`): its model shares
-        the executor's base weights. KV pool: `kv_blocks` blocks of `block_size` tokens."""
+        the executor's base weights. KV pool: `kv_blocks` blocks of `block_size` tokens. `decode_graphs`
+        (default: on a GPU) replays decode steps from CUDA graphs; on the CPU it runs them padded, eagerly."""
         self.device, self.dtype, self.tokenizer = executor.device, executor.dtype, tokenizer
         self.state = layers.StepState()
         self.model, modules, embedding, vocabulary = layers.build(model_path, executor, self.state)
@@ -128,6 +130,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.steps = 0
+        if decode_graphs is None:
+            decode_graphs = self.device.type == "cuda"
+        self.graphs = graphs.DecodeGraphs(self._logits, self.device) if decode_graphs else None
 
     @classmethod
     def from_pretrained(cls, model_path, device="cpu", dtype=None, tokenizer=None, **options) -> "Engine":
@@ -195,20 +200,15 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return 0
-        batch = StepBatch(chunks, self.pool.block_size, self.device)
         self.adapters.wait_ready({c.slot for c in chunks if c.slot is not None})
-        self.state.batch = batch
         try:
             with torch.inference_mode():
-                logits = self.model(input_ids=batch.input_ids[None], position_ids=batch.positions[None],
-                                    logits_to_keep=batch.sample_rows, use_cache=False).logits[0]
+                batch, logits = self._forward(chunks)
         except Exception as e:  # noqa: BLE001 -- the step's requests fail with it; the engine goes on
             for chunk in chunks:
                 self._end(chunk.request, _Finished(None, GenerationError(f"the step running request "
                                                                           f"{chunk.request.id} failed: {e}")))
             return 0
-        finally:
-            self.state.batch = None
         self.steps += 1
         for chunk in chunks:
             chunk.request.computed = chunk.start + len(chunk.tokens)
@@ -216,6 +216,26 @@ class Engine:
             self._sample(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits,
                          [c.request for c in batch.sampled_chunks])
         return batch.num_tokens
+
+    def _forward(self, chunks: list) -> tuple[StepBatch, torch.Tensor]:
+        """The step's batch and the logits of its sampled rows. A step of one-token decodes only is replayed from
+        a recorded graph (engine/graphs.py) unless an adapter has embedding LoRA (read with host indices)."""
+        if self.graphs is not None and self.adapters.embedding_pool is None and \
+                all(len(c.tokens) == 1 and c.sample for c in chunks):
+            rows, context = graphs.bucket(len(chunks), max(c.start + 1 for c in chunks))
+            batch = StepBatch(chunks, self.pool.block_size, self.device, padded=(rows, context, self.state.kv.trash))
+            key = (rows, context, batch.token_segments is not None, self.adapters.pools_version)
+            return batch, self.graphs.run(key, batch)[:len(chunks)]
+        batch = StepBatch(chunks, self.pool.block_size, self.device)
+        return batch, self._logits(batch)
+
+    def _logits(self, batch: StepBatch) -> torch.Tensor:
+        self.state.batch = batch
+        try:
+            return self.model(input_ids=batch.input_ids[None], position_ids=batch.positions[None],
+                              logits_to_keep=batch.sample_rows, use_cache=False).logits[0]
+        finally:
+            self.state.batch = None
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> None:
         finite = torch.isfinite(logits).all(-1).tolist()

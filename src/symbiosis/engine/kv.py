@@ -45,10 +45,15 @@ class PagedKV:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
 
+    @property
+    def trash(self) -> int:
+        """One slot past the pool's: what padding rows of a replayed decode step write and read."""
+        return self.pool.num_blocks * self.pool.block_size
+
     def layer(self, index: int, kv_heads: int, head_dim: int, value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `index`'s (keys, values), flat: [num_blocks * block_size, kv_heads, head_dim]."""
+        """Layer `index`'s (keys, values), flat: [num_blocks * block_size + 1 (trash), kv_heads, head_dim]."""
         if index not in self.keys:
-            slots = self.pool.num_blocks * self.pool.block_size
+            slots = self.trash + 1
             self.keys[index] = torch.zeros(slots, kv_heads, head_dim, device=self.device, dtype=self.dtype)
             self.values[index] = torch.zeros(slots, kv_heads, value_dim, device=self.device, dtype=self.dtype)
         return self.keys[index], self.values[index]

@@ -83,9 +83,22 @@ def _check(completion, expected, prompt, rtol=1e-9):
 
 @pytest.mark.parametrize("arch", ENGINE_ARCHS)
 def test_a_mixed_batch_equals_each_request_alone(models, arch):
+    _mixed_batch(models, arch)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2"])
+def test_padded_decode_steps_as_graphs_replay_them_change_no_token(models, arch):
+    """The layout of graph-replayed decode steps (padding rows on the KV cache's trash slot, contexts padded,
+    one segment per request), run eagerly on the CPU."""
+    engine = _mixed_batch(models, arch, decode_graphs=True)
+    assert engine.graphs.recorded, "no decode step took the padded layout"
+
+
+def _mixed_batch(models, arch, **options):
     checkpoint, adapters = models(arch)
     # 4-token blocks and an 8-token budget: prompts are prefilled in chunks beside other requests' decodes
-    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, max_batch_tokens=8)
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, max_batch_tokens=8,
+                                    **options)
     names = [None, *adapters]
     jobs = [(prompt, names[i % len(names)]) for i, prompt in enumerate(PROMPTS + PROMPTS[:2])]
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3)
@@ -102,12 +115,15 @@ def test_a_mixed_batch_equals_each_request_alone(models, arch):
     for handle, (prompt, name) in zip(handles, jobs):
         _check(handle.result(), _alone(checkpoint, adapters.get(name), prompt, 6), prompt, rtol)
     assert engine.pool.free == engine.pool.num_blocks, "every block went back to the pool"
+    return engine
 
 
-def test_preempted_requests_resume_without_losing_or_repeating_a_token(models):
+@pytest.mark.parametrize("decode_graphs", [False, True])
+def test_preempted_requests_resume_without_losing_or_repeating_a_token(models, decode_graphs):
     checkpoint, adapters = models("llama")
     # 12 blocks of 4 tokens: four requests of up to 19 + 12 tokens cannot all stay
-    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=12, block_size=4, max_batch_tokens=32)
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=12, block_size=4, max_batch_tokens=32,
+                                    decode_graphs=decode_graphs)
     names = [None, "attn_r2", "mlp_r8", "embed_head"]
     params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
     completions = engine.generate(PROMPTS, params, [None if n is None else (n, adapters[n]) for n in names])
@@ -250,13 +266,16 @@ def test_bad_requests_fail_alone(models, tmp_path):
 
 
 @pytest.mark.gpu
-def test_on_the_gpu_the_triton_kernels_give_plain_peft_tokens(models):
-    """float32 on CUDA (the SGMV kernels in Triton, the attention on the GPU) against plain transformers + PEFT there."""
+@pytest.mark.parametrize("decode_graphs", [False, True])
+def test_on_the_gpu_the_triton_kernels_give_plain_peft_tokens(models, decode_graphs):
+    """float32 on CUDA (the SGMV kernels in Triton, the attention on the GPU, decode steps eager or replayed from
+    CUDA graphs) against plain transformers + PEFT."""
     checkpoint, adapters = models("llama")
     engine = Engine.from_pretrained(checkpoint, device="cuda", dtype=torch.float32, kv_blocks=64, block_size=4,
-                                    max_batch_tokens=8)
+                                    max_batch_tokens=8, decode_graphs=decode_graphs)
     names = [None, "attn_r2", "mlp_r8", "everything_rs"]
     completions = engine.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3),
                                   [None if n is None else (n, adapters[n]) for n in names])
     for completion, prompt, name in zip(completions, PROMPTS, names):
         _check(completion, _alone(checkpoint, adapters.get(name), prompt, 8, torch.float32), prompt, rtol=1e-3)
+    assert bool(engine.graphs and engine.graphs.recorded) == decode_graphs

@@ -1,0 +1,61 @@
+"""Decode steps replayed from CUDA graphs: one kernel-launch sequence per step shape, recorded once.
+
+An eager decode step of an 8B model launches ~2,300 kernels from Python, so the GPU waits on the host
+(docs/PERFORMANCE.md section 8). A step whose chunks are all one-token decodes is instead laid out padded
+(`StepBatch(..., padded=(rows, context, trash))`: rows = the running requests rounded up to a power of two,
+context = the longest context rounded up to `CONTEXT_BUCKET`), so its every shape depends on
+(rows, context, whether any request has an adapter) alone. The first step of a shape runs the model once
+eagerly (Triton compiles, caches are made) and records it; every later step of that shape copies its indices
+into the recorded batch's tensors and replays. Graphs share one memory pool. A graph records the adapter
+pools that exist when it is made, so the key also holds `AdapterStore.pools_version`.
+
+Without CUDA the same padded batches run eagerly (the CPU tests check that padding changes no token).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from symbiosis.engine.batch import StepBatch
+
+CONTEXT_BUCKET = 256
+
+
+def bucket(rows: int, context: int) -> tuple[int, int]:
+    return 1 << (rows - 1).bit_length(), -(-context // CONTEXT_BUCKET) * CONTEXT_BUCKET
+
+
+class DecodeGraphs:
+    def __init__(self, forward: Callable[[StepBatch], torch.Tensor], device: torch.device):
+        """`forward(batch) -> logits [rows, vocab]`: the model over one batch."""
+        self.forward, self.capture = forward, device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.recorded: dict[tuple, tuple[StepBatch, torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+
+    def run(self, key: tuple, batch: StepBatch) -> torch.Tensor:
+        """Logits of `batch` (padded rows included), from the graph recorded for `key`."""
+        if key not in self.recorded:
+            self.recorded[key] = self._record(batch)
+        static, graph, logits = self.recorded[key]
+        if static is not batch:
+            static.copy_from(batch)
+        if graph is None:
+            return self.forward(static)
+        graph.replay()
+        return logits
+
+    def _record(self, batch: StepBatch):
+        if not self.capture:
+            return batch, None, None
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: Triton compiles, lazily made tensors are made, outside the capture
+            self.forward(batch)
+        torch.cuda.current_stream().wait_stream(side)
+        batch._masks.clear()  # made inside the graph, from the batch's positions
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.forward(batch)
+        return batch, graph, logits
