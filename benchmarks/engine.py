@@ -160,19 +160,24 @@ def run_compiled(model_dir: Path, batch: int, steps: int = 64) -> dict:
     return {"decode_step_ms": 1e3 * wall / steps, "tokens_per_s": batch * steps / wall}
 
 
-def profile_decode(engine: Engine, adapters: list[Path], vocab: int, path: Path) -> None:
-    """Where a decode step's time goes: 8 requests with distinct adapters, 10 decode steps profiled."""
+def profile_decode(engine: Engine, adapters: list[Path], path: Path, batch: int, prompt: int) -> None:
+    """Where a decode step's time goes: `batch` requests of `prompt` tokens with distinct adapters, 10 decode
+    steps profiled (sorted by GPU time, then by host time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    handles = [engine.submit([i + 1] * 100, SamplingParams(max_tokens=40, ignore_eos=True), (f"adapter-{i}", adapters[i]))
-               for i in range(8)]
-    for _ in range(15):  # prefill and a few decodes
+    handles = [engine.submit([i + 1] * prompt, SamplingParams(max_tokens=40, ignore_eos=True),
+                             (f"adapter-{i}", adapters[i])) for i in range(batch)]
+    while not all(r.decoding for r in engine.scheduler.running) or engine.scheduler.waiting:  # prefill
+        engine.step()
+    for _ in range(3):  # a few decodes (graphs recorded)
         engine.step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         for _ in range(10):
             engine.step()
         sync()
-    path.write_text(profiler.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+    averages = profiler.key_averages()
+    path.write_text(averages.table(sort_by="cuda_time_total", row_limit=30) + "\n"
+                    + averages.table(sort_by="cpu_time_total", row_limit=30))
     while engine.has_work():
         engine.step()
     for handle in handles:
@@ -191,7 +196,9 @@ def main() -> None:
     parser.add_argument("--adapters-dir", default="/tmp/symbiosis-bench-adapters")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each (batch, pattern); the last is reported")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
-    parser.add_argument("--profile", help="write a torch.profiler table of decode steps at batch 8, distinct, here")
+    parser.add_argument("--profile", help="write a torch.profiler table of decode steps (distinct adapters) here")
+    parser.add_argument("--profile-batch", type=int, default=8)
+    parser.add_argument("--profile-prompt", type=int, default=100, help="prompt tokens of each profiled request")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -207,7 +214,7 @@ def main() -> None:
                     decode_graphs=not args.eager and torch.cuda.is_available())
     run_engine(engine, adapters, "distinct", min(8, max(batches)), 4, vocab)  # warm up (adapter copies, allocator)
     if args.profile:
-        profile_decode(engine, adapters, vocab, Path(args.profile))
+        profile_decode(engine, adapters, Path(args.profile), args.profile_batch, args.profile_prompt)
     for batch in batches:
         for pattern in args.patterns.split(","):
             for _ in range(args.repeats - 1):  # CUDA graphs of this run's step shapes are recorded here

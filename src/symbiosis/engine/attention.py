@@ -14,6 +14,7 @@ Masks come from the step (`StepBatch.mask`), not from transformers (none is made
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 
 NAME = "symbiosis_paged"
@@ -35,13 +36,16 @@ def paged_attention(module, query, key, value, attention_mask=None, scaling=None
     q = q.view(chunks, longest, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4).reshape(chunks, kv_heads, group * longest, head_dim)
     k = keys[step.context_slots].transpose(1, 2)  # [R, Hkv, L, D]
     v = values[step.context_slots].transpose(1, 2)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * (head_dim ** -0.5 if scaling is None else scaling)  # [R, Hkv, G*Q, L]
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.view(chunks, kv_heads, group, longest, -1).masked_fill(~step.mask(sliding_window)[:, :, None], float("-inf"))
-    probabilities = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
-    out = torch.matmul(probabilities.to(v.dtype).view(chunks, kv_heads, group * longest, -1), v)  # [R, Hkv, G*Q, Dv]
-    out = out.view(chunks, heads, longest, value_dim)  # [R, H, Q, Dv]
+    scale = head_dim ** -0.5 if scaling is None else scaling
+    mask = step.mask(sliding_window, group)  # [R, 1, G*Q, L]
+    if softcap is None:  # one fused kernel (on a GPU: memory-efficient attention, which takes the mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [R, Hkv, G*Q, Dv]
+    else:  # soft-capped scores (Gemma2): no fused kernel takes them
+        scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap  # [R, Hkv, G*Q, L]
+        probabilities = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1,
+                                      dtype=torch.promote_types(scores.dtype, torch.float32))
+        out = torch.matmul(probabilities.to(v.dtype), v)  # [R, Hkv, G*Q, Dv]
+    out = out.reshape(chunks, heads, longest, value_dim)  # [R, H, Q, Dv] (a fused kernel may lay it out transposed)
     out = out.transpose(1, 2).reshape(chunks * longest, heads, value_dim)[step.query_rows]  # [T, H, Dv], flat order
     return out.unsqueeze(0), None
 

@@ -115,7 +115,7 @@ class StepBatch:
             self.token_segments = self.row_segments = None if not adapted else Segments.from_lengths(
                 [1] * len(adapted) + [0] * (padded[0] - len(adapted)), adapted + [0] * (padded[0] - len(adapted)),
                 device=device)
-        self._masks: dict[int | None, torch.Tensor] = {}
+        self._masks: dict[tuple[int | None, int], torch.Tensor] = {}
 
     def copy_from(self, other: "StepBatch") -> None:
         """Take `other`'s values into this batch's tensors (same shapes), in place: a graph captured on this
@@ -131,13 +131,14 @@ class StepBatch:
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
-    def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """[R, 1, Q, L] bool: query q of chunk r sees context position l (causal, within the window if any)."""
-        if sliding_window not in self._masks:
+    def mask(self, sliding_window: int | None, group: int = 1) -> torch.Tensor:
+        """[R, 1, group * Q, L] bool: query q of chunk r sees context position l (causal, within the window if
+        any), repeated for the `group` query heads that share a key/value head (rows ordered (head, q))."""
+        if (sliding_window, group) not in self._masks:
             q = self.query_positions[:, None, :, None]
             l = self.context_positions[None, None, None, :]  # noqa: E741
             allowed = l <= q
             if sliding_window is not None:
                 allowed = allowed & (l > q - sliding_window)
-            self._masks[sliding_window] = allowed
-        return self._masks[sliding_window]
+            self._masks[sliding_window, group] = allowed.repeat(1, 1, group, 1)
+        return self._masks[sliding_window, group]
