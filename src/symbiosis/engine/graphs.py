@@ -6,7 +6,8 @@ An eager decode step of an 8B model launches ~2,300 kernels from Python, so the 
 context = the longest context rounded up to `CONTEXT_BUCKET`), so its every shape depends on
 (rows, context, whether any request has an adapter) alone. The first step of a shape runs the model once
 eagerly (Triton compiles, caches are made) and records it; every later step of that shape copies its indices
-into the recorded batch's tensors and replays. Graphs share one memory pool. A graph records the adapter
+into the recorded batch's tensors and replays. Graphs share one memory pool (safe: one replays at a time, and each
+step reads its logits before the next replay); at most MAX_GRAPHS are kept. A graph records the adapter
 pools that exist when it is made, so the key also holds `AdapterStore.pools_version`.
 
 Without CUDA the same padded batches run eagerly (the CPU tests check that padding changes no token).
@@ -14,6 +15,7 @@ Without CUDA the same padded batches run eagerly (the CPU tests check that paddi
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -21,6 +23,7 @@ import torch
 from symbiosis.engine.batch import StepBatch
 
 CONTEXT_BUCKET = 256
+MAX_GRAPHS = 64  # recorded graphs kept (least recently replayed dropped): long contexts make many buckets
 
 
 def bucket(rows: int, context: int) -> tuple[int, int]:
@@ -32,12 +35,15 @@ class DecodeGraphs:
         """`forward(batch) -> logits [rows, vocab]`: the model over one batch."""
         self.forward, self.capture = forward, device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.recorded: dict[tuple, tuple[StepBatch, torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        self.recorded: OrderedDict[tuple, tuple[StepBatch, torch.cuda.CUDAGraph | None, torch.Tensor | None]] = OrderedDict()
 
     def run(self, key: tuple, batch: StepBatch) -> torch.Tensor:
         """Logits of `batch` (padded rows included), from the graph recorded for `key`."""
         if key not in self.recorded:
             self.recorded[key] = self._record(batch)
+            while len(self.recorded) > MAX_GRAPHS:
+                self.recorded.popitem(last=False)
+        self.recorded.move_to_end(key)
         static, graph, logits = self.recorded[key]
         if static is not batch:
             static.copy_from(batch)
