@@ -18,8 +18,11 @@ Baselines in the same process and run: (a) transformers + PEFT with the same ada
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import math
+import pstats
 import random
 import statistics
 import time
@@ -162,7 +165,7 @@ def run_compiled(model_dir: Path, batch: int, steps: int = 64) -> dict:
 
 def profile_decode(engine: Engine, adapters: list[Path], path: Path, batch: int, prompt: int) -> None:
     """Where a decode step's time goes: `batch` requests of `prompt` tokens with distinct adapters, 10 decode
-    steps profiled (sorted by GPU time, then by host time)."""
+    steps profiled (sorted by GPU time, then by host time), then 10 more under cProfile (the host's Python)."""
     from torch.profiler import ProfilerActivity, profile
 
     handles = [engine.submit([i + 1] * prompt, SamplingParams(max_tokens=40, ignore_eos=True),
@@ -176,8 +179,16 @@ def profile_decode(engine: Engine, adapters: list[Path], path: Path, batch: int,
             engine.step()
         sync()
     averages = profiler.key_averages()
+    host = cProfile.Profile()  # the host's Python, without the torch profiler's own overhead
+    host.enable()
+    for _ in range(10):
+        engine.step()
+    sync()
+    host.disable()
+    listing = io.StringIO()
+    pstats.Stats(host, stream=listing).sort_stats("tottime").print_stats(30)
     path.write_text(averages.table(sort_by="cuda_time_total", row_limit=30) + "\n"
-                    + averages.table(sort_by="cpu_time_total", row_limit=30))
+                    + averages.table(sort_by="cpu_time_total", row_limit=30) + "\n" + listing.getvalue())
     while engine.has_work():
         engine.step()
     for handle in handles:
@@ -195,6 +206,7 @@ def main() -> None:
     parser.add_argument("--compiled-batches", default="1,8", help="batch sizes of baseline (c); empty: skip")
     parser.add_argument("--adapters-dir", default="/tmp/symbiosis-bench-adapters")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each (batch, pattern); the last is reported")
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block (page)")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
     parser.add_argument("--profile", help="write a torch.profiler table of decode steps (distinct adapters) here")
     parser.add_argument("--profile-batch", type=int, default=8)
@@ -209,7 +221,8 @@ def main() -> None:
 
     executor = Executor.from_pretrained(model_dir, device=device(), dtype=dtype())
     kv_tokens = max(batches) * (1024 + args.new_tokens)
-    engine = Engine(model_dir, executor, kv_blocks=kv_tokens // 16 + 1, block_size=16, max_batch_tokens=2048,
+    engine = Engine(model_dir, executor, kv_blocks=kv_tokens // args.block_size + 1, block_size=args.block_size,
+                    max_batch_tokens=2048,
                     max_running=max(batches), max_lora_rank=args.rank, adapter_slots=max(batches),
                     decode_graphs=not args.eager and torch.cuda.is_available())
     run_engine(engine, adapters, "distinct", min(8, max(batches)), 4, vocab)  # warm up (adapter copies, allocator)

@@ -3,8 +3,12 @@
 The engine's model is an ordinary transformers model whose attention implementation is "symbiosis_paged":
 the model's own attention module computes q, k, v (projections, q/k norms, rotary embedding with each token's own
 position) and hands them here, where the step's new keys and values are written into the pool at their slots and
-each chunk's queries attend over its request's whole context, gathered from the pool through its block table.
-Masks come from the step (`StepBatch.mask`), not from transformers (none is made for an unknown implementation).
+each chunk's queries attend over its request's context where it lies in the pool: torch's flex_attention with the
+step's block mask (`StepBatch.block_mask`: per chunk the pages of its block table, per key its position in its
+request). On a GPU flex_attention is compiled and reads the pool in place (its decoding kernel splits each
+request's pages over the SMs); on the CPU, where it runs unfused and evaluates every key it is given, each chunk's
+context is gathered first.
+Masks come from the step, not from transformers (none is made for an unknown implementation).
 
     for each chunk r, query q (position p_q), context position l <= p_q (and l > p_q - window):
         s = scaling * <Q[r, q], K[slot(r, l)]>          (s = softcap * tanh(s / softcap) where the model caps)
@@ -13,11 +17,55 @@ Masks come from the step (`StepBatch.mask`), not from transformers (none is made
 
 from __future__ import annotations
 
+import warnings
+
 import torch
-import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from transformers import AttentionInterface
 
 NAME = "symbiosis_paged"
+RECOMPILE_LIMIT = 64  # one compiled kernel per (row bucket, window, dtype) for decodes; prefill shapes are dynamic
+
+
+def _decode(q, k, v, block_mask, score_mod, scale, options):
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True,
+                          kernel_options=options)
+
+
+def _prefill(q, k, v, block_mask, score_mod, scale, options):  # its own code object: its own compile cache
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True,
+                          kernel_options=options)
+
+
+def _unfused(q, k, v, block_mask, score_mod, scale, options):
+    with warnings.catch_warnings():  # "flex_attention called without torch.compile()": intended here
+        warnings.simplefilter("ignore")
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+def reads_in_place(query: torch.Tensor) -> bool:
+    """Whether attention reads the pool in place (a GPU) or gathered contexts (the CPU: unfused, flex_attention
+    would evaluate every key of the pool). The tests run the in-place path on the CPU too."""
+    return query.is_cuda
+
+
+_compiled: dict[str, object] = {}
+
+
+def _kernel(one_query: bool):
+    """Compiled flex_attention: static shapes for one-token queries (the decoding kernel needs a static batch;
+    graphs replay a handful of row buckets), dynamic for prefill chunks (any rows and lengths, one compile)."""
+    name = "decode" if one_query else "prefill"
+    if name not in _compiled:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        _compiled[name] = torch.compile(_decode if one_query else _prefill, dynamic=not one_query, fullgraph=True)
+    return _compiled[name]
+
+
+def _softcapped(softcap: float):
+    def score_mod(score, b, h, q, k):
+        return torch.tanh(score / softcap) * softcap
+    return score_mod
 
 
 def paged_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, sliding_window=None,
@@ -26,26 +74,24 @@ def paged_attention(module, query, key, value, attention_mask=None, scaling=None
     step = module.symbiosis_step.batch
     kv = module.symbiosis_step.kv
     heads, kv_heads, head_dim, value_dim = query.shape[1], key.shape[1], query.shape[-1], value.shape[-1]
-    keys, values = kv.layer(module.layer_idx, kv_heads, head_dim, value_dim)
-    keys.index_copy_(0, step.slots, key[0].transpose(0, 1).to(keys.dtype))
-    values.index_copy_(0, step.slots, value[0].transpose(0, 1).to(values.dtype))
+    keys, values = kv.layer(module.layer_idx, kv_heads, head_dim, value_dim)  # [Hkv, S, D], [Hkv, S, Dv]
+    keys.index_copy_(1, step.slots, key[0].to(keys.dtype))
+    values.index_copy_(1, step.slots, value[0].to(values.dtype))
 
-    group = heads // kv_heads  # grouped-query attention: query heads kv*group .. kv*group+group-1 read kv head kv
-    q = query[0].transpose(0, 1)[step.query_index]  # [R, Q, H, D]
-    chunks, longest = q.shape[0], q.shape[1]
-    q = q.view(chunks, longest, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4).reshape(chunks, kv_heads, group * longest, head_dim)
-    k = keys[step.context_slots].transpose(1, 2)  # [R, Hkv, L, D]
-    v = values[step.context_slots].transpose(1, 2)
+    q = query[0][:, step.query_index].transpose(0, 1)  # [R, H, Q, D]
+    chunks, longest = q.shape[0], q.shape[2]
     scale = head_dim ** -0.5 if scaling is None else scaling
-    mask = step.mask(sliding_window, group)  # [R, 1, G*Q, L]
-    if softcap is None:  # one fused kernel (on a GPU: memory-efficient attention, which takes the mask)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [R, Hkv, G*Q, Dv]
-    else:  # soft-capped scores (Gemma2): no fused kernel takes them
-        scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap  # [R, Hkv, G*Q, L]
-        probabilities = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1,
-                                      dtype=torch.promote_types(scores.dtype, torch.float32))
-        out = torch.matmul(probabilities.to(v.dtype), v)  # [R, Hkv, G*Q, Dv]
-    out = out.reshape(chunks, heads, longest, value_dim)  # [R, H, Q, Dv] (a fused kernel may lay it out transposed)
+    score_mod = None if softcap is None else _softcapped(softcap)
+    if reads_in_place(q):  # the kernels read each chunk's pages of the pool
+        kernel = _kernel(longest == 1) if q.is_cuda else _unfused
+        options = {"BLOCK_N": min(kv.pool.block_size, 64)}  # key tiles, which must divide the page size
+        out = kernel(q, keys[None], values[None], step.block_mask(sliding_window), score_mod, scale, options)
+    else:  # unfused flex_attention evaluates every key it is given: each chunk's own context, gathered
+        context = step.context_slots()  # [R, L]
+        block_mask = create_block_mask(step.context_mask(sliding_window), chunks, None, longest, context.shape[1],
+                                       device=q.device)
+        out = _unfused(q, keys[:, context].transpose(0, 1), values[:, context].transpose(0, 1), block_mask,
+                       score_mod, scale, None)
     out = out.transpose(1, 2).reshape(chunks * longest, heads, value_dim)[step.query_rows]  # [T, H, Dv], flat order
     return out.unsqueeze(0), None
 

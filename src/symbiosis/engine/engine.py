@@ -32,7 +32,12 @@ from symbiosis.errors import BadCall, SymbiosisError
 
 
 class GenerationError(SymbiosisError):
-    """One request could not go on (its logits were NaN or Inf, or the step running it failed)."""
+    """One request could not go on: its logits were NaN or Inf (`retryable` False: the same request would fail
+    again), or the step running it failed or the engine closed (`retryable` True)."""
+
+    def __init__(self, message: str, retryable: bool = True):
+        super().__init__(message)
+        self.retryable = retryable
 
 
 @dataclass
@@ -55,7 +60,9 @@ class Completion:
     preemptions: int = 0
 
 
-class _Finished:
+class Finished:
+    """The last event of a request: why it ended ("stop", "length", "cancelled"), or the error that ended it."""
+
     def __init__(self, reason: str | None, error: Exception | None = None):
         self.reason, self.error = reason, error
 
@@ -66,7 +73,7 @@ class RequestHandle:
     def __init__(self, request: Request, engine: "Engine"):
         self.request, self._engine = request, engine
         self._tokens: list[Token] = []
-        self._finished: _Finished | None = None
+        self._finished: Finished | None = None
 
     @property
     def id(self) -> str:
@@ -81,7 +88,7 @@ class RequestHandle:
                 event = self.request.events.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 raise TimeoutError(f"request {self.id} did not finish in time") from None
-            if isinstance(event, _Finished):
+            if isinstance(event, Finished):
                 self._finished = event
             else:
                 self._tokens.append(event)
@@ -104,7 +111,7 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, model_path, executor, tokenizer=None, *, kv_blocks: int = 2048, block_size: int = 16,
+    def __init__(self, model_path, executor, tokenizer=None, *, kv_blocks: int = 512, block_size: int = 64,
                  max_batch_tokens: int = 512, max_running: int = 64, max_lora_rank: int = 64, adapter_slots: int = 8,
                  decode_graphs: bool | None = None):
         """An engine over `executor` (an in-process `symbiosis.Executor` of `model_path`): its model shares
@@ -114,6 +121,9 @@ class Engine:
         self.state = layers.StepState()
         self.model, modules, embedding, vocabulary = layers.build(model_path, executor, self.state)
         self.config = self.model.config.get_text_config()
+        if self.device.type == "cuda" and (block_size < 16 or block_size & (block_size - 1)):
+            raise ValueError(f"on a GPU the KV block size must be a power of two of at least 16 (flex_attention's "
+                             f"key tiles divide it), not {block_size}")
         self.pool = BlockPool(kv_blocks, block_size)
         self.state.kv = PagedKV(self.pool, self.device, self.dtype)
         self.state.adapters = self.adapters = AdapterStore(modules, embedding, executor.fingerprint, self.device,
@@ -125,6 +135,8 @@ class Engine:
         eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
         self.context_limit = getattr(self.config, "max_position_embeddings", None)
+        # pages one request may hold: the width of each step's block tables (fixed, so graphs keep their shapes)
+        self.max_pages = min(kv_blocks, self.pool.blocks_for(self.context_limit or kv_blocks * block_size))
         self._incoming: list[Request] = []
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -143,9 +155,10 @@ class Engine:
     # -- submitting (any thread) --
 
     def submit(self, prompt: list[int], params: SamplingParams | None = None, adapter: tuple[str, str] | None = None,
-               request_id: str | None = None) -> RequestHandle:
+               request_id: str | None = None, events=None) -> RequestHandle:
         """Queue one request. `adapter`: (name, PEFT directory), read and checked now (an error here is this
-        request's alone); None: the base model."""
+        request's alone); None: the base model. `events`: where the engine's thread puts the request's `Token`s
+        and then one `Finished` (any object with `put`; default a queue.Queue that the handle reads)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt]
         vocab = self.model.get_input_embeddings().weight.shape[0]
@@ -169,6 +182,8 @@ class Engine:
             generator = torch.Generator(self.device)
             generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
         request = Request(request_id or uuid.uuid4().hex, prompt, params, host_adapter, generator)
+        if events is not None:
+            request.events = events
         with self._lock:
             self._incoming.append(request)
             self._lock.notify()
@@ -196,7 +211,7 @@ class Engine:
         for request in incoming:
             self.scheduler.add(request)
         for request in [r for r in self.scheduler.running + self.scheduler.waiting if r.cancelled]:
-            self._end(request, _Finished("cancelled"))
+            self._end(request, Finished("cancelled"))
         chunks = self.scheduler.schedule()
         if not chunks:
             return 0
@@ -206,7 +221,7 @@ class Engine:
                 batch, logits = self._forward(chunks)
         except Exception as e:  # noqa: BLE001 -- the step's requests fail with it; the engine goes on
             for chunk in chunks:
-                self._end(chunk.request, _Finished(None, GenerationError(f"the step running request "
+                self._end(chunk.request, Finished(None, GenerationError(f"the step running request "
                                                                           f"{chunk.request.id} failed: {e}")))
             return 0
         self.steps += 1
@@ -220,13 +235,14 @@ class Engine:
     def _forward(self, chunks: list) -> tuple[StepBatch, torch.Tensor]:
         """The step's batch and the logits of its sampled rows. A step of one-token decodes only is replayed from
         a recorded graph (engine/graphs.py) unless an adapter has embedding LoRA (read with host indices)."""
+        layout = (self.pool.block_size, self.pool.num_blocks, self.max_pages, self.device)
         if self.graphs is not None and self.adapters.embedding_pool is None and \
                 all(len(c.tokens) == 1 and c.sample for c in chunks):
-            rows, context = graphs.bucket(len(chunks), max(c.start + 1 for c in chunks))
-            batch = StepBatch(chunks, self.pool.block_size, self.device, padded=(rows, context, self.state.kv.trash))
-            key = (rows, context, batch.token_segments is not None, self.adapters.pools_version)
+            rows = graphs.bucket(len(chunks))
+            batch = StepBatch(chunks, *layout, padded_rows=rows)
+            key = (rows, batch.token_segments is not None, self.adapters.pools_version)
             return batch, self.graphs.run(key, batch)[:len(chunks)]
-        batch = StepBatch(chunks, self.pool.block_size, self.device)
+        batch = StepBatch(chunks, *layout)
         return batch, self._logits(batch)
 
     def _logits(self, batch: StepBatch) -> torch.Tensor:
@@ -241,9 +257,9 @@ class Engine:
         finite = torch.isfinite(logits).all(-1).tolist()
         for request, ok in zip(requests, finite):
             if not ok:
-                self._end(request, _Finished(None, GenerationError(
+                self._end(request, Finished(None, GenerationError(
                     f"request {request.id}: the model's logits are NaN or Inf at output token "
-                    f"{len(request.output)}; the request is stopped")))
+                    f"{len(request.output)}; the request is stopped", retryable=False)))
         good = [i for i, ok in enumerate(finite) if ok]
         kept = [requests[i] for i in good]
         choices = sampling.choose(logits[good], kept, [r.generator for r in kept]) if good else []
@@ -253,7 +269,7 @@ class Engine:
             text = self._new_text(request, final=reason is not None)
             request.events.put(Token(choice.token, text, choice.logprob, choice.top_logprobs))
             if reason is not None:
-                self._end(request, _Finished(reason))
+                self._end(request, Finished(reason))
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         """Why the request ends with `token`, if it does; with a tokenizer, `request.text` becomes the output's
@@ -282,7 +298,9 @@ class Engine:
         request.emitted += len(delta)
         return delta
 
-    def _end(self, request: Request, finished: _Finished) -> None:
+    def _end(self, request: Request, finished: Finished) -> None:
+        if finished.reason not in ("stop", "length"):  # failed or cancelled: its KV may not be finite
+            self.state.kv.scrub(request.blocks)
         self.scheduler.finish(request)
         request.events.put(finished)
 
@@ -316,4 +334,4 @@ class Engine:
             self._thread.join()
             self._thread = None
         for request in self.scheduler.running + self.scheduler.waiting + self._incoming:
-            self._end(request, _Finished(None, GenerationError("the engine was closed")))
+            self._end(request, Finished(None, GenerationError("the engine was closed")))

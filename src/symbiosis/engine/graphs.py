@@ -2,13 +2,13 @@
 
 An eager decode step of an 8B model launches ~2,300 kernels from Python, so the GPU waits on the host
 (docs/PERFORMANCE.md section 8). A step whose chunks are all one-token decodes is instead laid out padded
-(`StepBatch(..., padded=(rows, context, trash))`: rows = the running requests rounded up to a power of two,
-context = the longest context rounded up to `CONTEXT_BUCKET`), so its every shape depends on
-(rows, context, whether any request has an adapter) alone. The first step of a shape runs the model once
-eagerly (Triton compiles, caches are made) and records it; every later step of that shape copies its indices
-into the recorded batch's tensors and replays. Graphs share one memory pool (safe: one replays at a time, and each
-step reads its logits before the next replay); at most MAX_GRAPHS are kept. A graph records the adapter
-pools that exist when it is made, so the key also holds `AdapterStore.pools_version`.
+(`StepBatch(..., padded_rows=rows)`, rows = the running requests rounded up to a power of two; block tables are
+always `max_pages` wide), so its every shape depends on (rows, whether any request has an adapter) alone.
+The first step of a shape runs the model once eagerly (Triton and flex_attention compile, caches are made) and
+records it; every later step of that shape copies its indices into the recorded batch's tensors and replays. Graphs
+share one memory pool (safe: one replays at a time, and each step reads its logits before the next replay); at
+most MAX_GRAPHS are kept. A graph records the adapter pools that exist when it is made, so the key also holds
+`AdapterStore.pools_version`.
 
 Without CUDA the same padded batches run eagerly (the CPU tests check that padding changes no token).
 """
@@ -22,12 +22,11 @@ import torch
 
 from symbiosis.engine.batch import StepBatch
 
-CONTEXT_BUCKET = 256
-MAX_GRAPHS = 64  # recorded graphs kept (least recently replayed dropped): long contexts make many buckets
+MAX_GRAPHS = 64  # recorded graphs kept (least recently replayed dropped): each adapter-pool layout makes new ones
 
 
-def bucket(rows: int, context: int) -> tuple[int, int]:
-    return 1 << (rows - 1).bit_length(), -(-context // CONTEXT_BUCKET) * CONTEXT_BUCKET
+def bucket(rows: int) -> int:
+    return 1 << (rows - 1).bit_length()
 
 
 class DecodeGraphs:
@@ -60,7 +59,6 @@ class DecodeGraphs:
         with torch.cuda.stream(side):  # warm-up: Triton compiles, lazily made tensors are made, outside the capture
             self.forward(batch)
         torch.cuda.current_stream().wait_stream(side)
-        batch._masks.clear()  # made inside the graph, from the batch's positions
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self.forward(batch)

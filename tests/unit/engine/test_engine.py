@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import symbiosis
-from symbiosis.engine import Engine, GenerationError, SamplingParams
+from symbiosis.engine import Engine, GenerationError, SamplingParams, attention
 from symbiosis.errors import AdapterError, BadCall, UnsupportedAdapter
 from matrix import ATTENTION, FEEDFORWARD, make_checkpoint
 
@@ -92,6 +92,15 @@ def test_padded_decode_steps_as_graphs_replay_them_change_no_token(models, arch)
     one segment per request), run eagerly on the CPU."""
     engine = _mixed_batch(models, arch, decode_graphs=True)
     assert engine.graphs.recorded, "no decode step took the padded layout"
+
+
+@pytest.mark.parametrize("arch, decode_graphs", [("llama", True), ("gemma2", True), ("qwen2", False)])
+def test_attention_read_in_place_from_the_pool_changes_no_token(models, arch, decode_graphs, monkeypatch):
+    """The GPU's attention (flex_attention over the whole pool with the step's block mask: pages per chunk, each
+    page's owner and index), evaluated unfused on the CPU for every key of the pool: other requests' pages, stale
+    slots and the trash page are all masked."""
+    monkeypatch.setattr(attention, "reads_in_place", lambda query: True)
+    _mixed_batch(models, arch, decode_graphs=decode_graphs)
 
 
 def _mixed_batch(models, arch, **options):
@@ -271,7 +280,7 @@ def test_on_the_gpu_the_triton_kernels_give_plain_peft_tokens(models, decode_gra
     """float32 on CUDA (the SGMV kernels in Triton, the attention on the GPU, decode steps eager or replayed from
     CUDA graphs) against plain transformers + PEFT."""
     checkpoint, adapters = models("llama")
-    engine = Engine.from_pretrained(checkpoint, device="cuda", dtype=torch.float32, kv_blocks=64, block_size=4,
+    engine = Engine.from_pretrained(checkpoint, device="cuda", dtype=torch.float32, kv_blocks=16, block_size=16,
                                     max_batch_tokens=8, decode_graphs=decode_graphs)
     names = [None, "attn_r2", "mlp_r8", "everything_rs"]
     completions = engine.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3),

@@ -9,9 +9,7 @@ from symbiosis.engine import graphs
 
 
 def test_step_shapes_are_bucketed():
-    assert graphs.bucket(1, 1) == (1, 256)
-    assert graphs.bucket(5, 256) == (8, 256)
-    assert graphs.bucket(33, 257) == (64, 512)
+    assert [graphs.bucket(rows) for rows in (1, 2, 3, 5, 8, 33)] == [1, 2, 4, 8, 8, 64]
 
 
 def test_the_least_recently_replayed_graph_is_dropped_beyond_the_bound(monkeypatch):
