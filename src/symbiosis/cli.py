@@ -1,4 +1,5 @@
-"""`symbiosis` command line: `demo`, `executor` (serve, or print another's --stats), `generate`."""
+"""`symbiosis` command line: `demo`, `serve` (the HTTP service), `executor` (serve the base layers, or print
+another's --stats), `generate`."""
 
 from __future__ import annotations
 
@@ -135,6 +136,41 @@ def _generate_split(args: argparse.Namespace, tokenizer) -> int:
     return 0
 
 
+def serve_command(args: argparse.Namespace) -> int:
+    """Serve the base model to tenants over HTTP: OpenAI's API on the hosted engine (and the executor to split
+    tenants with --executor-listen), state in --state-dir, until SIGTERM / Ctrl-C; SIGHUP reloads --api-keys."""
+    import uvicorn
+
+    import symbiosis
+    from symbiosis.serve.app import create_app
+    from symbiosis.serve.keys import KeyFileError
+    from symbiosis.serve.service import Service
+
+    logging.basicConfig(level=logging.INFO, format="[serve] %(message)s", stream=sys.stderr)
+    try:
+        service = Service(args.model, args.state_dir, args.api_keys, adapter_root=args.adapter_root,
+                          device=args.device, dtype=args.dtype, executor_listen=args.executor_listen,
+                          served_name=args.served_model_name, max_requests=args.max_requests,
+                          max_requests_per_tenant=args.max_requests_per_tenant,
+                          engine_options={"kv_blocks": args.kv_blocks, "block_size": args.block_size,
+                                          "max_lora_rank": args.max_lora_rank, "adapter_slots": args.adapter_slots})
+    except (symbiosis.SymbiosisError, KeyFileError, ValueError, OSError) as e:
+        raise SystemExit(f"symbiosis serve: {e}") from None
+    signal.signal(signal.SIGHUP, lambda *_: service.reload_keys())
+    for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn stops on these, then hands them on: to a no-op
+        signal.signal(sig, lambda *_: None)
+    service.start()
+    logging.getLogger("symbiosis.serve").info("serving %s as %r on http://%s:%d (%s, %s)%s", args.model,
+                                              service.base_name, args.host, args.port, service.executor.device,
+                                              service.executor.dtype, f"; executor on {service.server.url}"
+                                              if service.server is not None else "")
+    try:
+        uvicorn.run(create_app(service), host=args.host, port=args.port, log_level="warning", access_log=False)
+    finally:
+        service.close()
+    return 0
+
+
 def demo_command(args: argparse.Namespace) -> int:
     """Several tenants fine-tuning and generating on one shared base model, each its own process."""
     from symbiosis.demo import run_demo
@@ -169,6 +205,28 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--token-file", help="file holding the executor's token")
     generate.add_argument("--timeout", type=float, default=60.0)
     generate.set_defaults(run=generate_command)
+
+    serve = commands.add_parser("serve", help=serve_command.__doc__)
+    serve.add_argument("--model", required=True, help="Hugging Face model directory (config, safetensors, tokenizer)")
+    serve.add_argument("--state-dir", required=True, help="where the SQLite database and the service's files live")
+    serve.add_argument("--api-keys", required=True, help="`TENANT_NAME API_KEY` lines; the tenant `admin` reads "
+                       "/metrics and everyone's usage; SIGHUP reloads the file")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--device", default="cpu", help="cpu, cuda:0, ...")
+    serve.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
+    serve.add_argument("--adapter-root", help="the directory tenants' adapters are loaded from (lora_path is "
+                       "relative to it); without it no adapter can be loaded")
+    serve.add_argument("--executor-listen", help="also serve the executor here (ipc://... or tcp://...) to split "
+                       "tenants, who attach with their API key as token")
+    serve.add_argument("--served-model-name", help="the base model's name in the API (default: the directory's)")
+    serve.add_argument("--max-requests", type=int, default=256, help="HTTP requests generating at once, in all")
+    serve.add_argument("--max-requests-per-tenant", type=int, default=64, help="... of one tenant")
+    serve.add_argument("--kv-blocks", type=int, default=512, help="KV cache blocks")
+    serve.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+    serve.add_argument("--max-lora-rank", type=int, default=64)
+    serve.add_argument("--adapter-slots", type=int, default=8, help="adapters on the device at once")
+    serve.set_defaults(run=serve_command)
 
     executor = commands.add_parser("executor", help=executor_command.__doc__)
     executor.add_argument("--model", help="Hugging Face model directory (config.json + safetensors)")

@@ -56,6 +56,11 @@ def count_line(rng: random.Random) -> str:
     return "counting : " + " ".join(str(n) for n in range(start, start + 6)) + " ."
 
 
+# what `symbiosis serve` renders a chat with: one line per message, then the assistant's turn
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message['role'] }} : {{ message['content'] }} .\n"
+                 "{% endfor %}{% if add_generation_prompt %}assistant :{% endif %}")
+
+
 def build_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -64,7 +69,7 @@ def build_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
+                                   unk_token="<unk>", chat_template=CHAT_TEMPLATE)
 
 
 def encode(tokenizer, lines: list[str], length: int) -> dict[str, torch.Tensor]:

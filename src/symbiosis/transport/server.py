@@ -88,6 +88,12 @@ class ExecutorServer:
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
+    def use_tenants(self, tenants: "auth.Tenants") -> None:
+        """New tenants and tokens for connections made from now on (attached clients keep theirs)."""
+        if self._zap is None:
+            raise ValueError("this executor was started without tenants; it cannot be given some")
+        self._zap.use(tenants)
+
     def start(self) -> "ExecutorServer":
         self._thread = threading.Thread(target=self.serve_forever, name="symbiosis-server", daemon=True)
         self._thread.start()

@@ -1,0 +1,119 @@
+"""The HTTP application: authentication, OpenAI's error envelope for every error, request-size limits,
+structured access logs (method, path, status, tenant, duration: never a prompt, a body or a key), `/health`,
+`/metrics` (the admin tenant), `/v1/usage`, and the OpenAI routes (openai_api.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from symbiosis.serve import openai_api
+from symbiosis.serve.errors import ApiError
+from symbiosis.serve.keys import ADMIN
+
+MAX_BODY_BYTES = 8 << 20
+access_log = logging.getLogger("symbiosis.serve.access")
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is answered 413 before it is read whole."""
+
+    def __init__(self, app, limit: int = MAX_BODY_BYTES):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await ApiError(413, f"the request body is over {self.limit} bytes").response()(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise ApiError(413, f"the request body is over {self.limit} bytes")
+            return message
+        await self.app(scope, limited, send)
+
+
+def create_app(service) -> FastAPI:
+    app = FastAPI(title="symbiosis", version="0.1.0", docs_url=None, redoc_url=None)
+
+    def tenant(request: Request) -> str:
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        found = service.keys.tenant_of(key.strip()) if scheme.lower() == "bearer" else None
+        if found is None:
+            raise ApiError(401, "Incorrect API key provided. Send `Authorization: Bearer KEY` with your key.",
+                           code="invalid_api_key")
+        request.state.tenant = found
+        return found
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError):
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError):
+        first = error.errors()[0] if error.errors() else {}
+        where = [str(part) for part in first.get("loc", ()) if part != "body"]
+        message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid request')}"
+        return ApiError(400, message, where[0] if where else None).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        status = error.status_code if error.status_code in (404, 405) else 400
+        return ApiError(status, str(error.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception):
+        logging.getLogger("symbiosis.serve").exception("unexpected error on %s", request.url.path)
+        return ApiError(500, "the server failed to answer this request; it was logged").response()
+
+    @app.middleware("http")
+    async def log_access(request: Request, call_next):
+        start, request_id = time.monotonic(), uuid.uuid4().hex[:16]
+        status = 500
+        try:
+            response = await call_next(request)
+            status = response.status_code
+            response.headers["x-request-id"] = request_id
+            return response
+        finally:
+            access_log.info(json.dumps({"request_id": request_id, "method": request.method, "path": request.url.path,
+                                        "status": status, "tenant": getattr(request.state, "tenant", None),
+                                        "ms": round(1e3 * (time.monotonic() - start), 2)}))
+
+    @app.get("/health")
+    def health():
+        return {"status": "ok", "model": service.base_name}
+
+    @app.get("/metrics")
+    def metrics(caller: str = Depends(tenant)):
+        if caller != ADMIN:
+            raise ApiError(403, "only the admin tenant may read the metrics", code="forbidden")
+        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/usage")
+    def usage(caller: str = Depends(tenant), of: str | None = None):
+        """Your usage per model; the admin tenant may read anyone's (`?of=TENANT`) or everyone's."""
+        if caller != ADMIN:
+            if of not in (None, caller):
+                raise ApiError(403, "only the admin tenant may read other tenants' usage", "of")
+            return {"object": "list", "data": service.state.usage(caller)}
+        return {"object": "list", "data": service.state.usage(of)}
+
+    app.include_router(openai_api.router(service, tenant))
+    app.add_middleware(BodyLimit)
+    return app

@@ -1,0 +1,159 @@
+"""From HTTP requests to engine requests and back: admission (bounded, global and per tenant), the engine's
+events delivered to the event loop, cancellation when the HTTP client goes, and the request's timings.
+
+The engine's thread puts each request's tokens, then one `Finished`, into an `_EventSink`, which hands them to the
+asyncio loop (`call_soon_threadsafe`); an HTTP request with several engine requests (`n` > 1, several prompts)
+reads all of them from one queue, tagged by choice index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from symbiosis.engine import Finished, SamplingParams, Token
+from symbiosis.serve.errors import ApiError
+
+
+class Admission:
+    """At most `total` HTTP requests generating at once, at most `per_tenant` of one tenant; past either, 429
+    with Retry-After (nothing is queued without bound: the engine's own queue holds only admitted requests)."""
+
+    def __init__(self, total: int, per_tenant: int):
+        self.total, self.per_tenant = total, per_tenant
+        self.running: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def enter(self, tenant: str) -> None:
+        with self._lock:
+            if sum(self.running.values()) >= self.total:
+                raise ApiError(429, f"the server is at its limit of {self.total} requests at once; retry shortly",
+                               code="server_busy", headers={"Retry-After": "1"})
+            if self.running[tenant] >= self.per_tenant:
+                raise ApiError(429, f"you have {self.per_tenant} requests running, your limit; retry when one "
+                               "finishes", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+            self.running[tenant] += 1
+
+    def leave(self, tenant: str) -> None:
+        with self._lock:
+            self.running[tenant] -= 1
+            if self.running[tenant] <= 0:
+                del self.running[tenant]
+
+
+class _EventSink:
+    """`put` from the engine's thread, read on the loop. A closed loop (the server stopping) drops events."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int):
+        self.loop, self.queue, self.index = loop, queue, index
+
+    def put(self, event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, event))
+        except RuntimeError:  # the loop is closed
+            pass
+
+
+@dataclass
+class Choice:
+    """One engine request's progress, as the HTTP layer reports it."""
+    index: int
+    prompt_tokens: int
+    tokens: list[Token] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    error: Exception | None = None
+
+
+@dataclass
+class Timing:
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    gaps: list[float] = field(default_factory=list)  # between consecutive tokens of one choice
+
+    def token(self, previous: float | None) -> float:
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+        if previous is not None:
+            self.gaps.append(now - previous)
+        self.last_token = now
+        return now
+
+
+class Generation:
+    """The engine requests of one HTTP request: `await start()`, then read `events()` inside `async with`,
+    whose end cancels whatever still runs (the HTTP client went, or an error), which frees its KV blocks in the
+    engine's next step."""
+
+    def __init__(self, engine, prompts: list[list[int]], params: list[SamplingParams], adapter):
+        self.engine, self.prompts, self.params, self.adapter = engine, prompts, params, adapter
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.handles = []
+        self.choices = [Choice(i, len(p)) for i, p in enumerate(prompts)]
+        self.timing = Timing()
+        self._last: dict[int, float] = {}
+
+    async def start(self) -> None:
+        """Submit every request (an error, e.g. a prompt that does not fit, cancels those submitted already)."""
+        loop = asyncio.get_running_loop()
+
+        def submit_all():  # reads the adapter from disk on first use: off the loop
+            for i, (prompt, params) in enumerate(zip(self.prompts, self.params)):
+                self.handles.append(self.engine.submit(prompt, params, self.adapter,
+                                                       events=_EventSink(loop, self.queue, i)))
+        try:
+            await asyncio.to_thread(submit_all)
+        except BaseException:
+            self.cancel()
+            raise
+
+    async def __aenter__(self) -> "Generation":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.cancel()
+
+    def cancel(self) -> None:
+        for handle, choice in zip(self.handles, self.choices):
+            if choice.finish_reason is None and choice.error is None:
+                handle.cancel()
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason is not None or c.error is not None for c in self.choices)
+
+    async def events(self, disconnected=None, poll: float = 0.5):
+        """Yields (choice, Token or None at its end) until every choice has ended. `disconnected`: an async
+        callable, asked every `poll` seconds while nothing comes; when it says so the requests are cancelled and
+        the iteration stops."""
+        while not self.done:
+            try:
+                index, event = await asyncio.wait_for(self.queue.get(), poll) if disconnected else await self.queue.get()
+            except asyncio.TimeoutError:
+                if await disconnected():
+                    self.cancel()
+                    return
+                continue
+            choice = self.choices[index]
+            if isinstance(event, Finished):
+                choice.finish_reason, choice.error = event.reason, event.error
+                yield choice, None
+            else:
+                self._last[index] = self.timing.token(self._last.get(index))
+                choice.tokens.append(event)
+                choice.text += event.text
+                yield choice, event
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.choices)
+
+    def prompt_tokens(self, distinct_prompts: int) -> int:
+        """Each prompt counted once, however many choices it has (choices are laid out prompt by prompt)."""
+        per_prompt = max(1, len(self.choices) // distinct_prompts)
+        return sum(self.choices[i * per_prompt].prompt_tokens for i in range(distinct_prompts))

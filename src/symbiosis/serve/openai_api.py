@@ -1,0 +1,264 @@
+"""OpenAI's inference API on the hosted engine: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (JSON or
+Server-Sent Events in OpenAI's chunk format, ending with `data: [DONE]`), and vLLM's `/v1/load_lora_adapter`,
+`/v1/unload_lora_adapter`.
+
+`model` is the base's served name or one of the caller's adapters. Greedy decoding (`temperature` 0) is the
+engine's, which equals plain transformers + PEFT; with a `seed`, sampling is reproducible (choice i of `n` uses
+seed + i). A chat is rendered with the adapter's own chat template when its directory has one
+(`chat_template.jinja`, or `chat_template` in `tokenizer_config.json`), else the base tokenizer's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from symbiosis.engine import GenerationError, SamplingParams
+from symbiosis.errors import BadCall, SymbiosisError
+from symbiosis.serve.errors import ApiError, not_found
+from symbiosis.serve.generation import Generation
+from symbiosis.serve.schemas import MAX_PROMPTS, ChatRequest, CompletionRequest, LoadAdapterRequest, UnloadAdapterRequest
+
+MAX_CHAT_TEMPLATE_BYTES = 1 << 20
+
+
+def router(service, tenant_dependency) -> APIRouter:
+    api = APIRouter()
+    caller = Depends(tenant_dependency)
+
+    @api.get("/v1/models")
+    def list_models(tenant: str = caller):
+        return {"object": "list", "data": [service.model_card(service.base_name, None)] + [
+            service.model_card(name, created) for name, created in service.adapters.listed(tenant)]}
+
+    @api.get("/v1/models/{model:path}")
+    def retrieve_model(model: str, tenant: str = caller):
+        if model == service.base_name:
+            return service.model_card(model, None)
+        listed = dict(service.adapters.listed(tenant))
+        if model not in listed:
+            raise not_found(model)
+        return service.model_card(model, listed[model])
+
+    @api.post("/v1/load_lora_adapter")
+    def load_adapter(body: LoadAdapterRequest, tenant: str = caller):
+        service.adapters.load(tenant, body.lora_name, body.lora_path)
+        return {"status": "ok", "lora_name": body.lora_name}
+
+    @api.post("/v1/unload_lora_adapter")
+    def unload_adapter(body: UnloadAdapterRequest, tenant: str = caller):
+        service.adapters.unload(tenant, body.lora_name)
+        return {"status": "ok", "lora_name": body.lora_name}
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request, tenant: str = caller):
+        adapter, tokenizer = service.resolve(tenant, body.model)
+        prompts = _completion_prompts(body.prompt, tokenizer)
+        return await _run(service, tenant, body, request, adapter, prompts, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request, tenant: str = caller):
+        adapter, tokenizer = service.resolve(tenant, body.model)
+        template = None if adapter is None else _adapter_chat_template(adapter[1])
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body.messages]
+        try:
+            prompt = tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                                   tokenize=False)
+        except Exception as e:  # noqa: BLE001 -- no template, or one that refuses these messages
+            raise ApiError(400, f"cannot render these messages with the model's chat template: {e}", "messages") from None
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return await _run(service, tenant, body, request, adapter, [ids], chat=True)
+
+    return api
+
+
+def _completion_prompts(prompt, tokenizer) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts or len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt must hold 1 to {MAX_PROMPTS} prompts", "prompt")
+    encoded = []
+    for p in prompts:
+        ids = tokenizer(p)["input_ids"] if isinstance(p, str) else list(p)
+        if not ids:
+            raise ApiError(400, "a prompt is empty", "prompt")
+        encoded.append(ids)
+    return encoded
+
+
+def _adapter_chat_template(directory: Path) -> str | None:
+    """The adapter's own chat template, if its directory has one (read as text; nothing is executed but the
+    template itself, which transformers renders in a sandboxed Jinja environment)."""
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file() and jinja.stat().st_size <= MAX_CHAT_TEMPLATE_BYTES:
+        return jinja.read_text(encoding="utf-8", errors="replace")
+    config = directory / "tokenizer_config.json"
+    if config.is_file() and config.stat().st_size <= MAX_CHAT_TEMPLATE_BYTES:
+        try:
+            template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+        except (ValueError, AttributeError):
+            return None
+        return template if isinstance(template, str) else None
+    return None
+
+
+def _params(service, body, prompt_length: int, index: int, chat: bool) -> SamplingParams:
+    if chat:
+        limit = body.max_completion_tokens or body.max_tokens
+        if limit is None:  # a chat runs to the end of the context (at most max_chat_tokens)
+            limit = max(1, min(service.max_chat_tokens, service.context_limit - prompt_length))
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        limit = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default for completions
+        logprobs = body.logprobs
+    seed = None if body.seed is None else (body.seed + index) % 2**63
+    try:
+        return SamplingParams(max_tokens=limit, temperature=body.temperature, top_p=body.top_p, seed=seed,
+                              stop=body.stop_strings(), logprobs=logprobs)
+    except BadCall as e:
+        raise ApiError(400, str(e), "stop" if "stop" in str(e) else None) from None
+
+
+async def _run(service, tenant: str, body, request: Request, adapter, prompts: list[list[int]], chat: bool):
+    expanded = [(p, i) for p in prompts for i in range(body.n)]
+    params = [_params(service, body, len(p), i, chat) for p, i in expanded]
+    service.admission.enter(tenant)
+    admitted = True
+    try:
+        generation = Generation(service.engine, [p for p, _ in expanded], params,
+                                None if adapter is None else (adapter[0], str(adapter[1])))
+        try:
+            await generation.start()
+        except BadCall as e:  # the prompt does not fit, or bad ids: this request's alone
+            raise ApiError(400, str(e), "messages" if chat else "prompt",
+                           "context_length_exceeded" if "exceeds" in str(e) else None) from None
+        except SymbiosisError as e:  # the adapter's files changed into something unreadable
+            raise ApiError(400, str(e), "model", "invalid_adapter") from None
+        if body.stream:
+            admitted = False  # the stream leaves admission when it ends
+            return StreamingResponse(_stream(service, tenant, body, generation, len(prompts), chat),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        async with generation:
+            async for _ in generation.events(disconnected=request.is_disconnected):
+                pass
+        if not generation.done:  # the client went away
+            return JSONResponse({}, status_code=499)
+        _raise_failure(generation)
+        service.finished(tenant, body.model, generation, len(prompts), error=False)
+        return _response(service, body, generation, len(prompts), chat)
+    finally:
+        if admitted:
+            service.admission.leave(tenant)
+
+
+def _raise_failure(generation) -> None:
+    for choice in generation.choices:
+        if isinstance(choice.error, GenerationError):
+            status = 500 if choice.error.retryable else 422
+            raise ApiError(status, str(choice.error), code="generation_failed")
+        if choice.error is not None:
+            raise ApiError(500, f"generation failed: {choice.error}", code="generation_failed")
+
+
+def _usage(generation, distinct_prompts: int) -> dict:
+    prompt = generation.prompt_tokens(distinct_prompts)
+    completion = generation.completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    """A token as text; a token that is part of a character alone is shown as the tokenizer's own token
+    string, so that no two tokens look the same (they key OpenAI's top_logprobs dictionaries)."""
+    text = tokenizer.decode([token_id])
+    return text if "\ufffd" not in text else tokenizer.convert_ids_to_tokens(token_id)
+
+
+def _completion_logprobs(service, tokens, offset: int = 0) -> dict:
+    text = lambda token_id: _token_text(service.tokenizer, token_id)  # noqa: E731
+    offsets, position = [], offset
+    for token in tokens:
+        offsets.append(position)
+        position += len(token.text)
+    return {"tokens": [text(t.id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{text(i): lp for i, lp in t.top_logprobs or []} for t in tokens], "text_offset": offsets}
+
+
+def _chat_logprobs(service, tokens) -> dict:
+    def entry(token_id, logprob):
+        text = _token_text(service.tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"content": [{**entry(t.id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top_logprobs or []]}
+                        for t in tokens]}
+
+
+def _response(service, body, generation, distinct_prompts: int, chat: bool) -> dict:
+    created, choices = int(time.time()), []
+    for choice in generation.choices:
+        if chat:
+            choices.append({"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                            "logprobs": _chat_logprobs(service, choice.tokens) if body.logprobs else None,
+                            "finish_reason": choice.finish_reason})
+        else:
+            choices.append({"index": choice.index, "text": choice.text, "finish_reason": choice.finish_reason,
+                            "logprobs": None if body.logprobs is None else _completion_logprobs(service, choice.tokens)})
+    return {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "object": "chat.completion" if chat else
+            "text_completion", "created": created, "model": body.model, "choices": choices,
+            "usage": _usage(generation, distinct_prompts), "system_fingerprint": service.fingerprint}
+
+
+def _sse(payload) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _stream(service, tenant: str, body, generation, distinct_prompts: int, chat: bool):
+    """SSE chunks as tokens come; an error mid-way is sent as an `error` event (the openai client raises it)."""
+    identifier = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created, kind = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choices, **extra):
+        return _sse({"id": identifier, "object": kind, "created": created, "model": body.model, "choices": choices,
+                     "system_fingerprint": service.fingerprint, **extra})
+
+    failed = False
+    try:
+        async with generation:
+            if chat:
+                yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for c in generation.choices])
+            offsets = [0] * len(generation.choices)
+            async for choice, token in generation.events():
+                if token is None:
+                    if choice.error is not None:
+                        failed = True
+                        error = ApiError(500 if getattr(choice.error, "retryable", True) else 422, str(choice.error),
+                                         code="generation_failed")
+                        yield _sse(error.body())
+                        return
+                    yield chunk([{"index": choice.index, "finish_reason": choice.finish_reason, "logprobs": None,
+                                  **({"delta": {}} if chat else {"text": ""})}])
+                    continue
+                if chat:
+                    logprobs = _chat_logprobs(service, [token]) if body.logprobs else None
+                    piece = {"delta": {"content": token.text}}
+                else:
+                    logprobs = None if body.logprobs is None else _completion_logprobs(service, [token],
+                                                                                       offsets[choice.index])
+                    piece = {"text": token.text}
+                offsets[choice.index] += len(token.text)
+                yield chunk([{"index": choice.index, **piece, "logprobs": logprobs, "finish_reason": None}])
+            if body.include_usage():
+                yield chunk([], usage=_usage(generation, distinct_prompts))
+            yield b"data: [DONE]\n\n"
+    finally:
+        service.admission.leave(tenant)
+        if generation.done:
+            service.finished(tenant, body.model, generation, distinct_prompts, error=failed)

@@ -1,0 +1,89 @@
+"""The service: one executor (the base weights, once; split tenants may attach at `executor_listen`), the hosted
+engine on it, the tenants' keys, the durable state and the adapters, as the HTTP layer uses them."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from symbiosis.serve.adapters import AdapterRegistry
+from symbiosis.serve.errors import not_found
+from symbiosis.serve.generation import Admission
+from symbiosis.serve.keys import ApiKeys
+from symbiosis.serve.metrics import Metrics
+from symbiosis.serve.state import StateStore
+
+log = logging.getLogger("symbiosis.serve")
+
+
+class Service:
+    def __init__(self, model: str | Path, state_dir: str | Path, api_keys: str | Path, *, adapter_root=None,
+                 device: str = "cpu", dtype=None, executor_listen: str | None = None, served_name: str | None = None,
+                 max_requests: int = 256, max_requests_per_tenant: int = 64, max_chat_tokens: int = 4096,
+                 engine_options: dict | None = None):
+        from transformers import AutoTokenizer
+
+        from symbiosis.engine import Engine
+        from symbiosis.executor.executor import Executor
+
+        self.keys = ApiKeys(api_keys)
+        self.state = StateStore(state_dir)
+        self.model_path = Path(model)
+        self.base_name = served_name or self.model_path.resolve().name
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)  # a local directory; no remote code
+        self.executor = Executor.from_pretrained(self.model_path, device=device, dtype=dtype)
+        self.server = None
+        if executor_listen:
+            from symbiosis.transport.auth import Tenants
+            from symbiosis.transport.server import ExecutorServer
+
+            # split tenants attach with the same keys they use over HTTP (one key per tenant, then)
+            self.server = ExecutorServer(self.executor, executor_listen, Tenants.read(api_keys))
+        self.engine = Engine(self.model_path, self.executor, self.tokenizer, **(engine_options or {}))
+        self.context_limit = self.engine.context_limit or (self.engine.pool.num_blocks * self.engine.pool.block_size)
+        self.max_chat_tokens = max_chat_tokens
+        self.fingerprint = "fp_" + self.executor.fingerprint[:12]
+        self.created = int(time.time())
+        self.adapters = AdapterRegistry(adapter_root, self.state, self.engine, self.base_name)
+        self.admission = Admission(max_requests, max_requests_per_tenant)
+        self.metrics = Metrics(self.engine, self.executor)
+
+    def start(self) -> "Service":
+        self.engine.start()
+        if self.server is not None:
+            self.server.start()
+        return self
+
+    def close(self) -> None:
+        self.engine.close()
+        if self.server is not None:
+            self.server.stop()
+        self.executor.close()
+        self.state.close()
+
+    def model_card(self, name: str, created: float | None) -> dict:
+        base = name == self.base_name
+        return {"id": name, "object": "model", "created": self.created if base else int(created),
+                "owned_by": "symbiosis", "root": name, "parent": None if base else self.base_name}
+
+    def resolve(self, tenant: str, model: str):
+        """(adapter: (engine name, directory) or None for the base, tokenizer) of a request's `model`."""
+        if model == self.base_name:
+            return None, self.tokenizer
+        return self.adapters.lookup(tenant, model), self.tokenizer
+
+    def finished(self, tenant: str, model: str, generation, distinct_prompts: int, error: bool) -> None:
+        self.state.count(tenant, model, generation.prompt_tokens(distinct_prompts), generation.completion_tokens, error)
+        self.metrics.finished(tenant, model, generation)
+
+    def reload_keys(self) -> None:
+        """SIGHUP: the API keys again, and the executor's tenants (for split tenants attaching from now on)."""
+        log.info(self.keys.reload())
+        if self.server is not None:
+            from symbiosis.transport.auth import Tenants
+
+            try:
+                self.server.use_tenants(Tenants.read(self.keys.path))
+            except (OSError, ValueError) as e:
+                log.info("the executor keeps its tenants: %s", e)

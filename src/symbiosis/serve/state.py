@@ -1,0 +1,98 @@
+"""The service's durable state: one SQLite database (`STATE_DIR/symbiosis.db`, WAL journal) and the files it
+refers to. Every write is one transaction; readers never see half of one. Tables:
+
+    adapters(tenant, name, path, loaded_at)          an adapter a tenant loaded: its directory under the
+                                                     adapter root (relative), served until unloaded
+    usage(tenant, model, requests, prompt_tokens,    counters per tenant and model (the base or an adapter),
+          completion_tokens, errors)                 kept across restarts
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS adapters (
+    tenant TEXT NOT NULL, name TEXT NOT NULL, path TEXT NOT NULL, loaded_at REAL NOT NULL,
+    PRIMARY KEY (tenant, name));
+CREATE TABLE IF NOT EXISTS usage (
+    tenant TEXT NOT NULL, model TEXT NOT NULL, requests INTEGER NOT NULL DEFAULT 0,
+    prompt_tokens INTEGER NOT NULL DEFAULT 0, completion_tokens INTEGER NOT NULL DEFAULT 0,
+    errors INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (tenant, model));
+"""
+
+
+class StateStore:
+    def __init__(self, state_dir: str | Path):
+        self.directory = Path(state_dir)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.path = self.directory / "symbiosis.db"
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._lock = threading.Lock()  # one connection, used by the HTTP workers and the engine's callbacks
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(SCHEMA)
+
+    def _write(self, sql: str, parameters: tuple) -> int:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                changed = self._db.execute(sql, parameters).rowcount
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            return changed
+
+    def _read(self, sql: str, parameters: tuple = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, parameters).fetchall()
+
+    # -- adapters --
+
+    def add_adapter(self, tenant: str, name: str, path: str) -> bool:
+        """False if the tenant has an adapter of that name already."""
+        try:
+            self._write("INSERT INTO adapters (tenant, name, path, loaded_at) VALUES (?, ?, ?, ?)",
+                        (tenant, name, path, time.time()))
+        except sqlite3.IntegrityError:
+            return False
+        return True
+
+    def remove_adapter(self, tenant: str, name: str) -> bool:
+        return self._write("DELETE FROM adapters WHERE tenant = ? AND name = ?", (tenant, name)) > 0
+
+    def adapter(self, tenant: str, name: str) -> tuple[str, float] | None:
+        """(path relative to the adapter root, loaded_at) of the tenant's adapter, or None."""
+        rows = self._read("SELECT path, loaded_at FROM adapters WHERE tenant = ? AND name = ?", (tenant, name))
+        return rows[0] if rows else None
+
+    def adapters(self, tenant: str) -> list[tuple[str, str, float]]:
+        """[(name, path, loaded_at)] of the tenant's adapters, by name."""
+        return self._read("SELECT name, path, loaded_at FROM adapters WHERE tenant = ? ORDER BY name", (tenant,))
+
+    # -- usage --
+
+    def count(self, tenant: str, model: str, prompt_tokens: int, completion_tokens: int, error: bool) -> None:
+        self._write("INSERT INTO usage (tenant, model, requests, prompt_tokens, completion_tokens, errors) "
+                    "VALUES (?, ?, 1, ?, ?, ?) ON CONFLICT (tenant, model) DO UPDATE SET "
+                    "requests = requests + 1, prompt_tokens = prompt_tokens + excluded.prompt_tokens, "
+                    "completion_tokens = completion_tokens + excluded.completion_tokens, "
+                    "errors = errors + excluded.errors",
+                    (tenant, model, prompt_tokens, completion_tokens, int(error)))
+
+    def usage(self, tenant: str | None = None) -> list[dict]:
+        """Counters per (tenant, model): one tenant's, or everyone's (None)."""
+        sql = "SELECT tenant, model, requests, prompt_tokens, completion_tokens, errors FROM usage"
+        rows = self._read(sql + (" WHERE tenant = ?" if tenant else "") + " ORDER BY tenant, model",
+                          (tenant,) if tenant else ())
+        keys = ("tenant", "model", "requests", "prompt_tokens", "completion_tokens", "errors")
+        return [dict(zip(keys, row)) for row in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

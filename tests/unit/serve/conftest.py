@@ -1,0 +1,98 @@
+"""A real `symbiosis serve` application on loopback (uvicorn in a thread, over a float64 engine on the CPU), its
+model (the demo's tiny Llama with its BPE tokenizer and chat template, random weights), adapters under an adapter
+root, and API keys for three tenants."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import peft
+import pytest
+
+try:  # the HTTP library the installed `openai` client is built on
+    import httpx2 as httpx
+except ImportError:
+    import httpx
+import torch
+import uvicorn
+
+KEYS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-0123456789abcdef",
+        "admin": "admin-key-0123456789abcdef"}
+
+
+def write_lora(model_dir: Path, out: Path, seed: int, targets: list[str], r: int = 4) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    config = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False)
+    peft.get_peft_model(model, config).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def served_files(tmp_path_factory):
+    from symbiosis.demo import build_base_model
+
+    root = tmp_path_factory.mktemp("serve")
+    model = build_base_model(root / "base", pretrain_steps=0, log=lambda *_: None)
+    adapters = root / "adapters"
+    write_lora(model, adapters / "alice" / "poet", 1, ["q_proj", "v_proj", "down_proj"])
+    write_lora(model, adapters / "alice" / "counter", 2, ["q_proj", "k_proj", "o_proj", "gate_proj", "up_proj"], r=8)
+    write_lora(model, adapters / "bob" / "writer", 3, ["v_proj", "up_proj"])
+    write_lora(model, adapters / "shared" / "extra", 4, ["q_proj"])
+    keys = root / "keys.txt"
+    keys.write_text("".join(f"{tenant} {key}\n" for tenant, key in KEYS.items()))
+    return {"root": root, "model": model, "adapters": adapters, "keys": keys}
+
+
+class Running:
+    """The service and its server on a loopback port."""
+
+    def __init__(self, service, port: int):
+        from symbiosis.serve.app import create_app
+
+        self.service, self.port = service, port
+        self.url = f"http://127.0.0.1:{port}"
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+
+    def client(self, tenant: str = "alice", **options):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEYS[tenant], max_retries=0, **options)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.service.close()
+
+
+def start(files, state_dir: Path, **options) -> Running:
+    from symbiosis.serve.service import Service
+
+    engine = {"kv_blocks": 256, "block_size": 16, "max_lora_rank": 8, "adapter_slots": 4, **options.pop("engine", {})}
+    service = Service(files["model"], state_dir, files["keys"], adapter_root=files["adapters"], dtype=torch.float64,
+                      served_name="tiny-llama", engine_options=engine, **options).start()
+    return Running(service, 0)
+
+
+@pytest.fixture(scope="module")
+def server(served_files, tmp_path_factory):
+    running = start(served_files, tmp_path_factory.mktemp("state"))
+    yield running
+    running.stop()

@@ -1,0 +1,328 @@
+"""OpenAI's inference API of `symbiosis serve`, driven by the official `openai` client against a real server on
+loopback: models, completions and chat (streaming or not) equal to plain transformers + PEFT, tenants' adapters
+kept apart, errors as the client's exception classes, overload, cancellation, metrics and usage."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import openai
+import peft
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import KEYS, httpx, start
+
+PROMPTS = ["the cat sees", "my sister finds a red ball", "roses are"]
+LONG_RUNNING = "my sister finds a red ball"  # the tiny random model's greedy answer never ends with </s>
+
+
+def plain_generate(files, adapter: str | None, ids: list[int], new_tokens: int):
+    """(new token ids, their log-probabilities) from transformers (+ PEFT), greedy, float64."""
+    model = AutoModelForCausalLM.from_pretrained(files["model"], dtype=torch.float64)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, files["adapters"] / adapter)
+    sequence = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    new = sequence[0, len(ids):].tolist()
+    with torch.no_grad():  # generate() hands its scores out in float32: the log-probabilities again, in float64
+        logits = model(sequence).logits[0, len(ids) - 1:-1]
+    logprobs = torch.log_softmax(logits, -1).gather(1, torch.tensor(new)[:, None])[:, 0].tolist()
+    return new, logprobs
+
+
+def load(server, tenant: str, name: str, path: str) -> httpx.Response:
+    return httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path},
+                      headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+
+
+@pytest.fixture(scope="module")
+def loaded(server):
+    for tenant, name, path in (("alice", "poet", "alice/poet"), ("alice", "counter", "alice/counter"),
+                               ("bob", "writer", "bob/writer")):
+        assert load(server, tenant, name, path).status_code == 200
+    return server
+
+
+def test_models_list_the_base_and_only_the_callers_adapters(loaded):
+    alice = {m.id: m for m in loaded.client("alice").models.list().data}
+    bob = {m.id: m for m in loaded.client("bob").models.list().data}
+    assert set(alice) == {"tiny-llama", "poet", "counter"} and set(bob) == {"tiny-llama", "writer"}
+    assert alice["tiny-llama"].model_extra["parent"] is None
+    assert alice["poet"].model_extra["parent"] == "tiny-llama"
+    assert loaded.client("alice").models.retrieve("poet").id == "poet"
+    with pytest.raises(openai.NotFoundError) as other:
+        loaded.client("bob").models.retrieve("poet")
+    with pytest.raises(openai.NotFoundError) as nowhere:
+        loaded.client("bob").models.retrieve("no-such-model")
+    assert str(other.value).replace("poet", "X") == str(nowhere.value).replace("no-such-model", "X")
+
+
+@pytest.mark.parametrize("model, adapter", [("tiny-llama", None), ("poet", "alice/poet"), ("counter", "alice/counter")])
+def test_greedy_completions_equal_plain_transformers_and_peft(loaded, served_files, model, adapter):
+    tokenizer = AutoTokenizer.from_pretrained(served_files["model"])
+    result = loaded.client("alice").completions.create(model=model, prompt=PROMPTS, max_tokens=8, temperature=0,
+                                                       logprobs=2)
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    completion_tokens = 0
+    for prompt, choice in zip(PROMPTS, result.choices):
+        ids = tokenizer(prompt)["input_ids"]
+        expected, logprobs = plain_generate(served_files, adapter, ids, 8)
+        assert choice.text == tokenizer.decode(expected, skip_special_tokens=True), (choice.logprobs.tokens, expected)
+        assert choice.logprobs.token_logprobs == pytest.approx(logprobs, rel=1e-9, abs=1e-9)
+        assert len(choice.logprobs.top_logprobs[0]) == 2
+        assert choice.finish_reason == ("stop" if expected[-1] == tokenizer.eos_token_id else "length")
+        completion_tokens += len(expected)
+    assert result.usage.prompt_tokens == sum(len(tokenizer(p)["input_ids"]) for p in PROMPTS)
+    assert result.usage.completion_tokens == completion_tokens
+
+
+def test_chat_uses_the_template_and_streams_the_same_text(loaded, served_files):
+    tokenizer = AutoTokenizer.from_pretrained(served_files["model"])
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat"}]
+    client = loaded.client("alice")
+    reply = client.chat.completions.create(model="poet", messages=messages, max_tokens=10, temperature=0)
+    ids = tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                    add_special_tokens=False)["input_ids"]
+    expected, _ = plain_generate(served_files, "alice/poet", ids, 10)
+    assert reply.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.usage.prompt_tokens == len(ids)
+    stream = client.chat.completions.create(model="poet", messages=messages, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reply.choices[0].finish_reason
+
+
+def test_raw_event_stream_ends_with_done(loaded):
+    with httpx.stream("POST", loaded.url + "/v1/completions", headers={"Authorization": f"Bearer {KEYS['bob']}"},
+                      json={"model": "writer", "prompt": "the cat", "max_tokens": 3, "stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(json.loads(e[6:])["object"] == "text_completion" for e in events[:-1])
+
+
+def test_seeded_sampling_repeats_and_n_gives_distinct_choices(loaded):
+    client = loaded.client("alice")
+    ask = dict(model="tiny-llama", prompt="the farmer", max_tokens=12, temperature=1.0, seed=7, n=3)
+    first, second = client.completions.create(**ask), client.completions.create(**ask)
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert len({c.text for c in first.choices}) > 1
+    assert first.usage.prompt_tokens == len(AutoTokenizer.from_pretrained(loaded.service.model_path)("the farmer")["input_ids"])
+
+
+def test_errors_come_as_the_clients_exception_classes(loaded):
+    alice, bob = loaded.client("alice"), loaded.client("bob")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=loaded.url + "/v1", api_key="wrong-key-0123456789", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError) as foreign:
+        bob.completions.create(model="poet", prompt="hi", max_tokens=2)
+    assert foreign.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as long:
+        alice.completions.create(model="tiny-llama", prompt="the cat " * 200, max_tokens=2)
+    assert long.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as temperature:
+        alice.completions.create(model="tiny-llama", prompt="hi", temperature=3.0)
+    assert temperature.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError):
+        alice.completions.create(model="tiny-llama", prompt="hi", extra_body={"best_of": 3})
+    with pytest.raises(openai.BadRequestError):
+        alice.completions.create(model="tiny-llama", prompt="hi", echo=True)
+    with pytest.raises(openai.BadRequestError):
+        alice.completions.create(model="tiny-llama", prompt=[[1, 10**9]], max_tokens=2)
+    response = httpx.post(loaded.url + "/v1/completions", content=b"{not json",
+                          headers={"Authorization": f"Bearer {KEYS['alice']}", "content-type": "application/json"})
+    assert response.status_code == 400 and set(response.json()["error"]) == {"message", "type", "param", "code"}
+    huge = httpx.post(loaded.url + "/v1/completions", content=b"x" * (9 << 20),
+                      headers={"Authorization": f"Bearer {KEYS['alice']}", "content-type": "application/json"})
+    assert huge.status_code == 413
+    assert httpx.get(loaded.url + "/v1/nothing-here", headers={"Authorization": f"Bearer {KEYS['alice']}"}).status_code == 404
+
+
+def test_adapter_paths_and_names_are_confined(loaded, served_files, tmp_path):
+    root = served_files["adapters"]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (root / "escape").symlink_to(outside, target_is_directory=True) if not (root / "escape").exists() else None
+    pickled = root / "pickled"
+    pickled.mkdir(exist_ok=True)
+    (pickled / "adapter_config.json").write_text((root / "alice" / "poet" / "adapter_config.json").read_text())
+    (pickled / "adapter_model.bin").write_bytes(b"\x80\x04K\x01.")
+    refused = {
+        ("x", "/etc"): "relative",
+        ("x", str(root / "alice" / "poet")): "relative",
+        ("x", "../adapters/alice/poet"): "`..`",
+        ("x", "alice/../../base"): "`..`",
+        ("x", "escape"): "outside the adapter root",
+        ("x", "pickled"): "adapter_model.safetensors",
+        ("x", "nowhere"): "no adapter directory",
+        ("bad name!", "alice/poet"): "lora_name",
+        ("tiny-llama", "alice/poet"): "lora_name",
+        ("poet", "alice/poet"): "already",  # alice has one of that name
+    }
+    for (name, path), message in refused.items():
+        response = load(loaded, "alice", name, path)
+        assert response.status_code == 400, (name, path, response.text)
+        assert message in response.json()["error"]["message"], (name, path, response.text)
+    # another tenant cannot unload alice's adapter, and learns nothing from trying
+    response = httpx.post(loaded.url + "/v1/unload_lora_adapter", json={"lora_name": "poet"},
+                          headers={"Authorization": f"Bearer {KEYS['bob']}"})
+    assert response.status_code == 404
+    assert "poet" in {m.id for m in loaded.client("alice").models.list().data}
+    # an adapter for another base is refused when loaded, with the engine's reason
+    config = json.loads((root / "shared" / "extra" / "adapter_config.json").read_text())
+    wrong = root / "wrong-shapes"
+    wrong.mkdir(exist_ok=True)
+    from safetensors.torch import save_file
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 7),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(96, 4)},
+              wrong / "adapter_model.safetensors")
+    (wrong / "adapter_config.json").write_text(json.dumps(config))
+    response = load(loaded, "alice", "wrong", "wrong-shapes")
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_adapter"
+    assert str(root) not in response.text  # the server's own paths are not the tenant's business
+
+
+def test_unloading_makes_the_adapter_unknown_and_a_shared_directory_serves_two_tenants(loaded):
+    assert load(loaded, "alice", "extra", "shared/extra").status_code == 200
+    assert load(loaded, "bob", "extra", "shared/extra").status_code == 200
+    for tenant in ("alice", "bob"):
+        assert loaded.client(tenant).completions.create(model="extra", prompt="hi", max_tokens=2).choices
+    response = httpx.post(loaded.url + "/v1/unload_lora_adapter", json={"lora_name": "extra"},
+                          headers={"Authorization": f"Bearer {KEYS['alice']}"})
+    assert response.status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        loaded.client("alice").completions.create(model="extra", prompt="hi", max_tokens=2)
+    assert loaded.client("bob").completions.create(model="extra", prompt="hi", max_tokens=2).choices
+
+
+def test_metrics_are_the_admins_and_usage_is_counted_per_tenant(loaded):
+    loaded.client("bob").completions.create(model="writer", prompt="a dog", max_tokens=3, temperature=0)
+    with pytest.raises(openai.PermissionDeniedError):
+        loaded.client("bob").get("/../metrics", cast_to=httpx.Response)
+    metrics = httpx.get(loaded.url + "/metrics", headers={"Authorization": f"Bearer {KEYS['admin']}"}).text
+    for name in ("symbiosis:num_requests_running", "symbiosis:num_requests_waiting", "symbiosis:kv_cache_usage_perc",
+                 "symbiosis:time_to_first_token_seconds_bucket", "symbiosis:inter_token_latency_seconds_bucket",
+                 "symbiosis:e2e_request_latency_seconds_count", "symbiosis:executor_batches_total",
+                 'symbiosis:generation_tokens_total{model="writer",tenant="bob"}'):
+        assert name in metrics, name
+    usage = httpx.get(loaded.url + "/v1/usage", headers={"Authorization": f"Bearer {KEYS['bob']}"}).json()["data"]
+    assert {row["tenant"] for row in usage} == {"bob"} and any(row["model"] == "writer" for row in usage)
+    assert httpx.get(loaded.url + "/v1/usage?of=alice", headers={"Authorization": f"Bearer {KEYS['bob']}"}).status_code == 403
+    everyone = httpx.get(loaded.url + "/v1/usage", headers={"Authorization": f"Bearer {KEYS['admin']}"}).json()["data"]
+    assert {"alice", "bob"} <= {row["tenant"] for row in everyone}
+    assert httpx.get(loaded.url + "/health").json()["status"] == "ok"
+
+
+def test_a_client_that_goes_away_frees_its_kv_blocks(loaded):
+    pool = loaded.service.engine.pool
+    with httpx.stream("POST", loaded.url + "/v1/completions", headers={"Authorization": f"Bearer {KEYS['alice']}"},
+                      json={"model": "poet", "prompt": LONG_RUNNING, "max_tokens": 100, "stream": True,
+                            "temperature": 0}) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert pool.free < pool.num_blocks  # then the client closes the stream
+    deadline = time.monotonic() + 20
+    while pool.free < pool.num_blocks or loaded.service.engine.has_work():
+        assert time.monotonic() < deadline, "the abandoned request still holds KV blocks"
+        time.sleep(0.05)
+    # not streaming: a client that times out is abandoned too
+    with pytest.raises(openai.APITimeoutError):
+        loaded.client("alice", timeout=0.3).completions.create(model="tiny-llama", prompt=LONG_RUNNING, max_tokens=100)
+    deadline = time.monotonic() + 20
+    while pool.free < pool.num_blocks or loaded.service.engine.has_work():
+        assert time.monotonic() < deadline, "the abandoned request still holds KV blocks"
+        time.sleep(0.05)
+
+
+def test_past_the_limits_requests_get_429_with_retry_after(served_files, tmp_path):
+    running = start(served_files, tmp_path / "state", max_requests=3, max_requests_per_tenant=2)
+    engine, step = running.service.engine, running.service.engine.step
+    engine.step = lambda: time.sleep(0.05) or step()  # slow steps: the streams below are still running when asked
+    try:
+        headers = {"Authorization": f"Bearer {KEYS['alice']}"}
+        body = {"model": "tiny-llama", "prompt": LONG_RUNNING, "max_tokens": 100, "stream": True, "temperature": 0}
+        with httpx.stream("POST", running.url + "/v1/completions", headers=headers, json=body) as one, \
+                httpx.stream("POST", running.url + "/v1/completions", headers=headers, json=body) as two:
+            lines = [one.iter_lines(), two.iter_lines()]  # kept: a dropped iterator closes its stream
+            assert all(next(line).startswith("data: ") for line in lines)
+            with pytest.raises(openai.RateLimitError) as own:
+                running.client("alice").completions.create(model="tiny-llama", prompt="hi", max_tokens=1)
+            assert own.value.response.headers["retry-after"] == "1"
+            with httpx.stream("POST", running.url + "/v1/completions", json=body,
+                              headers={"Authorization": f"Bearer {KEYS['bob']}"}) as three:
+                lines.append(three.iter_lines())
+                assert next(lines[-1]).startswith("data: ")
+                with pytest.raises(openai.RateLimitError) as total:
+                    running.client("admin").completions.create(model="tiny-llama", prompt="hi", max_tokens=1)
+                assert total.value.body["code"] == "server_busy"
+        deadline = time.monotonic() + 20
+        while sum(running.service.admission.running.values()):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert running.client("alice").completions.create(model="tiny-llama", prompt="hi", max_tokens=1).choices
+    finally:
+        running.stop()
+
+
+def test_adapters_and_usage_outlive_a_restart(served_files, tmp_path):
+    state = tmp_path / "state"
+    first = start(served_files, state)
+    try:
+        assert load(first, "bob", "kept", "bob/writer").status_code == 200
+        first.client("bob").completions.create(model="kept", prompt="hi", max_tokens=2)
+    finally:
+        first.stop()
+    second = start(served_files, state)
+    try:
+        assert "kept" in {m.id for m in second.client("bob").models.list().data}
+        assert second.client("bob").completions.create(model="kept", prompt="hi", max_tokens=2).choices
+        usage = {row["model"]: row for row in second.service.state.usage("bob")}
+        assert usage["kept"]["requests"] == 2
+    finally:
+        second.stop()
+
+
+def test_many_concurrent_streams_over_several_adapters_lose_nothing_and_mix_nothing(served_files, tmp_path):
+    """Load: 200 concurrent streaming requests over the base and three adapters of two tenants, each checked
+    against the same request run alone (greedy: the same text whatever else is batched)."""
+    loaded = start(served_files, tmp_path / "state", max_requests=256, max_requests_per_tenant=128)
+    try:
+        for tenant, name, path in (("alice", "poet", "alice/poet"), ("alice", "counter", "alice/counter"),
+                                   ("bob", "writer", "bob/writer")):
+            assert load(loaded, tenant, name, path).status_code == 200
+        _many_streams(loaded)
+    finally:
+        loaded.stop()
+
+
+def _many_streams(loaded):
+    jobs = [(tenant, model, PROMPTS[i % len(PROMPTS)]) for i, (tenant, model) in enumerate(
+        [("alice", "poet"), ("alice", "counter"), ("bob", "writer"), ("bob", "tiny-llama")] * 50)]
+    alone = {}
+    for tenant, model, prompt in set(jobs):
+        alone[tenant, model, prompt] = loaded.client(tenant).completions.create(
+            model=model, prompt=prompt, max_tokens=4, temperature=0).choices[0].text
+    results, errors = [None] * len(jobs), []
+
+    def run(i, tenant, model, prompt):
+        try:
+            stream = loaded.client(tenant, timeout=120).completions.create(model=model, prompt=prompt, max_tokens=4,
+                                                                           temperature=0, stream=True)
+            results[i] = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+    threads = [threading.Thread(target=run, args=(i, *job)) for i, job in enumerate(jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert results == [alone[job] for job in jobs]

@@ -1,0 +1,82 @@
+"""`symbiosis serve` as users start it: a process on loopback, driven by the `openai` client; SIGHUP reloads
+the keys (for the HTTP API and for split tenants attaching to its executor); SIGTERM stops it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+import torch
+
+import symbiosis
+from conftest import KEYS, httpx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_reloads_keys_on_sighup_and_shares_its_executor(served_files, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("".join(f"{tenant} {key}\n" for tenant, key in KEYS.items()))
+    port, executor_url = _free_port(), f"ipc://{tmp_path / 'executor.sock'}"
+    process = subprocess.Popen([sys.executable, "-m", "symbiosis.cli", "serve", "--model", str(served_files["model"]),
+                                "--state-dir", str(tmp_path / "state"), "--api-keys", str(keys), "--port", str(port),
+                                "--adapter-root", str(served_files["adapters"]), "--executor-listen", executor_url,
+                                "--served-model-name", "tiny"],
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stderr.read()
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the service did not come up"
+            time.sleep(0.2)
+        client = lambda tenant: openai.OpenAI(base_url=url + "/v1", api_key=KEYS[tenant], max_retries=0)  # noqa: E731
+        served = client("bob").completions.create(model="tiny", prompt="the cat", max_tokens=4, temperature=0)
+        assert served.usage.completion_tokens >= 1
+
+        # a split tenant attaches to the same executor with its API key and computes with the same base
+        executor = symbiosis.connect(executor_url, token=KEYS["alice"], timeout=30)
+        model = symbiosis.from_pretrained(served_files["model"], executor, device="cpu", name="split")
+        ids = torch.tensor([[1, 5, 9, 14]])
+        from transformers import AutoModelForCausalLM
+        plain = AutoModelForCausalLM.from_pretrained(served_files["model"])
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+        model.symbiosis_session.close()
+
+        keys.write_text(f"alice {KEYS['alice']}\nadmin {KEYS['admin']}\n")  # bob's key is withdrawn
+        process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client("bob").models.list()
+            except openai.AuthenticationError:
+                break
+            assert time.monotonic() < deadline, "SIGHUP did not withdraw bob's key"
+            time.sleep(0.1)
+        assert client("alice").models.list().data[0].id == "tiny"
+        with pytest.raises(symbiosis.errors.SymbiosisError):
+            symbiosis.connect(executor_url, token=KEYS["bob"], timeout=3).stats()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert process.returncode == 0, process.stderr.read()
