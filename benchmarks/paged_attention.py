@@ -59,10 +59,9 @@ def run(batch: int, context: int, block_size: int, rng: random.Random) -> None:
     keys = torch.randn(KV_HEADS, slots, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     values = torch.randn_like(keys)
     q = torch.randn(batch, HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    kernel = attention._kernel(True)
+    kernel = attention._kernel(True, block_size)
     mask = step.block_mask(None)
-    options = {"BLOCK_N": min(block_size, 64)}
-    flex = _time(lambda: kernel(q, keys[None], values[None], mask, None, HEAD_DIM ** -0.5, options))
+    flex = _time(lambda: kernel(q, keys[None], values[None], mask, None, HEAD_DIM ** -0.5))
 
     padded = -(-context // 256) * 256
     context_slots = step.context_slots()[:, :padded]

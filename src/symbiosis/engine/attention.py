@@ -27,17 +27,21 @@ NAME = "symbiosis_paged"
 RECOMPILE_LIMIT = 64  # one compiled kernel per (row bucket, window, dtype) for decodes; prefill shapes are dynamic
 
 
-def _decode(q, k, v, block_mask, score_mod, scale, options):
-    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True,
-                          kernel_options=options)
+def _decode_kernel(options: dict):
+    def decode(q, k, v, block_mask, score_mod, scale):
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True,
+                              kernel_options=options)
+    return decode
 
 
-def _prefill(q, k, v, block_mask, score_mod, scale, options):  # its own code object: its own compile cache
-    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True,
-                          kernel_options=options)
+def _prefill_kernel(options: dict):  # its own code object: its own compile cache
+    def prefill(q, k, v, block_mask, score_mod, scale):
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True,
+                              kernel_options=options)
+    return prefill
 
 
-def _unfused(q, k, v, block_mask, score_mod, scale, options):
+def _unfused(q, k, v, block_mask, score_mod, scale):
     with warnings.catch_warnings():  # "flex_attention called without torch.compile()": intended here
         warnings.simplefilter("ignore")
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True)
@@ -49,17 +53,22 @@ def reads_in_place(query: torch.Tensor) -> bool:
     return query.is_cuda
 
 
-_compiled: dict[str, object] = {}
+_compiled: dict[tuple, object] = {}
 
 
-def _kernel(one_query: bool):
+def _kernel(one_query: bool, block_size: int):
     """Compiled flex_attention: static shapes for one-token queries (the decoding kernel needs a static batch;
-    graphs replay a handful of row buckets), dynamic for prefill chunks (any rows and lengths, one compile)."""
-    name = "decode" if one_query else "prefill"
-    if name not in _compiled:
+    graphs replay a handful of row buckets); for prefill chunks, static at first and then dynamic in the sizes
+    that changed (torch.compile's automatic dynamic shapes: any rows and lengths after one recompile). The
+    kernels tile keys by BLOCK_N, which must divide the page (block) size; it is a constant of the compiled
+    function. (`dynamic=True` made it symbolic too, and then no kernel configuration fitted: H100 run 61.)"""
+    key = (one_query, block_size)
+    if key not in _compiled:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        _compiled[name] = torch.compile(_decode if one_query else _prefill, dynamic=not one_query, fullgraph=True)
-    return _compiled[name]
+        options = {"BLOCK_N": min(block_size, 64)}
+        attend = _decode_kernel(options) if one_query else _prefill_kernel(options)
+        _compiled[key] = torch.compile(attend, dynamic=False if one_query else None, fullgraph=True)
+    return _compiled[key]
 
 
 def _softcapped(softcap: float):
@@ -83,15 +92,14 @@ def paged_attention(module, query, key, value, attention_mask=None, scaling=None
     scale = head_dim ** -0.5 if scaling is None else scaling
     score_mod = None if softcap is None else _softcapped(softcap)
     if reads_in_place(q):  # the kernels read each chunk's pages of the pool
-        kernel = _kernel(longest == 1) if q.is_cuda else _unfused
-        options = {"BLOCK_N": min(kv.pool.block_size, 64)}  # key tiles, which must divide the page size
-        out = kernel(q, keys[None], values[None], step.block_mask(sliding_window), score_mod, scale, options)
+        kernel = _kernel(longest == 1, kv.pool.block_size) if q.is_cuda else _unfused
+        out = kernel(q, keys[None], values[None], step.block_mask(sliding_window), score_mod, scale)
     else:  # unfused flex_attention evaluates every key it is given: each chunk's own context, gathered
         context = step.context_slots()  # [R, L]
         block_mask = create_block_mask(step.context_mask(sliding_window), chunks, None, longest, context.shape[1],
                                        device=q.device)
         out = _unfused(q, keys[:, context].transpose(0, 1), values[:, context].transpose(0, 1), block_mask,
-                       score_mod, scale, None)
+                       score_mod, scale)
     out = out.transpose(1, 2).reshape(chunks * longest, heads, value_dim)[step.query_rows]  # [T, H, Dv], flat order
     return out.unsqueeze(0), None
 

@@ -1,6 +1,7 @@
 """The HTTP application: authentication, OpenAI's error envelope for every error, request-size limits,
 structured access logs (method, path, status, tenant, duration: never a prompt, a body or a key), `/health`,
-`/metrics` (the admin tenant), `/v1/usage`, and the OpenAI routes (openai_api.py)."""
+`/metrics` (the admin tenant), `/v1/usage`, the tenant's web page (`/ui`, its data at `/v1/dashboard`), and the
+OpenAI routes (openai_api.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import json
 import logging
 import time
 import uuid
+from importlib import resources
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from symbiosis.serve import openai_api
+from symbiosis.serve import dashboard, openai_api
 from symbiosis.serve.errors import ApiError
 from symbiosis.serve.keys import ADMIN
 
@@ -45,6 +47,18 @@ class BodyLimit:
                     raise ApiError(413, f"the request body is over {self.limit} bytes")
             return message
         await self.app(scope, limited, send)
+
+
+UI_ASSETS = {"ui.js": "text/javascript; charset=utf-8", "ui.css": "text/css; charset=utf-8"}
+# the page loads only its own script and style and talks only to this server
+UI_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; "
+             "form-action 'none'; frame-ancestors 'none'; base-uri 'none'")
+
+
+def _ui_file(name: str, media_type: str) -> Response:
+    content = resources.files("symbiosis.serve").joinpath("ui", name).read_bytes()
+    return Response(content, media_type=media_type, headers={
+        "Content-Security-Policy": UI_POLICY, "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"})
 
 
 def create_app(service) -> FastAPI:
@@ -113,6 +127,21 @@ def create_app(service) -> FastAPI:
                 raise ApiError(403, "only the admin tenant may read other tenants' usage", "of")
             return {"object": "list", "data": service.state.usage(caller)}
         return {"object": "list", "data": service.state.usage(of)}
+
+    @app.get("/v1/dashboard")
+    def dashboard_data(caller: str = Depends(tenant)):
+        """What the tenant's page plots (dashboard.py)."""
+        return dashboard.snapshot(service, caller)
+
+    @app.get("/ui")
+    def ui_page():
+        return _ui_file("index.html", "text/html; charset=utf-8")
+
+    @app.get("/ui/{name}")
+    def ui_asset(name: str):
+        if name not in UI_ASSETS:
+            raise ApiError(404, "no such file")
+        return _ui_file(name, UI_ASSETS[name])
 
     app.include_router(openai_api.router(service, tenant))
     app.add_middleware(BodyLimit)

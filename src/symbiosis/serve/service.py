@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from symbiosis.serve.adapters import AdapterRegistry
+from symbiosis.serve.dashboard import RecentRequests
 from symbiosis.serve.errors import not_found
 from symbiosis.serve.generation import Admission
 from symbiosis.serve.keys import ApiKeys
@@ -48,6 +49,7 @@ class Service:
         self.adapters = AdapterRegistry(adapter_root, self.state, self.engine, self.base_name)
         self.admission = Admission(max_requests, max_requests_per_tenant)
         self.metrics = Metrics(self.engine, self.executor)
+        self.recent = RecentRequests()
 
     def start(self) -> "Service":
         self.engine.start()
@@ -76,6 +78,7 @@ class Service:
     def finished(self, tenant: str, model: str, generation, distinct_prompts: int, error: bool) -> None:
         self.state.count(tenant, model, generation.prompt_tokens(distinct_prompts), generation.completion_tokens, error)
         self.metrics.finished(tenant, model, generation)
+        self.recent.add(tenant, generation)
 
     def reload_keys(self) -> None:
         """SIGHUP: the API keys again, and the executor's tenants (for split tenants attaching from now on)."""

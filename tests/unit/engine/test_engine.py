@@ -276,12 +276,13 @@ def test_bad_requests_fail_alone(models, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("decode_graphs", [False, True])
-def test_on_the_gpu_the_triton_kernels_give_plain_peft_tokens(models, decode_graphs):
-    """float32 on CUDA (the SGMV kernels in Triton, the attention on the GPU, decode steps eager or replayed from
-    CUDA graphs) against plain transformers + PEFT."""
+@pytest.mark.parametrize("block_size, max_batch_tokens", [(16, 8), (64, 512)])
+def test_on_the_gpu_the_triton_kernels_give_plain_peft_tokens(models, decode_graphs, block_size, max_batch_tokens):
+    """float32 on CUDA (the SGMV kernels in Triton, the compiled paged attention, decode steps eager or replayed
+    from CUDA graphs; prompts in small chunks beside decodes, or whole) against plain transformers + PEFT."""
     checkpoint, adapters = models("llama")
-    engine = Engine.from_pretrained(checkpoint, device="cuda", dtype=torch.float32, kv_blocks=16, block_size=16,
-                                    max_batch_tokens=8, decode_graphs=decode_graphs)
+    engine = Engine.from_pretrained(checkpoint, device="cuda", dtype=torch.float32, kv_blocks=16, block_size=block_size,
+                                    max_batch_tokens=max_batch_tokens, decode_graphs=decode_graphs)
     names = [None, "attn_r2", "mlp_r8", "everything_rs"]
     completions = engine.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3),
                                   [None if n is None else (n, adapters[n]) for n in names])

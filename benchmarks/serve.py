@@ -1,0 +1,193 @@
+"""The HTTP layer's cost (issue: `symbiosis serve`): requests with Poisson arrivals at rising rates, prompts and
+outputs of a ShareGPT-like length distribution, spread over many adapters, sent (a) through the HTTP API
+(/v1/completions, streaming, by a client in another process over loopback) and (b) to the engine directly
+(`Engine.submit` in the service's own process), the same requests on the same warm service in the same run.
+Reports throughput (generated tokens / wall time), time to first token and inter-token latency p50/p99.
+
+    PYTHONPATH=src python benchmarks/serve.py --model llama-3-8b --adapters 64 --rates 4,16,64 --requests 128
+
+Prompts: log-normal tokens, median 160 (sigma 0.8, 16..1024); outputs: log-normal, median 64 (sigma 0.6,
+8..256), eos ignored by neither path (random weights rarely emit it). Adapters: uniform over `--adapters`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from common import CONFIGS, checkpoint, device, dtype, emit
+from engine import write_adapters
+
+
+def workload(count: int, adapters: int, vocab: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(count):
+        prompt = min(1024, max(16, round(rng.lognormvariate(math.log(160), 0.8))))
+        output = min(256, max(8, round(rng.lognormvariate(math.log(64), 0.6))))
+        jobs.append({"prompt": [rng.randrange(3, vocab) for _ in range(prompt)], "max_tokens": output,
+                     "adapter": rng.randrange(adapters)})
+    return jobs
+
+
+def arrivals(count: int, rate: float, seed: int = 1) -> list[float]:
+    rng, t, times = random.Random(seed), 0.0, []
+    for _ in range(count):
+        t += rng.expovariate(rate)
+        times.append(t)
+    return times
+
+
+def summary(records: list[dict], wall: float) -> dict:
+    """records: {"arrival", "tokens": [times]} per request (times from the run's start)."""
+    ttft = sorted(r["tokens"][0] - r["arrival"] for r in records if r["tokens"])
+    gaps = sorted(b - a for r in records for a, b in zip(r["tokens"], r["tokens"][1:]))
+    pct = lambda values, q: values[min(len(values) - 1, int(q * len(values)))] if values else None  # noqa: E731
+    generated = sum(len(r["tokens"]) for r in records)
+    return {"tokens_per_s": generated / wall, "generated": generated, "ttft_p50_ms": 1e3 * pct(ttft, 0.5),
+            "ttft_p99_ms": 1e3 * pct(ttft, 0.99), "itl_p50_ms": 1e3 * pct(gaps, 0.5),
+            "itl_p99_ms": 1e3 * pct(gaps, 0.99), "requests": len(records)}
+
+
+def run_direct(service, jobs: list[dict], times: list[float], names: list[str]) -> dict:
+    from symbiosis.engine import SamplingParams
+
+    records = [{"arrival": t, "tokens": []} for t in times]
+    start = time.perf_counter()
+
+    def one(i):
+        job = jobs[i]
+        time.sleep(max(0.0, start + times[i] - time.perf_counter()))
+        adapter = service.adapters.lookup("bench", names[job["adapter"]])
+        handle = service.engine.submit(job["prompt"], SamplingParams(max_tokens=job["max_tokens"]),
+                                       (adapter[0], str(adapter[1])))
+        for _ in handle:
+            records[i]["tokens"].append(time.perf_counter() - start)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(jobs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return summary(records, time.perf_counter() - start)
+
+
+async def _http_client(url: str, key: str, jobs: list[dict], times: list[float], names: list[str]) -> dict:
+    try:
+        import httpx2 as httpx
+    except ImportError:
+        import httpx
+    records = [{"arrival": t, "tokens": []} for t in times]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits,
+                                 headers={"Authorization": f"Bearer {key}"}) as client:
+        start = time.perf_counter()
+
+        async def one(i):
+            job = jobs[i]
+            await asyncio.sleep(max(0.0, start + times[i] - time.perf_counter()))
+            body = {"model": names[job["adapter"]], "prompt": job["prompt"], "max_tokens": job["max_tokens"],
+                    "temperature": 0, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                response.raise_for_status()
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        records[i]["tokens"].append(time.perf_counter() - start)
+        await asyncio.gather(*(one(i) for i in range(len(jobs))))
+        return summary(records, time.perf_counter() - start)
+
+
+def run_http(url: str, key: str, jobs: list[dict], times: list[float], names: list[str]) -> dict:
+    """In another process, so that the client's Python does not compete with the server's for one GIL."""
+    payload = json.dumps({"url": url, "key": key, "jobs": jobs, "times": times, "names": names})
+    result = subprocess.run([sys.executable, __file__, "--client"], input=payload, capture_output=True, text=True,
+                            check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _tokenizer(model_dir: Path) -> None:
+    """The benchmark checkpoints have no tokenizer; the service needs one (a small BPE, as the demo's)."""
+    if not (model_dir / "tokenizer.json").is_file():
+        from symbiosis.demo import build_tokenizer
+
+        build_tokenizer(["the cat sees a dog in the garden ."] * 50).save_pretrained(model_dir)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="llama-3-8b", choices=sorted(CONFIGS))
+    parser.add_argument("--adapters", type=int, default=64)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--rates", default="4,16,64", help="requests per second (Poisson)")
+    parser.add_argument("--requests", type=int, default=128, help="requests per rate and path")
+    parser.add_argument("--workdir", default="/tmp/symbiosis-bench-serve")
+    args = parser.parse_args()
+    if args.client:
+        spec = json.loads(sys.stdin.read())
+        print(json.dumps(asyncio.run(_http_client(spec["url"], spec["key"], spec["jobs"], spec["times"],
+                                                  spec["names"]))))
+        return
+
+    import uvicorn
+
+    from symbiosis.serve.app import create_app
+    from symbiosis.serve.service import Service
+
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    model_dir = checkpoint(args.model)
+    _tokenizer(model_dir)
+    adapter_root = workdir / "adapters"
+    directories = write_adapters(args.model, args.adapters, args.rank, adapter_root)
+    key = "bench-key-0123456789abcdef"
+    (workdir / "keys").write_text(f"bench {key}\n")
+    kv_tokens = 96 * 1300
+    service = Service(model_dir, workdir / "state", workdir / "keys", adapter_root=adapter_root, device=device(),
+                      dtype=dtype(), max_requests=4096, max_requests_per_tenant=4096,
+                      engine_options={"kv_blocks": kv_tokens // 64, "block_size": 64, "max_running": 96,
+                                      "max_lora_rank": args.rank, "adapter_slots": args.adapters,
+                                      "max_batch_tokens": 2048}).start()
+    names = []
+    for i, directory in enumerate(directories):
+        names.append(f"a{i}")
+        if service.state.adapter("bench", names[-1]) is None:
+            service.adapters.load("bench", names[-1], directory.name)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning", access_log=False))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    vocab = CONFIGS[args.model]["vocab_size"]
+    common = dict(bench="serve", model=args.model, adapters=args.adapters, rank=args.rank,
+                  gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    warm = workload(128, args.adapters, vocab, seed=99)  # graphs, compiled kernels, adapter copies
+    run_direct(service, warm, arrivals(len(warm), 64.0), names)
+    run_http(url, key, warm, arrivals(len(warm), 64.0), names)
+    for rate in [float(r) for r in args.rates.split(",")]:
+        jobs, times = workload(args.requests, args.adapters, vocab), arrivals(args.requests, rate)
+        direct = run_direct(service, jobs, times, names)
+        http = run_http(url, key, jobs, times, names)
+        emit(**common, rate=rate, path="engine", **direct)
+        emit(**common, rate=rate, path="http", **http, throughput_ratio=http["tokens_per_s"] / direct["tokens_per_s"],
+             ttft_p50_ratio=http["ttft_p50_ms"] / direct["ttft_p50_ms"],
+             itl_p50_ratio=http["itl_p50_ms"] / direct["itl_p50_ms"])
+    server.should_exit = True
+    service.close()
+
+
+if __name__ == "__main__":
+    main()
