@@ -100,6 +100,26 @@ def test_chat_uses_the_template_and_streams_the_same_text(loaded, served_files):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reply.choices[0].finish_reason
 
 
+def test_an_adapter_with_its_own_chat_template_is_rendered_with_it(loaded, served_files):
+    import shutil
+
+    tokenizer = AutoTokenizer.from_pretrained(served_files["model"])
+    directory = served_files["adapters"] / "alice" / "templated"
+    if not directory.exists():
+        shutil.copytree(served_files["adapters"] / "alice" / "poet", directory)
+    template = "{{ bos_token }}question : {% for m in messages %}{{ m['content'] }} {% endfor %}answer :"
+    (directory / "chat_template.jinja").write_text(template)
+    assert load(loaded, "alice", "templated", "alice/templated").status_code == 200
+    messages = [{"role": "user", "content": "the cat"}]
+    reply = loaded.client("alice").chat.completions.create(model="templated", messages=messages, max_tokens=6,
+                                                           temperature=0)
+    ids = tokenizer(tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                                  tokenize=False), add_special_tokens=False)["input_ids"]
+    assert reply.usage.prompt_tokens == len(ids)
+    expected, _ = plain_generate(served_files, "alice/templated", ids, 6)
+    assert reply.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+
+
 def test_raw_event_stream_ends_with_done(loaded):
     with httpx.stream("POST", loaded.url + "/v1/completions", headers={"Authorization": f"Bearer {KEYS['bob']}"},
                       json={"model": "writer", "prompt": "the cat", "max_tokens": 3, "stream": True}) as response:
