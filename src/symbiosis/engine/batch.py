@@ -162,15 +162,21 @@ class StepBatch:
                 "query_rows": [r * longest_query + q for r, length in enumerate(lengths) for q in range(length)],
                 "kv_num_blocks": kv_num_blocks, "kv_indices": kv_indices, "page_owner": page_owner,
                 "page_index": page_index}
-        for name, arrays in (("token", token_segments), ("row", row_segments)):
+        # one upload per distinct segments (the padded layout's token and row segments are one object, so that
+        # copy_from updates both)
+        segment_arrays = {"token": token_segments}
+        if row_segments is not token_segments:
+            segment_arrays["row"] = row_segments
+        for name, arrays in segment_arrays.items():
             if arrays is not None:
                 host[f"{name}_starts"], host[f"{name}_slots"] = arrays[:2]
         tensors = _upload(host, device)
         for name in self.TENSORS:
             setattr(self, name, tensors[name])
-        self.token_segments, self.row_segments = (
-            None if arrays is None else Segments(tensors[f"{name}_starts"], tensors[f"{name}_slots"], arrays[2])
-            for name, arrays in (("token", token_segments), ("row", row_segments)))
+        segments = {name: None if arrays is None else Segments(tensors[f"{name}_starts"], tensors[f"{name}_slots"],
+                                                               arrays[2]) for name, arrays in segment_arrays.items()}
+        self.token_segments = segments["token"]
+        self.row_segments = segments.get("row", self.token_segments)
         self._block_masks: dict[int | None, object] = {}
 
     def copy_from(self, other: "StepBatch") -> None:
@@ -178,6 +184,7 @@ class StepBatch:
         batch then runs `other`."""
         for name in self.TENSORS:
             getattr(self, name).copy_(getattr(other, name))
+        self.longest_pages = other.longest_pages  # read on the host (context_slots)
         if self.token_segments is not None:
             self.token_segments.starts.copy_(other.token_segments.starts)
             self.token_segments.slots.copy_(other.token_segments.slots)

@@ -127,6 +127,32 @@ def _mixed_batch(models, arch, **options):
     return engine
 
 
+def test_head_lora_in_replayed_decode_steps_follows_the_batch_as_it_changes(models, tmp_path):
+    """Graph-replayed decode steps (their padded layout, eagerly on the CPU) with an adapter on the output head:
+    requests end at different steps, so the same row bucket runs different batches, and the head's segments
+    (the sampled rows') must be the new batch's, as the other layers' are."""
+    checkpoint, adapters = models("llama")
+    torch.manual_seed(5)
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"],
+                                                init_lora_weights=False))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.normal_(0, 0.3)
+    model.save_pretrained(tmp_path / "head")
+    adapters = {**adapters, "head": tmp_path / "head"}
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, decode_graphs=True)
+    jobs = [(PROMPTS[0], "head", 2), (PROMPTS[1], "attn_r2", 7), (PROMPTS[2], None, 4), (PROMPTS[3], "head", 7)]
+    handles = [engine.submit(prompt, SamplingParams(max_tokens=n, ignore_eos=True, logprobs=3), None if name is None
+                             else (name, adapters[name])) for prompt, name, n in jobs]
+    while engine.has_work():
+        engine.step()
+    assert engine.graphs.recorded
+    for handle, (prompt, name, n) in zip(handles, jobs):
+        _check(handle.result(), _alone(checkpoint, adapters.get(name), prompt, n), prompt)
+
+
 @pytest.mark.parametrize("decode_graphs", [False, True])
 def test_preempted_requests_resume_without_losing_or_repeating_a_token(models, decode_graphs):
     checkpoint, adapters = models("llama")
