@@ -18,7 +18,6 @@ import json
 import math
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import threading

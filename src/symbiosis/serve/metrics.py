@@ -6,7 +6,7 @@ queue wait: the split tenants' calls) are read when scraped; request figures are
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -57,12 +57,13 @@ class Metrics:
         self.e2e = Histogram("symbiosis:e2e_request_latency_seconds", "From arrival to the last token.",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
 
-    def finished(self, tenant: str, model: str, generation) -> None:
+    def finished(self, tenant: str, model: str, generation, prompt_tokens: int) -> None:
+        """`prompt_tokens`: each prompt once, however many choices it had (as usage counts them)."""
         timing = generation.timing
         for choice in generation.choices:
             if choice.finish_reason is not None:
                 self.requests.labels(tenant, model, choice.finish_reason).inc()
-        self.prompt_tokens.labels(tenant, model).inc(sum(c.prompt_tokens for c in generation.choices))
+        self.prompt_tokens.labels(tenant, model).inc(prompt_tokens)
         self.generation_tokens.labels(tenant, model).inc(generation.completion_tokens)
         if timing.first_token is not None:
             self.ttft.observe(timing.first_token - timing.arrival)

@@ -57,13 +57,13 @@ def router(service, tenant_dependency) -> APIRouter:
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, tenant: str = caller):
-        adapter, tokenizer = service.resolve(tenant, body.model)
-        prompts = _completion_prompts(body.prompt, tokenizer)
+        adapter = service.resolve(tenant, body.model)
+        prompts = _completion_prompts(body.prompt, service.tokenizer)
         return await _run(service, tenant, body, request, adapter, prompts, chat=False)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request, tenant: str = caller):
-        adapter, tokenizer = service.resolve(tenant, body.model)
+        adapter, tokenizer = service.resolve(tenant, body.model), service.tokenizer
         template = None if adapter is None else _adapter_chat_template(adapter[1])
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body.messages]
         try:

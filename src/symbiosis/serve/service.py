@@ -9,7 +9,6 @@ from pathlib import Path
 
 from symbiosis.serve.adapters import AdapterRegistry
 from symbiosis.serve.dashboard import RecentRequests
-from symbiosis.serve.errors import not_found
 from symbiosis.serve.generation import Admission
 from symbiosis.serve.keys import ApiKeys
 from symbiosis.serve.metrics import Metrics
@@ -69,15 +68,14 @@ class Service:
         return {"id": name, "object": "model", "created": self.created if base else int(created),
                 "owned_by": "symbiosis", "root": name, "parent": None if base else self.base_name}
 
-    def resolve(self, tenant: str, model: str):
-        """(adapter: (engine name, directory) or None for the base, tokenizer) of a request's `model`."""
-        if model == self.base_name:
-            return None, self.tokenizer
-        return self.adapters.lookup(tenant, model), self.tokenizer
+    def resolve(self, tenant: str, model: str) -> tuple[str, Path] | None:
+        """The adapter (engine name, directory) a request's `model` names, None for the base (404 otherwise)."""
+        return None if model == self.base_name else self.adapters.lookup(tenant, model)
 
     def finished(self, tenant: str, model: str, generation, distinct_prompts: int, error: bool) -> None:
-        self.state.count(tenant, model, generation.prompt_tokens(distinct_prompts), generation.completion_tokens, error)
-        self.metrics.finished(tenant, model, generation)
+        prompt_tokens = generation.prompt_tokens(distinct_prompts)
+        self.state.count(tenant, model, prompt_tokens, generation.completion_tokens, error)
+        self.metrics.finished(tenant, model, generation, prompt_tokens)
         self.recent.add(tenant, generation)
 
     def reload_keys(self) -> None:

@@ -82,6 +82,12 @@ class Running:
         self.service.close()
 
 
+def load(server, tenant: str, name: str, path: str):
+    """POST /v1/load_lora_adapter as `tenant`; the HTTP response."""
+    return httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path},
+                      headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+
+
 def start(files, state_dir: Path, **options) -> Running:
     from symbiosis.serve.service import Service
 

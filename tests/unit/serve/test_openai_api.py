@@ -5,7 +5,6 @@ kept apart, errors as the client's exception classes, overload, cancellation, me
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import KEYS, httpx, start
+from conftest import KEYS, httpx, load, start
 
 PROMPTS = ["the cat sees", "my sister finds a red ball", "roses are"]
 LONG_RUNNING = "my sister finds a red ball"  # the tiny random model's greedy answer never ends with </s>
@@ -32,11 +31,6 @@ def plain_generate(files, adapter: str | None, ids: list[int], new_tokens: int):
         logits = model(sequence).logits[0, len(ids) - 1:-1]
     logprobs = torch.log_softmax(logits, -1).gather(1, torch.tensor(new)[:, None])[:, 0].tolist()
     return new, logprobs
-
-
-def load(server, tenant: str, name: str, path: str) -> httpx.Response:
-    return httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path},
-                      headers={"Authorization": f"Bearer {KEYS[tenant]}"})
 
 
 @pytest.fixture(scope="module")

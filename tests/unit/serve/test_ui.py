@@ -12,16 +12,10 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import sync_playwright
 
-from conftest import KEYS, httpx
+from conftest import KEYS, load
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SCREENSHOT = Path(__file__).parents[3] / "docs" / "images" / "ui.png"
-
-
-def load(server, tenant: str, name: str, path: str) -> None:
-    response = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path},
-                          headers={"Authorization": f"Bearer {KEYS[tenant]}"})
-    assert response.status_code in (200, 400), response.text  # 400: loaded by an earlier test of this module
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +28,9 @@ def browser():
 
 
 def test_the_page_shows_the_tenants_own_models_and_live_plots(server, browser):
-    load(server, "alice", "poet", "alice/poet")
-    load(server, "bob", "writer", "bob/writer")
+    for tenant, name, path in (("alice", "poet", "alice/poet"), ("bob", "writer", "bob/writer")):
+        response = load(server, tenant, name, path)
+        assert response.status_code in (200, 400), response.text  # 400: loaded by an earlier test of this module
     for _ in range(3):
         server.client("alice").completions.create(model="poet", prompt="roses are", max_tokens=6, temperature=0)
     server.client("alice").completions.create(model="tiny-llama", prompt="the cat", max_tokens=4, temperature=0)
