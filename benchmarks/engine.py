@@ -208,6 +208,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each (batch, pattern); the last is reported")
     parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block (page)")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
+    parser.add_argument("--layers", default="compiled",
+                        help="decoder layers of graph-replayed decode steps: compiled, eager, or both (one engine "
+                             "after the other, side by side in one run)")
     parser.add_argument("--profile", help="write a torch.profiler table of decode steps (distinct adapters) here")
     parser.add_argument("--profile-batch", type=int, default=8)
     parser.add_argument("--profile-prompt", type=int, default=100, help="prompt tokens of each profiled request")
@@ -221,20 +224,26 @@ def main() -> None:
 
     executor = Executor.from_pretrained(model_dir, device=device(), dtype=dtype())
     kv_tokens = max(batches) * (1024 + args.new_tokens)
-    engine = Engine(model_dir, executor, kv_blocks=kv_tokens // args.block_size + 1, block_size=args.block_size,
-                    max_batch_tokens=2048,
-                    max_running=max(batches), max_lora_rank=args.rank, adapter_slots=max(batches),
-                    decode_graphs=not args.eager and torch.cuda.is_available())
-    run_engine(engine, adapters, "distinct", min(8, max(batches)), 4, vocab)  # warm up (adapter copies, allocator)
-    if args.profile:
-        profile_decode(engine, adapters, Path(args.profile), args.profile_batch, args.profile_prompt)
-    for batch in batches:
-        for pattern in args.patterns.split(","):
-            for _ in range(args.repeats - 1):  # CUDA graphs of this run's step shapes are recorded here
-                run_engine(engine, adapters, pattern, batch, args.new_tokens, vocab)
-            emit(**common, system="symbiosis", pattern=pattern, batch=batch, graphs=engine.graphs is not None,
-                 **run_engine(engine, adapters, pattern, batch, args.new_tokens, vocab))
-    del engine, executor
+    for layers in ("compiled", "eager") if args.layers == "both" else (args.layers,):
+        engine = Engine(model_dir, executor, kv_blocks=kv_tokens // args.block_size + 1, block_size=args.block_size,
+                        max_batch_tokens=2048,
+                        max_running=max(batches), max_lora_rank=args.rank, adapter_slots=max(batches),
+                        decode_graphs=not args.eager and torch.cuda.is_available(),
+                        compile_layers=layers == "compiled")
+        run_engine(engine, adapters, "distinct", min(8, max(batches)), 4, vocab)  # warm up (adapter copies, allocator)
+        if args.profile:
+            profile_decode(engine, adapters, Path(f"{args.profile}.{layers}"), args.profile_batch, args.profile_prompt)
+        for batch in batches:
+            for pattern in args.patterns.split(","):
+                for _ in range(args.repeats - 1):  # CUDA graphs of this run's step shapes are recorded here
+                    run_engine(engine, adapters, pattern, batch, args.new_tokens, vocab)
+                emit(**common, system="symbiosis", pattern=pattern, batch=batch, graphs=engine.graphs is not None,
+                     layers=layers if engine.graphs is not None else "eager",
+                     **run_engine(engine, adapters, pattern, batch, args.new_tokens, vocab))
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    del executor
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     for batch in [int(b) for b in args.peft_batches.split(",") if b]:

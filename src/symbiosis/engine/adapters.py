@@ -7,9 +7,12 @@ the base model's layer needs, rank at most the store's `max_rank`, the base mode
 records one (`symbiosis.json`, written by `save_adapter`). The result stays in host memory (pinned on a GPU engine).
 
 Placing (`acquire`, the engine's thread): each base layer that some adapter targets has device pools
-    a[S, R, in], b[S, out, R], scale[S]    (S slots, R = max_rank; a rank-r adapter fills rows/columns :r, zero beyond)
-read by the SGMV kernels; the input embedding, when targeted, has a[S, vocab, R] and b[S, R, dim]. Copies run on a
-side stream; the step that first uses a slot waits for its copy, nothing else does.
+    a[S, R, in], b[S, out, R], scale[S, 1]    (S slots, R = max_rank; a rank-r adapter fills rows/columns :r,
+                                               zero beyond)
+read by the SGMV kernels; the layers of a fused group (q/k/v, gate/up: engine/layers.py) share pools, side by side:
+    a[S, G*R, in] (member g's rows g*R ..), b[S, out_1 + .. + out_G, R] (its output rows), scale[S, G].
+The input embedding, when targeted, has a[S, vocab, R] and b[S, R, dim]. Copies run on a side stream; the step that
+first uses a slot waits for its copy, nothing else does.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from safetensors.torch import load_file
 from symbiosis.client.adapter_files import check_adapter_directory
 from symbiosis.client.generate import check_base_fingerprint
 from symbiosis.errors import AdapterError, UnsupportedAdapter
-from symbiosis.model.partition import BaseLayerSpec
+from symbiosis.model.partition import GROUP_SEPARATOR, BaseLayerSpec
 
 PREFIX = "base_model.model."
 SPLIT_CLIENT_HINT = ("the engine runs LoRA adapters; run this one exactly on a split client instead "
@@ -59,27 +62,48 @@ class HostAdapter:
 
 
 @dataclass
+class Pools:
+    """One layer's (or fused group's) device pools, made when a first adapter targets it: a [S, G*R, in],
+    b [S, out, R], scales float32 [S, G]. The engine's layers hold this object, so a pool made later is seen."""
+    a: torch.Tensor | None = None
+    b: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+
+
+@dataclass
 class Slot:
     adapter: HostAdapter
     users: int = 0
     ready: object = None  # a CUDA event the first step using the slot waits on
-    layers: set = field(default_factory=set)
+    members: set = field(default_factory=set)  # (pool id, member) that the adapter's layers fill
 
 
 class AdapterStore:
     def __init__(self, modules: dict[str, BaseLayerSpec], embedding: tuple[str, int, int] | None, fingerprint: str,
                  device: torch.device, dtype: torch.dtype, max_rank: int = 64, slots: int = 8, host_cache: int = 64,
-                 vocabulary_weights: dict[str, torch.Tensor] | None = None):
-        """`modules`: module name -> base layer spec; `embedding`: (module name, vocab, dim) of the input embedding;
-        `vocabulary_weights`: module name -> weight of the input embedding and the output head, which PEFT saves
-        beside an adapter that targets them (accepted when they are the base model's own)."""
+                 vocabulary_weights: dict[str, torch.Tensor] | None = None, groups: list[tuple[str, ...]] = ()):
+        """`modules`: module name -> base layer spec; `groups`: the layer ids of each fused group, in their order;
+        `embedding`: (module name, vocab, dim) of the input embedding; `vocabulary_weights`: module name -> weight
+        of the input embedding and the output head, which PEFT saves beside an adapter that targets them (accepted
+        when they are the base model's own)."""
         self.vocabulary_weights = vocabulary_weights or {}
         if not 1 <= max_rank <= 1024 or slots < 1:
             raise ValueError(f"max_rank must be in 1..1024 and slots >= 1 (got {max_rank}, {slots})")
         self.modules, self.embedding_module, self.fingerprint = modules, embedding, fingerprint
         self.specs = {spec.layer_id: spec for spec in modules.values()}  # layer id -> spec
+        # layer id -> (pool id, member, first output row in the pool); pool id -> (in features, member widths)
+        self.placement = {layer_id: (layer_id, 0, 0) for layer_id in self.specs}
+        self.pool_shapes = {layer_id: (spec.in_features, (spec.out_features,)) for layer_id, spec in self.specs.items()}
+        for group in groups:
+            pool_id, first = GROUP_SEPARATOR.join(group), 0
+            for member, layer_id in enumerate(group):
+                self.placement[layer_id] = (pool_id, member, first)
+                first += self.specs[layer_id].out_features
+                del self.pool_shapes[layer_id]
+            self.pool_shapes[pool_id] = (self.specs[group[0]].in_features,
+                                         tuple(self.specs[layer_id].out_features for layer_id in group))
         self.device, self.dtype, self.max_rank, self.num_slots = device, dtype, max_rank, slots
-        self.pools: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer id -> (a, b, scale)
+        self.pools = {pool_id: Pools() for pool_id in self.pool_shapes}
         self.embedding_pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.pools_version = 0  # how many pools have been made (a recorded decode graph reads those it saw)
         self._slots: OrderedDict[int, Slot] = OrderedDict()  # least recently used first
@@ -216,31 +240,37 @@ class AdapterStore:
     def _evict(self, slot: int) -> None:
         entry = self._slots.pop(slot)
         del self._by_key[entry.adapter.key]
-        for layer_id in entry.layers:  # a later adapter may not target this layer: its rows must read zero
-            self.pools[layer_id][2][slot] = 0.0
+        for pool_id, member in entry.members:  # a later adapter may not target this layer: it must add zero
+            self.pools[pool_id].scales[slot, member] = 0.0
         if entry.adapter.embedding is not None:
             self.embedding_pool[2][slot] = 0.0
 
-    def _pool(self, layer_id: str, spec: BaseLayerSpec):
-        if layer_id not in self.pools:
-            s, r = self.num_slots, self.max_rank
-            self.pools[layer_id] = (torch.zeros(s, r, spec.in_features, device=self.device, dtype=self.dtype),
-                                    torch.zeros(s, spec.out_features, r, device=self.device, dtype=self.dtype),
-                                    torch.zeros(s, device=self.device, dtype=torch.float32))
+    def _pool(self, pool_id: str) -> Pools:
+        pools = self.pools[pool_id]
+        if pools.a is None:
+            (in_features, widths), s, r = self.pool_shapes[pool_id], self.num_slots, self.max_rank
+            pools.a = torch.zeros(s, len(widths) * r, in_features, device=self.device, dtype=self.dtype)
+            pools.b = torch.zeros(s, sum(widths), r, device=self.device, dtype=self.dtype)
+            pools.scales = torch.zeros(s, len(widths), device=self.device, dtype=torch.float32)
             self.pools_version += 1
-        return self.pools[layer_id]
+        return pools
 
     def _place(self, slot: int, adapter: HostAdapter) -> None:
         stream = self._copy_stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            members = set()
             for layer_id, lora in adapter.layers.items():
-                a_pool, b_pool, scales = self._pool(layer_id, self.specs[layer_id])
+                pool_id, member, first = self.placement[layer_id]
+                pools = self._pool(pool_id)
+                a_rows = pools.a[slot, member * self.max_rank:(member + 1) * self.max_rank]     # [R, in]
+                b_rows = pools.b[slot, first:first + self.specs[layer_id].out_features]         # [out, R]
                 r = lora.a.shape[0]
-                a_pool[slot, :r].copy_(lora.a, non_blocking=True)
-                a_pool[slot, r:].zero_()
-                b_pool[slot, :, :r].copy_(lora.b, non_blocking=True)
-                b_pool[slot, :, r:].zero_()
-                scales[slot] = lora.scale
+                a_rows[:r].copy_(lora.a, non_blocking=True)
+                a_rows[r:].zero_()
+                b_rows[:, :r].copy_(lora.b, non_blocking=True)
+                b_rows[:, r:].zero_()
+                pools.scales[slot, member] = lora.scale
+                members.add((pool_id, member))
             if adapter.embedding is not None:
                 if self.embedding_pool is None:
                     _, vocab, dim = self.embedding_module
@@ -259,7 +289,7 @@ class AdapterStore:
         if stream is not None:
             ready = torch.cuda.Event()
             ready.record(stream)
-        self._slots[slot] = Slot(adapter, ready=ready, layers=set(adapter.layers))
+        self._slots[slot] = Slot(adapter, ready=ready, members=members)
         self._by_key[adapter.key] = slot
 
 

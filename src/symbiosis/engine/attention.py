@@ -10,6 +10,10 @@ request's pages over the SMs); on the CPU, where it runs unfused and evaluates e
 context is gathered first.
 Masks come from the step, not from transformers (none is made for an unknown implementation).
 
+The work is one custom operator, `symbiosis::paged_attention` (opaque to torch.compile, which compiles the decoder
+layers around it: engine/compiled.py), given q, k, v and the layer's pool tensors (which it writes); it reads the
+step's batch from the engine that runs it (`stepping`, per thread).
+
     for each chunk r, query q (position p_q), context position l <= p_q (and l > p_q - window):
         s = scaling * <Q[r, q], K[slot(r, l)]>          (s = softcap * tanh(s / softcap) where the model caps)
         out[r, q] = sum_l softmax_l(s) V[slot(r, l)]
@@ -17,13 +21,16 @@ Masks come from the step, not from transformers (none is made for an unknown imp
 
 from __future__ import annotations
 
+import threading
 import warnings
+from contextlib import contextmanager
 
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from transformers import AttentionInterface
 
 NAME = "symbiosis_paged"
+PROBE = "symbiosis_probe"  # one token, as the model is built (probe_attention)
 RECOMPILE_LIMIT = 64  # one compiled kernel per (row bucket, window, dtype) for decodes; prefill shapes are dynamic
 
 
@@ -77,22 +84,44 @@ def _softcapped(softcap: float):
     return score_mod
 
 
+_running = threading.local()
+
+
+@contextmanager
+def stepping(batch):
+    """The step whose batch the paged attention of this thread's model calls reads."""
+    _running.batch = batch
+    try:
+        yield
+    finally:
+        _running.batch = None
+
+
 def paged_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, sliding_window=None,
                     softcap=None, **kwargs):
     # query [1, H, T, D]; key, value [1, Hkv, T, D] -> ([1, T, H, Dv], None)
-    step = module.symbiosis_step.batch
-    kv = module.symbiosis_step.kv
-    heads, kv_heads, head_dim, value_dim = query.shape[1], key.shape[1], query.shape[-1], value.shape[-1]
-    keys, values = kv.layer(module.layer_idx, kv_heads, head_dim, value_dim)  # [Hkv, S, D], [Hkv, S, Dv]
+    keys, values = module.symbiosis_kv  # [Hkv, S, D], [Hkv, S, Dv]: the layer's pool (engine/kv.py)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = torch.ops.symbiosis.paged_attention(query, key, value, keys, values, scale, sliding_window or 0,
+                                              softcap or 0.0)
+    return out, None
+
+
+@torch.library.custom_op("symbiosis::paged_attention", mutates_args=("keys", "values"))
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+            scale: float, sliding_window: int, softcap: float) -> torch.Tensor:
+    """Writes the step's keys and values into the pool at their slots; returns [1, T, H, Dv] (sliding_window,
+    softcap: 0 for none)."""
+    step = _running.batch
+    heads, value_dim = query.shape[1], value.shape[-1]
     keys.index_copy_(1, step.slots, key[0].to(keys.dtype))
     values.index_copy_(1, step.slots, value[0].to(values.dtype))
-
+    sliding_window = sliding_window or None
     q = query[0][:, step.query_index].transpose(0, 1)  # [R, H, Q, D]
     chunks, longest = q.shape[0], q.shape[2]
-    scale = head_dim ** -0.5 if scaling is None else scaling
-    score_mod = None if softcap is None else _softcapped(softcap)
+    score_mod = None if not softcap else _softcapped(softcap)
     if reads_in_place(q):  # the kernels read each chunk's pages of the pool
-        kernel = _kernel(longest == 1, kv.pool.block_size) if q.is_cuda else _unfused
+        kernel = _kernel(longest == 1, step.block_size) if q.is_cuda else _unfused
         out = kernel(q, keys[None], values[None], step.block_mask(sliding_window), score_mod, scale)
     else:  # unfused flex_attention evaluates every key it is given: each chunk's own context, gathered
         context = step.context_slots()  # [R, L]
@@ -101,7 +130,23 @@ def paged_attention(module, query, key, value, attention_mask=None, scaling=None
         out = _unfused(q, keys[:, context].transpose(0, 1), values[:, context].transpose(0, 1), block_mask,
                        score_mod, scale)
     out = out.transpose(1, 2).reshape(chunks * longest, heads, value_dim)[step.query_rows]  # [T, H, Dv], flat order
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
+
+
+@_attend.register_fake
+def _(query, key, value, keys, values, scale, sliding_window, softcap):
+    return query.new_empty(1, query.shape[2], query.shape[1], value.shape[-1])
+
+
+def probe_attention(module, query, key, value, attention_mask=None, **kwargs):
+    """Attention over a one-token sequence, whatever the model's scores (softmax over one key is 1): each query
+    head's output is its key/value head's value. It makes the layer's pool (`module.symbiosis_make_kv`) from the
+    head counts and sizes the architecture gives, as the engine's model is built."""
+    # query [1, H, 1, D]; key, value [1, Hkv, 1, D] -> ([1, 1, H, Dv], None)
+    module.symbiosis_kv = module.symbiosis_make_kv(key.shape[1], query.shape[-1], value.shape[-1])
+    out = value.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    return out.transpose(1, 2), None
 
 
 AttentionInterface.register(NAME, paged_attention)
+AttentionInterface.register(PROBE, probe_attention)

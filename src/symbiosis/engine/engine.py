@@ -113,22 +113,28 @@ class RequestHandle:
 class Engine:
     def __init__(self, model_path, executor, tokenizer=None, *, kv_blocks: int = 512, block_size: int = 64,
                  max_batch_tokens: int = 512, max_running: int = 64, max_lora_rank: int = 64, adapter_slots: int = 8,
-                 decode_graphs: bool | None = None):
+                 decode_graphs: bool | None = None, compile_layers: bool | None = None):
         """An engine over `executor` (an in-process `symbiosis.Executor` of `model_path`): its model shares
         the executor's base weights. KV pool: `kv_blocks` blocks of `block_size` tokens. `decode_graphs`
-        (default: on a GPU) replays decode steps from CUDA graphs; on the CPU it runs them padded, eagerly."""
+        (default: on a GPU) replays decode steps from CUDA graphs; on the CPU it runs them padded, eagerly.
+        `compile_layers` (default: with decode graphs on a GPU) runs those steps' decoder layers compiled
+        (engine/compiled.py)."""
         self.device, self.dtype, self.tokenizer = executor.device, executor.dtype, tokenizer
-        self.state = layers.StepState()
-        self.model, modules, embedding, vocabulary = layers.build(model_path, executor, self.state)
-        self.config = self.model.config.get_text_config()
         if self.device.type == "cuda" and (block_size < 16 or block_size & (block_size - 1)):
             raise ValueError(f"on a GPU the KV block size must be a power of two of at least 16 (flex_attention's "
                              f"key tiles divide it), not {block_size}")
         self.pool = BlockPool(kv_blocks, block_size)
-        self.state.kv = PagedKV(self.pool, self.device, self.dtype)
-        self.state.adapters = self.adapters = AdapterStore(modules, embedding, executor.fingerprint, self.device,
-                                                           self.dtype, max_lora_rank, adapter_slots,
-                                                           vocabulary_weights=vocabulary)
+        self.kv = PagedKV(self.pool, self.device, self.dtype)
+        if decode_graphs is None:
+            decode_graphs = self.device.type == "cuda"
+        self.compile_layers = decode_graphs and (self.device.type == "cuda" if compile_layers is None else compile_layers)
+        self.state = layers.StepState()
+        self.model, modules, groups, embedding, vocabulary = layers.build(model_path, executor, self.state, self.kv,
+                                                                          self.compile_layers)
+        self.config = self.model.config.get_text_config()
+        self.adapters = AdapterStore(modules, embedding, executor.fingerprint, self.device, self.dtype, max_lora_rank,
+                                     adapter_slots, vocabulary_weights=vocabulary, groups=groups)
+        layers.attach_pools(self.model, self.adapters)
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be positive")
         self.scheduler = Scheduler(self.pool, self.adapters, max_batch_tokens, max_running)
@@ -142,9 +148,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.steps = 0
-        if decode_graphs is None:
-            decode_graphs = self.device.type == "cuda"
-        self.graphs = graphs.DecodeGraphs(self._logits, self.device) if decode_graphs else None
+        self.graphs = graphs.DecodeGraphs(self._decode_logits, self.device) if decode_graphs else None
 
     @classmethod
     def from_pretrained(cls, model_path, device="cpu", dtype=None, tokenizer=None, **options) -> "Engine":
@@ -245,13 +249,13 @@ class Engine:
         batch = StepBatch(chunks, *layout)
         return batch, self._logits(batch)
 
-    def _logits(self, batch: StepBatch) -> torch.Tensor:
-        self.state.batch = batch
-        try:
+    def _decode_logits(self, batch: StepBatch) -> torch.Tensor:
+        return self._logits(batch, compiled=self.compile_layers)
+
+    def _logits(self, batch: StepBatch, compiled: bool = False) -> torch.Tensor:
+        with self.state.running(batch, compiled):
             return self.model(input_ids=batch.input_ids[None], position_ids=batch.positions[None],
                               logits_to_keep=batch.sample_rows, use_cache=False).logits[0]
-        finally:
-            self.state.batch = None
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> None:
         finite = torch.isfinite(logits).all(-1).tolist()
@@ -300,7 +304,7 @@ class Engine:
 
     def _end(self, request: Request, finished: Finished) -> None:
         if finished.reason not in ("stop", "length"):  # failed or cancelled: its KV may not be finite
-            self.state.kv.scrub(request.blocks)
+            self.kv.scrub(request.blocks)
         self.scheduler.finish(request)
         request.events.put(finished)
 

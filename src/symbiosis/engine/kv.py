@@ -3,8 +3,9 @@
 A request owns a list of block ids (its block table); token position p of the request lives in block
 `table[p // block_size]`, row `p % block_size`, i.e. flat slot `table[p // block_size] * block_size + p % block_size`.
 Every attention layer has its own key and value tensors of shape [kv_heads, slots, head_dim], heads first as
-flex_attention reads them, made on the layer's first call (their head counts and sizes are whatever the
-architecture's attention gives). One more block than the pool's, the trash page, takes what padding rows write.
+flex_attention reads them, made as the engine's model is built (their head counts and sizes are whatever the
+architecture's attention gives: engine/attention.py's probe). One more block than the pool's, the trash page,
+takes what padding rows write.
 """
 
 from __future__ import annotations
@@ -43,32 +44,30 @@ class PagedKV:
 
     def __init__(self, pool: BlockPool, device: torch.device, dtype: torch.dtype):
         self.pool, self.device, self.dtype = pool, device, dtype
-        self.keys: dict[int, torch.Tensor] = {}
-        self.values: dict[int, torch.Tensor] = {}
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (keys, values) of each attention layer
 
     @property
     def trash(self) -> int:
         """The first slot past the pool's (of the trash page): what padding rows of a replayed decode step write."""
         return self.pool.num_blocks * self.pool.block_size
 
-    def layer(self, index: int, kv_heads: int, head_dim: int, value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `index`'s (keys, values): [kv_heads, (num_blocks + 1 (trash)) * block_size, head_dim]."""
-        if index not in self.keys:
-            slots = self.trash + self.pool.block_size
-            self.keys[index] = torch.zeros(kv_heads, slots, head_dim, device=self.device, dtype=self.dtype)
-            self.values[index] = torch.zeros(kv_heads, slots, value_dim, device=self.device, dtype=self.dtype)
-        return self.keys[index], self.values[index]
-
+    def add_layer(self, kv_heads: int, head_dim: int, value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A new attention layer's (keys, values): [kv_heads, (num_blocks + 1 (trash)) * block_size, head_dim]."""
+        slots = self.trash + self.pool.block_size
+        layer = (torch.zeros(kv_heads, slots, head_dim, device=self.device, dtype=self.dtype),
+                 torch.zeros(kv_heads, slots, value_dim, device=self.device, dtype=self.dtype))
+        self.layers.append(layer)
+        return layer
 
     @torch.inference_mode()  # the layers' tensors were made in it
     def scrub(self, blocks: list[int]) -> None:
         """Zero these blocks in every layer. For the blocks of a request that failed or was cancelled: they may
         hold NaN or Inf, and attention multiplies the values of masked keys (positions its next owner has not
         written yet) by zero, which would make NaN of them."""
-        if not blocks or not self.keys:
+        if not blocks or not self.layers:
             return
         slots = (torch.tensor(blocks, device=self.device)[:, None] * self.pool.block_size +
                  torch.arange(self.pool.block_size, device=self.device)).flatten()
-        for tensors in (self.keys, self.values):
-            for layer in tensors.values():
-                layer.index_fill_(1, slots, 0)
+        for layer in self.layers:
+            for tensor in layer:
+                tensor.index_fill_(1, slots, 0)

@@ -6,6 +6,10 @@ Semantics (the same as the kernels in sgmv.py), for each segment s with tokens t
     v[t]  = x[t] @ A[slots[s]].T                          # shrink: [in] -> [R]
     y[t] += scales[slots[s]] * v[t] @ B[slots[s]].T       # expand: [R] -> [out]
 
+With `slices` (the output widths of G layers that share one input, as q/k/v do), the pools hold the G layers
+side by side: A [S, G*R, in] stacked by rank, B [S, sum(slices), R] stacked by output, scales [S, G]; member g
+reads v[:, g*R:(g+1)*R] and writes its columns of y with its own scale.
+
 Computed in the inputs' dtype. Tokens outside every segment are untouched (v rows zero).
 """
 
@@ -88,6 +92,22 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, b_pool: torch.Tensor, scales: 
         y[covered] += scale * delta
 
 
-def lora_apply(y, x, a_pool, b_pool, scales, segments, *, ranks: torch.Tensor | None = None) -> None:
-    """y += scales[slot] * (x @ A[slot].T) @ B[slot].T for every segment: shrink, then expand."""
-    lora_expand(y, lora_shrink(x, a_pool, segments, ranks=ranks), b_pool, scales, segments, ranks=ranks)
+def lora_apply(y, x, a_pool, b_pool, scales, segments, *, slices: tuple[int, ...] | None = None,
+               ranks: torch.Tensor | None = None) -> None:
+    """y += scales[slot] * (x @ A[slot].T) @ B[slot].T for every segment: shrink, then expand (member by member,
+    with `slices`; `ranks` go with unsliced calls only)."""
+    if slices is None:
+        return lora_expand(y, lora_shrink(x, a_pool, segments, ranks=ranks), b_pool, scales, segments, ranks=ranks)
+    v = lora_shrink(x, a_pool, segments)
+    for member, (offset, width, rank) in enumerate(slice_bounds(slices, b_pool.shape[2])):
+        lora_expand(y[:, offset:offset + width], v[:, rank:rank + b_pool.shape[2]],
+                    b_pool[:, offset:offset + width], scales[:, member], segments)
+
+
+def slice_bounds(slices: tuple[int, ...], R: int) -> list[tuple[int, int, int]]:
+    """(first output column, width, first rank column) of each member of a fused group."""
+    bounds, offset = [], 0
+    for member, width in enumerate(slices):
+        bounds.append((offset, width, member * R))
+        offset += width
+    return bounds

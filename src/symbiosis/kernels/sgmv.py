@@ -11,6 +11,13 @@ The batch is cut into segments, each using one adapter slot of the pools:
 Adapters of different ranks share a batch: each slot's A (B) is padded to R rows (columns) with zeros, so the
 padding adds exact zeros; `ranks` (optional, int32 [S]) lets the kernels skip loading the padded part.
 
+Layers that take one input (q/k/v, gate/up) run as one call with `slices`, their output widths (G of them): the
+pools hold them side by side, A [S, G*R, in] stacked by rank, B [S, sum(slices), R] stacked by output, and
+scales [S, G]; one shrink makes v [T, G*R], one expand writes every member's columns:
+
+        for g, (o0, o1) in enumerate(member column ranges):
+            y[t0:t1, o0:o1] += scales[i, g] * v[t0:t1, g*R:(g+1)*R] @ B[i, o0:o1].T
+
 Dispatch: CUDA tensors of float16/bfloat16/float32 run the Triton kernels below (float32 dots in IEEE
 precision); anything else (the CPU, float64, no Triton) runs the torch reference in reference.py. The Triton
 grid depends on host values only (the number of segments, `max_len`, the shapes), so calls can be captured
@@ -33,6 +40,7 @@ except ImportError:
     triton = tl = None
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_SLICES = 4  # members of one fused call (the expand kernel unrolls over them)
 PDL = True
 """lora_apply launches its expand with programmatic dependent launch where the GPU has it (Hopper on): the
 expand's programs start while the shrink's last ones run, load their B and y tiles, then wait for the
@@ -73,7 +81,7 @@ def lora_shrink(x: torch.Tensor, a_pool: torch.Tensor, segments: Segments, *,
     _check(x, a_pool.shape[2], a_pool)
     if not _use_triton(x):
         return reference.lora_shrink(x, a_pool, segments, ranks=ranks)
-    plan = _plan(segments, x.shape[0], x.shape[1], 1, a_pool.shape[1], x.device)
+    plan = _plan(segments, x.shape[0], x.shape[1], (1,), a_pool.shape[1], x.device)
     partials = torch.zeros(plan.split_k, x.shape[0], a_pool.shape[1], dtype=torch.float32, device=x.device)
     _launch_shrink(x, a_pool, segments, ranks, partials, plan)
     return partials.sum(0).to(x.dtype)                                               # [T, R]
@@ -88,27 +96,39 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, b_pool: torch.Tensor, scales: 
     _check(y, b_pool.shape[1], b_pool)
     if not _use_triton(y):
         return reference.lora_expand(y, v, b_pool, scales, segments, ranks=ranks)
-    plan = _plan(segments, y.shape[0], 1, y.shape[1], b_pool.shape[2], y.device)
-    _launch_expand(y, v.unsqueeze(0), b_pool, scales, segments, ranks, plan)
+    plan = _plan(segments, y.shape[0], 1, (y.shape[1],), b_pool.shape[2], y.device)
+    _launch_expand(y, v.unsqueeze(0), b_pool, scales, segments, ranks, plan, (y.shape[1],))
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, a_pool: torch.Tensor, b_pool: torch.Tensor,
-               scales: torch.Tensor, segments: Segments, *, ranks: torch.Tensor | None = None) -> None:
+               scales: torch.Tensor, segments: Segments, *, slices: tuple[int, ...] | None = None,
+               ranks: torch.Tensor | None = None) -> None:
     """y += the LoRA delta of every segment, in place: lora_expand(y, lora_shrink(x, ...), ...).
 
     Semantics: for each segment s, i = slots[s], t in starts[s]:starts[s+1]:
         y[t] += scales[i] * (x[t] @ a_pool[i].T) @ b_pool[i].T
-    On the Triton path: two launches; the shrink's split-K partial sums (fp32 [split, T, R]) are reduced by
+    With `slices` (G members' output widths; a_pool [S, G*R, in], b_pool [S, sum, R], scales [S, G]) each member
+    g adds scales[i, g] * v[t, g*R:(g+1)*R] @ B[i, its columns].T to its columns (see the module's docstring).
+    On the Triton path: two launches; the shrink's split-K partial sums (fp32 [split, T, G*R]) are reduced by
     the expand as it loads them, then rounded to x's dtype (as lora_shrink's v is)."""
     _check(x, a_pool.shape[2], a_pool)
     _check(y, b_pool.shape[1], b_pool)
+    if slices is not None and (sum(slices) != y.shape[1] or a_pool.shape[1] != len(slices) * b_pool.shape[2]
+                               or tuple(scales.shape) != (a_pool.shape[0], len(slices))):
+        raise ValueError(f"slices {slices} do not fit pools {tuple(a_pool.shape)}, {tuple(b_pool.shape)}, scales "
+                         f"{tuple(scales.shape)} and output {tuple(y.shape)}")
+    if slices is not None and ranks is not None:
+        raise ValueError("ranks go with unsliced calls only")
     if not _use_triton(x):
-        return reference.lora_apply(y, x, a_pool, b_pool, scales, segments, ranks=ranks)
-    plan = _plan(segments, x.shape[0], x.shape[1], y.shape[1], a_pool.shape[1], x.device)
+        return reference.lora_apply(y, x, a_pool, b_pool, scales, segments, slices=slices, ranks=ranks)
+    slices = slices or (y.shape[1],)
+    if len(slices) > MAX_SLICES:
+        raise ValueError(f"at most {MAX_SLICES} layers share one call, not {len(slices)}")
+    plan = _plan(segments, x.shape[0], x.shape[1], slices, b_pool.shape[2], x.device)
     partials = torch.empty(plan.split_k, x.shape[0], a_pool.shape[1], dtype=torch.float32, device=x.device)
     pdl = PDL and _has_pdl(x.device)
     _launch_shrink(x, a_pool, segments, ranks, partials, plan, pdl)
-    _launch_expand(y, partials, b_pool, scales, segments, ranks, plan, pdl)
+    _launch_expand(y, partials, b_pool, scales, segments, ranks, plan, slices, pdl)
 
 
 def _check(t: torch.Tensor, features: int, pool: torch.Tensor) -> None:
@@ -141,7 +161,9 @@ class Plan:
     block_n: int
     """expand: out-features per program"""
     r_block: int
-    """R rounded up to a power of two >= 16"""
+    """shrink: its rank columns (every member's: G*R) rounded up to a power of two >= 16"""
+    expand_r_block: int
+    """expand: one member's R rounded up likewise"""
     m_tiles: int
     """cdiv(max_len, block_m)"""
     shrink_warps: int = 4
@@ -159,10 +181,10 @@ def _has_pdl(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _plan(segments: Segments, T: int, K: int, N: int, R: int, device: torch.device) -> Plan:
+def _plan(segments: Segments, T: int, K: int, slices: tuple[int, ...], R: int, device: torch.device) -> Plan:
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 132
-    return make_plan(segments.slots.numel(), segments.max_len, T, K, N, R, sms)
+    return make_plan(segments.slots.numel(), segments.max_len, T, K, sum(slices), R, sms, len(slices))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -170,7 +192,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def make_plan(n: int, max_len: int, T: int, K: int, N: int, R: int, sms: int) -> Plan:
+def make_plan(n: int, max_len: int, T: int, K: int, N: int, R: int, sms: int, members: int = 1) -> Plan:
     """Decode (segments of 1 token, distinct adapters) is bound by reading A and B: enough programs to keep
     every SM loading (split-K for the shrink, whose output is only R wide; out-tiles for the expand).
     Prefill (long segments) has token tiles enough to need little or no split."""
@@ -181,7 +203,8 @@ def make_plan(n: int, max_len: int, T: int, K: int, N: int, R: int, sms: int) ->
         if candidate < 2 * max_len and n * _cdiv(max_len, candidate) >= sms:
             block_m = candidate
             break
-    r_block = max(16, 1 << (R - 1).bit_length())
+    r_block = max(16, 1 << (members * R - 1).bit_length())
+    expand_r_block = max(16, 1 << (R - 1).bit_length())
     m_tiles = max(1, _cdiv(max_len, block_m))
     tiles = min(n * m_tiles, _cdiv(T, block_m) + n)  # token tiles that hold tokens (the rest exit at once)
     block_k = 256 if r_block <= 32 else 128
@@ -189,13 +212,14 @@ def make_plan(n: int, max_len: int, T: int, K: int, N: int, R: int, sms: int) ->
     k_per_split = _cdiv(_cdiv(K, split), block_k) * block_k
     split = _cdiv(K, k_per_split)
     block_n = 64
-    for candidate in ((256, 128) if r_block <= 32 and block_m <= 32 else (128,)):
+    for candidate in ((256, 128) if expand_r_block <= 32 and block_m <= 32 else (128,)):
         if tiles * _cdiv(N, candidate) >= 2 * sms:
             block_n = candidate
             break
     # Small decode tiles: 2 warps per program (more programs resident; H100, decode 64: 11.1 -> 10.7 µs)
     warps = 2 if block_m == 16 and r_block <= 32 else 4
-    return Plan(block_m, block_k, split, k_per_split, block_n, r_block, m_tiles, warps, warps)
+    expand_warps = 2 if block_m == 16 and expand_r_block <= 32 else 4
+    return Plan(block_m, block_k, split, k_per_split, block_n, r_block, expand_r_block, m_tiles, warps, expand_warps)
 
 
 def _launch_shrink(x, a_pool, segments: Segments, ranks, partials: torch.Tensor, plan: Plan, pdl: bool = False):
@@ -214,23 +238,34 @@ def _launch_shrink(x, a_pool, segments: Segments, ranks, partials: torch.Tensor,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SIGNAL_DEPENDENTS=pdl, num_warps=plan.shrink_warps)
 
 
-def _launch_expand(y, partials, b_pool, scales, segments: Segments, ranks, plan: Plan, pdl: bool = False):
-    """y[t] += scales[slot] * (sum_k partials[k, t]).to(dtype) @ B[slot].T for t in segments.
+def _launch_expand(y, partials, b_pool, scales, segments: Segments, ranks, plan: Plan, slices: tuple[int, ...],
+                   pdl: bool = False):
+    """y[t, member g's columns] += scales[slot, g] * (sum_k partials[k, t, g's ranks]).to(dtype) @ B[slot, same].T
+    for t in segments.
 
+    The grid's first axis runs over every member's column tiles, member after member; a program finds its member
+    from the tile counts before it (host values, at most MAX_SLICES - 1 of them).
     pdl: launch as a programmatic dependent of the shrink just launched (which alone writes `partials`:
     everything else the expand reads was written before the shrink started, hence before this launch)."""
     n = segments.slots.numel()
     if n == 0 or segments.max_len == 0:
         return
-    grid = (triton.cdiv(y.shape[1], plan.block_n), plan.m_tiles, n)
+    tile_starts, column_starts = [0], [0]
+    for width in slices:
+        tile_starts.append(tile_starts[-1] + triton.cdiv(width, plan.block_n))
+        column_starts.append(column_starts[-1] + width)
+    padding = [tile_starts[-1]] * (MAX_SLICES - len(slices))  # unused members: never reached
+    tiles, columns = tile_starts[1:-1] + padding, column_starts[1:-1] + [column_starts[-1]] * len(padding)
+    grid = (tile_starts[-1], plan.m_tiles, n)
     _expand_kernel[grid](
         y, partials, b_pool, scales, segments.starts, segments.slots, ranks if ranks is not None else segments.slots,
-        y.shape[1], b_pool.shape[2], partials.shape[0],
+        y.shape[1], b_pool.shape[2], partials.shape[0], *tiles, *columns,
         y.stride(0), y.stride(1), partials.stride(0), partials.stride(1), partials.stride(2),
-        b_pool.stride(0), b_pool.stride(1), b_pool.stride(2),
-        HAS_RANKS=ranks is not None, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, R_BLOCK=plan.r_block,
-        PRECISION="ieee" if y.dtype == torch.float32 else "tf32", WAIT_PRIOR=pdl, num_warps=plan.expand_warps,
-        launch_pdl=pdl)
+        b_pool.stride(0), b_pool.stride(1), b_pool.stride(2), scales.stride(0),
+        scales.stride(1) if scales.dim() == 2 else 0,
+        HAS_RANKS=ranks is not None, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        R_BLOCK=plan.expand_r_block, PRECISION="ieee" if y.dtype == torch.float32 else "tf32", WAIT_PRIOR=pdl,
+        num_warps=plan.expand_warps, launch_pdl=pdl)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -285,13 +320,16 @@ if triton is not None:
 
     @triton.jit
     def _expand_kernel(y_ptr, partial_ptr, b_ptr, scales_ptr, starts_ptr, slots_ptr, ranks_ptr,
-                       N, R, split,
+                       N, R, split, tile1, tile2, tile3, col1, col2, col3,
                        stride_yt, stride_yn, stride_ps, stride_pt, stride_pr, stride_bs, stride_bn, stride_br,
+                       stride_ss, stride_sg,
                        HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        R_BLOCK: tl.constexpr, PRECISION: tl.constexpr, WAIT_PRIOR: tl.constexpr):
-        """Semantics, for program (j, m, s), i = slots[s], rows as in the shrink, cols = j*BLOCK_N + [0, BLOCK_N) < N:
-            v = sum(partial[:, rows], 0).to(B.dtype)                  # the shrink's split-K reduction
-            y[rows, cols] += scales[i] * v @ B[i, cols].T             (fp32 accumulation, one rounding to y)"""
+        """Semantics, for program (p, m, s), i = slots[s], rows as in the shrink; p is tile j of member g (g: the
+        members whose tiles start at or before p: tile1..3; MAX_SLICES = 4), whose columns are col_g .. col_{g+1} (col_0 = 0,
+        col_SLICES = N) and ranks g*R .. g*R + R; cols = col_g + j*BLOCK_N + [0, BLOCK_N) < col_{g+1}:
+            v = sum(partial[:, rows, g's ranks], 0).to(B.dtype)       # the shrink's split-K reduction
+            y[rows, cols] += scales[i, g] * v @ B[i, cols].T          (fp32 accumulation, one rounding to y)"""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         seg = tl.program_id(2)
@@ -301,20 +339,40 @@ if triton is not None:
             return
         slot, rows, row_ok, rs, r_ok = _segment_tile(slots_ptr, ranks_ptr, seg, row0, end, R,
                                                      HAS_RANKS, BLOCK_M, R_BLOCK)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                               # [BN]
-        col_ok = cols < N
+        # members past the call's own have tiles and columns at the end: never reached
+        member = (pid_n >= tile1).to(tl.int32) + (pid_n >= tile2).to(tl.int32) + (pid_n >= tile3).to(tl.int32)
+        first_tile = tl.where(member == 0, 0, tl.where(member == 1, tile1, tl.where(member == 2, tile2, tile3)))
+        first_col = tl.where(member == 0, 0, tl.where(member == 1, col1, tl.where(member == 2, col2, col3)))
+        last_col = tl.where(member == 0, col1, tl.where(member == 1, col2, tl.where(member == 2, col3, N)))
+        cols = first_col + (pid_n - first_tile) * BLOCK_N + tl.arange(0, BLOCK_N)    # [BN]
+        col_ok = cols < last_col
         b = tl.load(b_ptr + slot * stride_bs + cols.to(tl.int64)[:, None] * stride_bn + rs[None, :] * stride_br,
                     mask=col_ok[:, None] & r_ok[None, :], other=0.0)                 # [BN, RB]
-        scale = tl.load(scales_ptr + slot)
+        scale = tl.load(scales_ptr + slot * stride_ss + member * stride_sg)
         y_tile = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + cols[None, :] * stride_yn
         y_ok = row_ok[:, None] & col_ok[None, :]
         y = tl.load(y_tile, mask=y_ok, other=0.0)
         if WAIT_PRIOR:  # launched while the shrink still runs: wait for its partial sums (and their flush)
             tl.extra.cuda.gdc_wait()
-        v_tile = partial_ptr + rows.to(tl.int64)[:, None] * stride_pt + rs[None, :] * stride_pr
+        v_tile = partial_ptr + rows.to(tl.int64)[:, None] * stride_pt + (member * R + rs)[None, :] * stride_pr
         v_ok = row_ok[:, None] & r_ok[None, :]
         v = tl.zeros([BLOCK_M, R_BLOCK], dtype=tl.float32)
         for k in range(split):
             v += tl.load(v_tile + k * stride_ps, mask=v_ok, other=0.0).to(tl.float32)
         delta = tl.dot(v.to(b_ptr.dtype.element_ty), tl.trans(b), input_precision=PRECISION)  # [BM, BN]
         tl.store(y_tile, (y.to(tl.float32) + scale * delta).to(y_ptr.dtype.element_ty), mask=y_ok)
+
+
+# ---------------------------------------------------------------------------------------------- as an operator
+
+@torch.library.custom_op("symbiosis::lora_apply", mutates_args=("y",))
+def lora_apply_op(y: torch.Tensor, x: torch.Tensor, a_pool: torch.Tensor, b_pool: torch.Tensor, scales: torch.Tensor,
+                  starts: torch.Tensor, slots: torch.Tensor, max_len: int, slices: list[int]) -> None:
+    """`lora_apply(y, x, a_pool, b_pool, scales, Segments(starts, slots, max_len), slices=slices)` as a torch
+    operator: torch.compile keeps it whole (its launch plan is host code) and fuses what lies around it."""
+    lora_apply(y, x, a_pool, b_pool, scales, Segments(starts, slots, max_len), slices=tuple(slices))
+
+
+@lora_apply_op.register_fake
+def _(y, x, a_pool, b_pool, scales, starts, slots, max_len, slices):
+    return None

@@ -12,7 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import symbiosis
-from symbiosis.engine import Engine, GenerationError, SamplingParams, attention
+from symbiosis.engine import Engine, GenerationError, SamplingParams, attention, layers
+from symbiosis.engine import compiled as compiled_layers
 from symbiosis.errors import AdapterError, BadCall, UnsupportedAdapter
 from matrix import ATTENTION, FEEDFORWARD, make_checkpoint
 
@@ -103,7 +104,47 @@ def test_attention_read_in_place_from_the_pool_changes_no_token(models, arch, de
     _mixed_batch(models, arch, decode_graphs=decode_graphs)
 
 
-def _mixed_batch(models, arch, **options):
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_compiled_decoder_layers_change_no_token_and_compile_once_per_step_shape(models, arch):
+    """Decode steps through torch.compile'd decoder layers (the CPU's inductor): the same tokens and log-probabilities;
+    the layers share their compiled code (Gemma2: one more for its sliding-window layers), whatever their count."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    # the models' norms compute in float32 even in a float64 model; compiled, they sum in another order
+    engine = _mixed_batch(models, arch, rtol=1e-6, decode_graphs=True, compile_layers=True)
+    forwards = [layer.forward for layer in engine.model.model.layers]
+    assert all(isinstance(forward, compiled_layers._Either) for forward in forwards)
+    shapes = set(engine.graphs.recorded)  # (rows, adapters or not, the adapter pools there are) recorded
+    code = forwards[0].eager.__func__.__code__  # the code every layer's compiled forward shares
+    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(code)
+    assert 0 < len(entries) <= len(shapes) * (2 if arch == "gemma2" else 1), (len(entries), shapes)
+
+
+def test_fused_groups_run_qkv_and_gate_up_as_one_call_each(models):
+    checkpoint, _ = models("llama")
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=8, block_size=4)
+    groups = {pool_id for pool_id in engine.adapters.pool_shapes if "+" in pool_id}
+    assert groups == {f"model.layers.{i}.{block}" for i in range(2) for block in
+                      ("self_attn.q_proj+model.layers.{i}.self_attn.k_proj+model.layers.{i}.self_attn.v_proj".format(i=i),
+                       "mlp.gate_proj+model.layers.{i}.mlp.up_proj".format(i=i))}
+
+
+def test_members_of_a_fused_group_called_apart_compute_alone(models, monkeypatch):
+    """A member whose input is not its group's (a path the model did not take when the group was found) computes
+    from its own columns of the group's weight and pools: still every request's own tokens."""
+    original = layers.FusedGroup.member_output
+
+    def apart(self, member, x):
+        if member:
+            self._pending = None
+        return original(self, member, x)
+
+    monkeypatch.setattr(layers.FusedGroup, "member_output", apart)
+    _mixed_batch(models, "llama")
+
+
+def _mixed_batch(models, arch, rtol=1e-9, **options):
     checkpoint, adapters = models(arch)
     # 4-token blocks and an 8-token budget: prompts are prefilled in chunks beside other requests' decodes
     engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, max_batch_tokens=8,
@@ -120,7 +161,7 @@ def _mixed_batch(models, arch, **options):
     while engine.has_work():
         engine.step()
     # transformers' eager attention (which Gemma2's soft-capping takes) computes its softmax in float32
-    rtol = 1e-6 if arch == "gemma2" else 1e-9
+    rtol = 1e-6 if arch == "gemma2" else rtol
     for handle, (prompt, name) in zip(handles, jobs):
         _check(handle.result(), _alone(checkpoint, adapters.get(name), prompt, 6), prompt, rtol)
     assert engine.pool.free == engine.pool.num_blocks, "every block went back to the pool"
@@ -301,14 +342,17 @@ def test_bad_requests_fail_alone(models, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("decode_graphs", [False, True])
+@pytest.mark.parametrize("decode_graphs, compile_layers", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("block_size, max_batch_tokens", [(16, 8), (64, 512)])
-def test_on_the_gpu_the_triton_kernels_give_plain_peft_tokens(models, decode_graphs, block_size, max_batch_tokens):
+def test_on_the_gpu_the_triton_kernels_give_plain_peft_tokens(models, decode_graphs, compile_layers, block_size,
+                                                               max_batch_tokens):
     """float32 on CUDA (the SGMV kernels in Triton, the compiled paged attention, decode steps eager or replayed
-    from CUDA graphs; prompts in small chunks beside decodes, or whole) against plain transformers + PEFT."""
+    from CUDA graphs, their decoder layers compiled or not; prompts in small chunks beside decodes, or whole)
+    against plain transformers + PEFT."""
     checkpoint, adapters = models("llama")
     engine = Engine.from_pretrained(checkpoint, device="cuda", dtype=torch.float32, kv_blocks=16, block_size=block_size,
-                                    max_batch_tokens=max_batch_tokens, decode_graphs=decode_graphs)
+                                    max_batch_tokens=max_batch_tokens, decode_graphs=decode_graphs,
+                                    compile_layers=compile_layers)
     names = [None, "attn_r2", "mlp_r8", "everything_rs"]
     completions = engine.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3),
                                   [None if n is None else (n, adapters[n]) for n in names])

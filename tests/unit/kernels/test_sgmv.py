@@ -75,6 +75,48 @@ def test_reference_matches_naive_loop(layout, rslora, gather, monkeypatch):
     assert torch.equal(y[~covered], y0[~covered])  # untouched rows bit-identical
 
 
+def make_sliced(slices, R, in_features, num_slots, dtype=torch.float64, device="cpu"):
+    """Pools of a fused group: A [S, G*R, in] stacked by rank, B [S, sum(slices), R] stacked by output, scales
+    [S, G]."""
+    G = len(slices)
+    a_pool = (torch.randn(num_slots, G * R, in_features, dtype=torch.float64) / math.sqrt(in_features)).to(dtype)
+    b_pool = (torch.randn(num_slots, sum(slices), R, dtype=torch.float64) / math.sqrt(R)).to(dtype)
+    scales = torch.rand(num_slots, G, dtype=torch.float32) + 0.5
+    return a_pool.to(device), b_pool.to(device), scales.to(device)
+
+
+def naive_sliced(y, x, a_pool, b_pool, scales, slices, starts, slots):
+    """Each member of the group alone, one segment at a time."""
+    y, R = y.clone(), b_pool.shape[2]
+    for s0, s1, slot in zip(starts[:-1], starts[1:], slots):
+        offset = 0
+        for g, width in enumerate(slices):
+            a, b = a_pool[slot, g * R:(g + 1) * R], b_pool[slot, offset:offset + width]
+            y[s0:s1, offset:offset + width] += float(scales[slot, g]) * (x[s0:s1] @ a.T) @ b.T
+            offset += width
+    return y
+
+
+@pytest.mark.parametrize("slices", [(40, 24, 24), (56, 56), (40,), (20, 4, 4, 12)], ids=["qkv", "gate_up", "one", "four"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_reference_of_a_fused_group_matches_its_members_alone(layout, slices):
+    T, starts, slots = LAYOUTS[layout]
+    a_pool, b_pool, scales = make_sliced(slices, 8, 48, 4)
+    x, y0 = torch.randn(T, 48, dtype=torch.float64), torch.randn(T, sum(slices), dtype=torch.float64)
+    y = y0.clone()
+    lora_apply(y, x, a_pool, b_pool, scales, segments(starts, slots), slices=slices)
+    expected = naive_sliced(y0, x, a_pool, b_pool, scales, slices, starts, slots)
+    assert torch.allclose(y, expected, rtol=1e-12, atol=1e-12 * expected.abs().max().item())
+
+
+def test_slices_that_do_not_fit_the_pools_are_refused():
+    a_pool, b_pool, scales = make_sliced((40, 24, 24), 8, 48, 4)
+    x, y = torch.randn(3, 48, dtype=torch.float64), torch.randn(3, 88, dtype=torch.float64)
+    for slices in [(40, 24), (40, 24, 20), (88,)]:
+        with pytest.raises(ValueError, match="do not fit"):
+            lora_apply(y, x, a_pool, b_pool, scales, segments([0, 3], [1]), slices=slices)
+
+
 def test_shrink_then_expand_is_apply():
     T, starts, slots = LAYOUTS["mixed_with_gaps"]
     adapters, a_pool, b_pool, scales = make_adapters([8, 16, 64, 128], 32, 24, R=128)
@@ -184,6 +226,36 @@ def test_triton_matches_reference(layout, in_features, out_features, R, dtype):
     y2 = y0.clone()
     lora_expand(y2, v, b_pool, scales, seg)
     assert relative_error(y2, y.double()) < TOL[dtype] / 10  # apply == expand(shrink) up to split-K sum order
+
+
+# (layout, in, member widths, R): Llama-3-8B's q/k/v and gate/up, widths that are no multiple of a tile
+GPU_SLICED_CASES = [
+    ("decode1", 4096, (4096, 1024, 1024), 16),
+    ("decode64", 4096, (4096, 1024, 1024), 16),
+    ("decode64", 4096, (14336, 14336), 16),
+    ("prefill", 4096, (4096, 1024, 1024), 64),
+    ("mixed", 896, (896, 128, 128), 16),
+    ("mixed", 1000, (300, 70, 70, 500), 8),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("layout,in_features,slices,R", GPU_SLICED_CASES)
+def test_triton_fused_group_matches_reference(layout, in_features, slices, R, dtype):
+    T, starts, slots = gpu_layout(layout)
+    a_pool, b_pool, scales = make_sliced(slices, R, in_features, max(slots) + 2, dtype=dtype, device="cuda")
+    seg = segments(starts, slots, "cuda")
+    x = torch.randn(T, in_features, dtype=dtype, device="cuda")
+    y0 = torch.randn(T, sum(slices), dtype=dtype, device="cuda")
+    y = y0.clone()
+    lora_apply(y, x, a_pool, b_pool, scales, seg, slices=slices)
+    expected = y0.double()
+    reference.lora_apply(expected, x.double(), a_pool.double(), b_pool.double(), scales, seg, slices=slices)
+    covered = reference.token_slots(seg.starts, seg.slots, T) >= 0
+    assert torch.equal(y[~covered], y0[~covered])
+    delta, expected_delta = y.double() - y0.double(), expected - y0.double()
+    assert relative_error(delta[covered], expected_delta[covered]) < 3 * TOL[dtype]
 
 
 @pytest.mark.gpu
