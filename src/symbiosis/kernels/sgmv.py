@@ -207,7 +207,9 @@ def make_plan(n: int, max_len: int, T: int, K: int, N: int, R: int, sms: int, me
     expand_r_block = max(16, 1 << (R - 1).bit_length())
     m_tiles = max(1, _cdiv(max_len, block_m))
     tiles = min(n * m_tiles, _cdiv(T, block_m) + n)  # token tiles that hold tokens (the rest exit at once)
-    block_k = 256 if r_block <= 32 else 128
+    # in-features per step: the A tile [r_block, block_k] (and the x tile) of each pipeline stage must fit in
+    # shared memory (a fused q/k/v call of rank 64 has r_block 256: 139 KB a stage in float32 at block_k 128)
+    block_k = 256 if r_block <= 32 else 128 if r_block <= 128 else 64
     split = max(1, min(_cdiv(4 * sms, tiles), _cdiv(K, block_k)))
     k_per_split = _cdiv(_cdiv(K, split), block_k) * block_k
     split = _cdiv(K, k_per_split)
