@@ -31,7 +31,8 @@ from transformers import AttentionInterface
 
 NAME = "symbiosis_paged"
 PROBE = "symbiosis_probe"  # one token, as the model is built (probe_attention)
-RECOMPILE_LIMIT = 64  # one compiled kernel per (row bucket, window, dtype) for decodes; prefill shapes are dynamic
+RECOMPILE_LIMIT = 128  # one compiled kernel per (rows bucket, window, dtype) for decodes, also per queries bucket
+#                       for prefill steps (StepBatch lays them out in powers of two)
 
 
 def _decode_kernel(options: dict):
@@ -64,17 +65,17 @@ _compiled: dict[tuple, object] = {}
 
 
 def _kernel(one_query: bool, block_size: int):
-    """Compiled flex_attention: static shapes for one-token queries (the decoding kernel needs a static batch;
-    graphs replay a handful of row buckets); for prefill chunks, static at first and then dynamic in the sizes
-    that changed (torch.compile's automatic dynamic shapes: any rows and lengths after one recompile). The
-    kernels tile keys by BLOCK_N, which must divide the page (block) size; it is a constant of the compiled
-    function. (`dynamic=True` made it symbolic too, and then no kernel configuration fitted: H100 run 61.)"""
+    """Compiled flex_attention, static in its shapes: one-token queries (the decoding kernel) in the row buckets
+    that graphs replay, prefill chunks in the (rows, queries) buckets StepBatch lays them out in. With a symbolic
+    query length (torch.compile's automatic dynamic shapes) flex_attention found no kernel configuration (H100,
+    torch 2.11: every prefill step after the second shape failed). The kernels tile keys by BLOCK_N, which must
+    divide the page (block) size; it is a constant of the compiled function."""
     key = (one_query, block_size)
     if key not in _compiled:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         options = {"BLOCK_N": min(block_size, 64)}
         attend = _decode_kernel(options) if one_query else _prefill_kernel(options)
-        _compiled[key] = torch.compile(attend, dynamic=False if one_query else None, fullgraph=True)
+        _compiled[key] = torch.compile(attend, dynamic=False, fullgraph=True)
     return _compiled[key]
 
 

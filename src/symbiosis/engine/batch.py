@@ -34,6 +34,12 @@ import torch
 from symbiosis.kernels.sgmv import Segments
 
 QUERY_BLOCK = 128  # queries per block-mask row (flex_attention's default sparse block)
+SHORTEST_QUERY_BUCKET = 16  # the fewest query rows per chunk a prefill step's attention is laid out with
+
+
+def bucket(count: int) -> int:
+    """`count` rounded up to a power of two: the few shapes that compiled code and recorded graphs are made for."""
+    return 1 << (count - 1).bit_length()
 
 
 @dataclass
@@ -96,7 +102,13 @@ class StepBatch:
     """`padded_rows`, for a decode step replayed from a CUDA graph (engine/graphs.py): every shape is fixed by the
     row count and nothing else: the chunks (one token each) are followed by padding rows (token 0 at position 0,
     written to the KV cache's trash slot, reading no page: their attention output is zero, their logits are
-    never read), and the SGMV segments are one per chunk (length 1, never merged), padded with empty ones."""
+    never read), and the SGMV segments are one per chunk (length 1, never merged), padded with empty ones.
+
+    Any other step with a chunk of several tokens lays its attention out in buckets, R and Q rounded up to powers
+    of two (Q at least SHORTEST_QUERY_BUCKET): the compiled prefill attention is static in its shapes (with a
+    symbolic query length flex_attention found no kernel configuration: H100 runs 61-62 and this session's), so a
+    step's shapes must come from a small set. Padding query rows and chunks read no page and are never gathered
+    back; the flat tokens are not padded."""
 
     TENSORS = ("input_ids", "positions", "slots", "query_index", "query_positions", "query_rows", "kv_num_blocks",
                "kv_indices", "page_owner", "page_index", "sample_rows")  # what a replayed graph reads (copy_from)
@@ -109,6 +121,8 @@ class StepBatch:
         self.device, self.block_size = device, block_size
         rows = len(chunks) if padded_rows is None else padded_rows
         longest_query = max(len(c.tokens) for c in chunks)
+        if padded_rows is None and longest_query > 1:
+            rows, longest_query = bucket(rows), max(SHORTEST_QUERY_BUCKET, bucket(longest_query))
         query_blocks = -(-longest_query // QUERY_BLOCK)
         ids, positions, slots, query_index, sample_rows = [], [], [], [], []
         query_positions = np.zeros((rows, longest_query), dtype=np.int64)
@@ -145,6 +159,8 @@ class StepBatch:
                 query_index.append([row])
                 sample_rows.append(row)
             lengths += [1] * (rows - len(chunks))
+        else:
+            query_index += [[0] * longest_query] * (rows - len(chunks))
         self.sampled_chunks = [c for c in chunks if c.sample]
         self.token_runs = _runs([c.slot for c in chunks], [len(c.tokens) for c in chunks])  # host-side, as below
         if padded_rows is None:

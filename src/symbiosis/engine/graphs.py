@@ -20,13 +20,9 @@ from typing import Callable
 
 import torch
 
-from symbiosis.engine.batch import StepBatch
+from symbiosis.engine.batch import StepBatch, bucket  # noqa: F401 -- bucket: the row buckets of decode steps
 
 MAX_GRAPHS = 64  # recorded graphs kept (least recently replayed dropped): each adapter-pool layout makes new ones
-
-
-def bucket(rows: int) -> int:
-    return 1 << (rows - 1).bit_length()
 
 
 class DecodeGraphs:
