@@ -8,7 +8,9 @@ requests run together to the end. Workload (ShareGPT-like, seeded): prompt lengt
 tokens (sigma 0.8, clipped to 16..1024), `--new-tokens` generated each (eos ignored). Adapters: LoRA rank `--rank`
 on q, k, v, o, gate, up, down, random values. Reported per run: generated tokens/s over the whole run, and the
 median latency of the steps that were pure decodes. Each (batch, pattern) runs `--repeats` times and the last is
-reported (the first records the CUDA graphs of its decode step shapes; `--eager`: none).
+reported (the first records the CUDA graphs of its decode step shapes; `--eager`: none). A step is timed from its
+launch to the next launch (the engine reads a step's tokens while the next one runs: steady steps take the device's
+time); other_s: the prefill and mixed steps' time.
 
 Baselines in the same process and run: (a) transformers + PEFT with the same adapters loaded and mixed in one
 `generate(adapter_names=...)` batch (`--peft-batches`), (b) this engine with no adapter (pattern none),
@@ -96,20 +98,19 @@ def run_engine(engine: Engine, adapters: list[Path], pattern: str, batch: int, n
     start = time.perf_counter()
     handles = [engine.submit([rng.randrange(vocab) for _ in range(n)], params,
                              None if a is None else (f"adapter-{a}", adapters[a])) for n, a in zip(lengths, owners)]
-    decode_times = []
+    decode_times, other_times = [], []
     while engine.has_work():
         pure_decode = all(r.decoding for r in engine.scheduler.running) and not engine.scheduler.waiting \
             and len(engine.scheduler.running) == batch
         began = time.perf_counter()
-        engine.step()
-        sync()
-        if pure_decode:
-            decode_times.append(time.perf_counter() - began)
+        engine.step()  # launches a step and waits for the one before it: steady steps take the device's time
+        (decode_times if pure_decode else other_times).append(time.perf_counter() - began)
+    sync()
     wall = time.perf_counter() - start
     generated = sum(len(h.result().token_ids) for h in handles)
     return {"tokens_per_s": generated / wall, "decode_step_ms": 1e3 * statistics.median(decode_times or [0.0]),
-            "decode_steps": len(decode_times), "adapters": len({a for a in owners if a is not None}),
-            "prompt_tokens": sum(lengths)}
+            "decode_steps": len(decode_times), "other_steps": len(other_times), "other_s": sum(other_times),
+            "adapters": len({a for a in owners if a is not None}), "prompt_tokens": sum(lengths)}
 
 
 def run_peft(model_dir: Path, adapters: list[Path], batch: int, new_tokens: int, vocab: int) -> dict:
@@ -164,14 +165,29 @@ def run_compiled(model_dir: Path, batch: int, steps: int = 64) -> dict:
 
 
 def profile_decode(engine: Engine, adapters: list[Path], path: Path, batch: int, prompt: int) -> None:
-    """Where a decode step's time goes: `batch` requests of `prompt` tokens with distinct adapters, 10 decode
-    steps profiled (sorted by GPU time, then by host time), then 10 more under cProfile (the host's Python)."""
+    """Where a step's time goes: `batch` requests of `prompt` tokens with distinct adapters; their prefill steps
+    profiled (written to `path`.prefill), then 10 decode steps (sorted by GPU time, then by host time), then 10 more
+    under cProfile (the host's Python)."""
     from torch.profiler import ProfilerActivity, profile
 
-    handles = [engine.submit([i + 1] * prompt, SamplingParams(max_tokens=40, ignore_eos=True),
-                             (f"adapter-{i}", adapters[i])) for i in range(batch)]
-    while not all(r.decoding for r in engine.scheduler.running) or engine.scheduler.waiting:  # prefill
-        engine.step()
+    def table(profiler):
+        averages = profiler.key_averages()
+        return (averages.table(sort_by="cuda_time_total", row_limit=30) + "\n"
+                + averages.table(sort_by="cpu_time_total", row_limit=30) + "\n")
+
+    for repeat in range(2):  # the first prefills record and compile their shapes
+        handles = [engine.submit([i + 1 + repeat] * prompt, SamplingParams(max_tokens=40, ignore_eos=True),
+                                 (f"adapter-{i}", adapters[i])) for i in range(batch)]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+            steps = 0
+            while not all(r.decoding for r in engine.scheduler.running) or engine.scheduler.waiting:  # prefill
+                engine.step()
+                steps += 1
+            sync()
+        if repeat == 0:
+            while engine.has_work():
+                engine.step()
+    Path(f"{path}.prefill").write_text(f"{steps} prefill steps, {batch} x {prompt} tokens\n" + table(profiler))
     for _ in range(3):  # a few decodes (graphs recorded)
         engine.step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
@@ -212,7 +228,7 @@ def main() -> None:
                         help="decoder layers of graph-replayed decode steps: compiled, eager, or both (one engine "
                              "after the other, side by side in one run)")
     parser.add_argument("--profile", help="write a torch.profiler table of decode steps (distinct adapters) here")
-    parser.add_argument("--profile-batch", type=int, default=8)
+    parser.add_argument("--profile-batch", default="8", help="batch sizes profiled (comma-separated)")
     parser.add_argument("--profile-prompt", type=int, default=100, help="prompt tokens of each profiled request")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -232,7 +248,9 @@ def main() -> None:
                         compile_layers=layers == "compiled")
         run_engine(engine, adapters, "distinct", min(8, max(batches)), 4, vocab)  # warm up (adapter copies, allocator)
         if args.profile:
-            profile_decode(engine, adapters, Path(f"{args.profile}.{layers}"), args.profile_batch, args.profile_prompt)
+            for profiled in [int(b) for b in args.profile_batch.split(",")]:
+                profile_decode(engine, adapters, Path(f"{args.profile}.{layers}.b{profiled}"), profiled,
+                               args.profile_prompt)
         for batch in batches:
             for pattern in args.patterns.split(","):
                 for _ in range(args.repeats - 1):  # CUDA graphs of this run's step shapes are recorded here

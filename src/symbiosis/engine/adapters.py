@@ -257,6 +257,8 @@ class AdapterStore:
 
     def _place(self, slot: int, adapter: HostAdapter) -> None:
         stream = self._copy_stream
+        if stream is not None:  # steps queued before may still read the slot's old adapter (engine.py overlaps)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             members = set()
             for layer_id, lora in adapter.layers.items():

@@ -118,7 +118,10 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys: t
     keys.index_copy_(1, step.slots, key[0].to(keys.dtype))
     values.index_copy_(1, step.slots, value[0].to(values.dtype))
     sliding_window = sliding_window or None
-    q = query[0][:, step.query_index].transpose(0, 1)  # [R, H, Q, D]
+    if step.one_token_rows:  # row r is token r: no gather either way
+        q = query[0].transpose(0, 1).unsqueeze(2)  # [R, H, 1, D]
+    else:
+        q = query[0][:, step.query_index].transpose(0, 1)  # [R, H, Q, D]
     chunks, longest = q.shape[0], q.shape[2]
     score_mod = None if not softcap else _softcapped(softcap)
     if reads_in_place(q):  # the kernels read each chunk's pages of the pool
@@ -130,7 +133,9 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys: t
                                        device=q.device)
         out = _unfused(q, keys[:, context].transpose(0, 1), values[:, context].transpose(0, 1), block_mask,
                        score_mod, scale)
-    out = out.transpose(1, 2).reshape(chunks * longest, heads, value_dim)[step.query_rows]  # [T, H, Dv], flat order
+    out = out.transpose(1, 2).reshape(chunks * longest, heads, value_dim)  # [R * Q, H, Dv]
+    if not step.one_token_rows:
+        out = out[step.query_rows]  # [T, H, Dv], flat order
     return out.unsqueeze(0)
 
 

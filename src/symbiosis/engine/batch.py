@@ -13,6 +13,8 @@ its owner's pages it is, so that each key's position in its request is known wit
 Shapes (R chunks, Q = longest chunk, B = QUERY_BLOCK, P = max_pages, N = pool pages + 1 (the trash page),
 K = rows sampled):
     input_ids, positions, slots   [T]              token, its position in its request, its flat KV slot
+    previous_rows                 [T]              -1, or the row of the step before's sampled tokens that holds this
+                                                   token (it was not read back yet: input_ids holds 0 there)
     query_index                    [R, Q]           flat token of each chunk's q-th query (padding: 0)
     query_positions                [R, Q]           position of each chunk's q-th query (padding: 0)
     query_rows                     [T]              row r * Q + q of the padded queries that each flat token is
@@ -49,6 +51,7 @@ class Chunk:
     tokens: list[int]
     slot: int | None  # adapter slot, None: the base model alone
     sample: bool
+    from_row: int | None = None  # the last token is still on the device: that row of the step before's samples
 
 
 def _runs(slots: list[int | None], lengths: list[int]) -> list[tuple[int, int, int]]:
@@ -110,7 +113,7 @@ class StepBatch:
     step's shapes must come from a small set. Padding query rows and chunks read no page and are never gathered
     back; the flat tokens are not padded."""
 
-    TENSORS = ("input_ids", "positions", "slots", "query_index", "query_positions", "query_rows", "kv_num_blocks",
+    TENSORS = ("input_ids", "positions", "slots", "previous_rows", "query_index", "query_positions", "query_rows", "kv_num_blocks",
                "kv_indices", "page_owner", "page_index", "sample_rows")  # what a replayed graph reads (copy_from)
 
     def __init__(self, chunks: list[Chunk], block_size: int, num_pages: int, max_pages: int, device: torch.device,
@@ -119,12 +122,13 @@ class StepBatch:
         # adapters first, grouped by slot; the base model's requests last
         self.chunks = chunks = sorted(chunks, key=lambda c: (c.slot is None, c.slot if c.slot is not None else 0))
         self.device, self.block_size = device, block_size
+        self.one_token_rows = padded_rows is not None  # row r of the attention's layout is flat token r
         rows = len(chunks) if padded_rows is None else padded_rows
         longest_query = max(len(c.tokens) for c in chunks)
         if padded_rows is None and longest_query > 1:
             rows, longest_query = bucket(rows), max(SHORTEST_QUERY_BUCKET, bucket(longest_query))
         query_blocks = -(-longest_query // QUERY_BLOCK)
-        ids, positions, slots, query_index, sample_rows = [], [], [], [], []
+        ids, positions, slots, query_index, sample_rows, previous_rows = [], [], [], [], [], []
         query_positions = np.zeros((rows, longest_query), dtype=np.int64)
         kv_num_blocks = np.zeros((rows, 1, query_blocks), dtype=np.int32)
         kv_indices = np.full((rows, 1, query_blocks, max_pages), num_pages, dtype=np.int32)  # padding: the trash page
@@ -136,6 +140,7 @@ class StepBatch:
             pages = -(-end // block_size)
             first = len(ids)
             ids += chunk.tokens
+            previous_rows += [-1] * (len(chunk.tokens) - 1) + [-1 if chunk.from_row is None else chunk.from_row]
             positions += range(chunk.start, end)
             slots += [table[p // block_size] * block_size + p % block_size for p in range(chunk.start, end)]
             query_index.append(list(range(first, len(ids))) + [0] * (longest_query - len(chunk.tokens)))
@@ -154,6 +159,7 @@ class StepBatch:
             trash = num_pages * block_size
             for row in range(len(chunks), rows):
                 ids.append(0)
+                previous_rows.append(-1)
                 positions.append(0)
                 slots.append(trash)
                 query_index.append([row])
@@ -171,7 +177,8 @@ class StepBatch:
             token_segments = row_segments = None if not adapted else _segment_arrays(
                 [(row, row + 1, slot) for row, slot in enumerate(adapted)], pad_to=rows)
 
-        host = {"input_ids": ids, "positions": positions, "slots": slots, "query_index": query_index,
+        host = {"input_ids": ids, "positions": positions, "slots": slots, "previous_rows": previous_rows,
+                "query_index": query_index,
                 "query_positions": query_positions, "sample_rows": sample_rows,
                 # rows of the [R * Q] padded queries that are real, in flat token order (an index, not a mask: a
                 # boolean index makes the device count its rows before every layer's attention can return)

@@ -10,6 +10,12 @@ One step: the scheduler picks chunks (decodes and prefill pieces, under the toke
 (grouped by adapter) and builds the indices every layer reads, the model runs once over all of them (base layers
 on the executor's weights + SGMV LoRA; paged attention), the sampled rows' logits choose one token per finished
 chunk. A request that fails (NaN logits, a cancelled stream) ends alone; the others go on.
+
+Steps overlap: the host schedules, lays out and launches step t+1 while the device still runs step t, and only then
+waits for step t's tokens (`_InFlight`). A decode of t+1 reads its input token, sampled by t, from the device
+(`last_tokens`); a request that step t ends (a stop token) has run one row of t+1 for nothing, which is dropped.
+So the host's own time per step (laying out the batch, launching a graph, reading tokens, streaming text) is spent
+beside the device's, not after it.
 """
 
 from __future__ import annotations
@@ -110,6 +116,14 @@ class RequestHandle:
         self._engine._wake()
 
 
+@dataclass
+class _InFlight:
+    """A launched step whose tokens the host has not read."""
+    number: int
+    requests: list[Request]  # of its sampled chunks, in row order
+    choices: sampling.Launched
+
+
 class Engine:
     def __init__(self, model_path, executor, tokenizer=None, *, kv_blocks: int = 512, block_size: int = 64,
                  max_batch_tokens: int = 512, max_running: int = 64, max_lora_rank: int = 64, adapter_slots: int = 8,
@@ -149,6 +163,9 @@ class Engine:
         self._stopping = False
         self.steps = 0
         self.graphs = graphs.DecodeGraphs(self._decode_logits, self.device) if decode_graphs else None
+        # the sampled tokens of the latest step, where the next step's decodes read their input
+        self.last_tokens = torch.zeros(max_running, dtype=torch.long, device=self.device)
+        self._in_flight: _InFlight | None = None
 
     @classmethod
     def from_pretrained(cls, model_path, device="cpu", dtype=None, tokenizer=None, **options) -> "Engine":
@@ -206,10 +223,11 @@ class Engine:
     # -- stepping (the engine's thread) --
 
     def has_work(self) -> bool:
-        return bool(self._incoming or self.scheduler.waiting or self.scheduler.running)
+        return bool(self._incoming or self.scheduler.waiting or self.scheduler.running or self._in_flight)
 
     def step(self) -> int:
-        """One step; returns how many tokens it ran."""
+        """Launch one step, then read the tokens of the step launched before it; returns how many tokens the new
+        step runs."""
         with self._lock:
             incoming, self._incoming = self._incoming, []
         for request in incoming:
@@ -217,12 +235,23 @@ class Engine:
         for request in [r for r in self.scheduler.running + self.scheduler.waiting if r.cancelled]:
             self._end(request, Finished("cancelled"))
         chunks = self.scheduler.schedule()
-        if not chunks:
-            return 0
+        previous, self._in_flight = self._in_flight, None
+        ran = self._launch(chunks) if chunks else 0
+        if previous is not None:
+            self._read(previous)
+        return ran
+
+    def _launch(self, chunks: list) -> int:
+        """Queue the step on the device (its sampled tokens become `_in_flight`); returns its token count, 0 if it
+        failed (its requests fail with it)."""
         self.adapters.wait_ready({c.slot for c in chunks if c.slot is not None})
         try:
             with torch.inference_mode():
                 batch, logits = self._forward(chunks)
+                requests = [c.request for c in batch.sampled_chunks]
+                choices = sampling.launch(logits, requests) if requests else None
+                if choices is not None:
+                    self.last_tokens[:len(requests)].copy_(choices.tokens)
         except Exception as e:  # noqa: BLE001 -- the step's requests fail with it; the engine goes on
             for chunk in chunks:
                 self._end(chunk.request, Finished(None, GenerationError(f"the step running request "
@@ -231,9 +260,10 @@ class Engine:
         self.steps += 1
         for chunk in chunks:
             chunk.request.computed = chunk.start + len(chunk.tokens)
-        if batch.sampled_chunks:
-            self._sample(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits,
-                         [c.request for c in batch.sampled_chunks])
+        for row, request in enumerate(requests):
+            request.in_flight_row, request.in_flight_step = row, self.steps
+        if requests:
+            self._in_flight = _InFlight(self.steps, requests, choices)
         return batch.num_tokens
 
     def _forward(self, chunks: list) -> tuple[StepBatch, torch.Tensor]:
@@ -253,21 +283,33 @@ class Engine:
         return self._logits(batch, compiled=self.compile_layers)
 
     def _logits(self, batch: StepBatch, compiled: bool = False) -> torch.Tensor:
+        # decodes whose input token the step before sampled read it where that step left it, on the device
+        input_ids = torch.where(batch.previous_rows >= 0, self.last_tokens[batch.previous_rows.clamp(min=0)],
+                                batch.input_ids)
         with self.state.running(batch, compiled):
-            return self.model(input_ids=batch.input_ids[None], position_ids=batch.positions[None],
+            return self.model(input_ids=input_ids[None], position_ids=batch.positions[None],
                               logits_to_keep=batch.sample_rows, use_cache=False).logits[0]
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> None:
-        finite = torch.isfinite(logits).all(-1).tolist()
-        for request, ok in zip(requests, finite):
-            if not ok:
+    def _read(self, step: _InFlight) -> None:
+        """Take in the tokens `step` sampled (waiting for them); rows of requests that ended since are dropped."""
+        try:
+            choices = step.choices.read(step.requests)
+        except Exception as e:  # noqa: BLE001 -- as a failed launch: its requests fail, the engine goes on
+            choices = [e] * len(step.requests)
+        for request, choice in zip(step.requests, choices):
+            if request.in_flight_step == step.number:
+                request.in_flight_row = request.in_flight_step = None
+            if request.finished:
+                continue
+            if isinstance(choice, Exception):
+                self._end(request, Finished(None, GenerationError(f"the step running request {request.id} "
+                                                                  f"failed: {choice}")))
+                continue
+            if choice is None:
                 self._end(request, Finished(None, GenerationError(
                     f"request {request.id}: the model's logits are NaN or Inf at output token "
                     f"{len(request.output)}; the request is stopped", retryable=False)))
-        good = [i for i, ok in enumerate(finite) if ok]
-        kept = [requests[i] for i in good]
-        choices = sampling.choose(logits[good], kept, [r.generator for r in kept]) if good else []
-        for request, choice in zip(kept, choices):
+                continue
             request.output.append(choice.token)
             reason = self._stop_reason(request, choice.token)
             text = self._new_text(request, final=reason is not None)
@@ -303,9 +345,13 @@ class Engine:
         return delta
 
     def _end(self, request: Request, finished: Finished) -> None:
+        """The request leaves: its blocks and adapter slot go back now, though the step in flight may still run a
+        row of it (it writes and reads only the request's own blocks, before any later step on the device reuses
+        them; adapter copies wait for the steps before them: AdapterStore._place)."""
         if finished.reason not in ("stop", "length"):  # failed or cancelled: its KV may not be finite
             self.kv.scrub(request.blocks)
         self.scheduler.finish(request)
+        request.finished = True
         request.events.put(finished)
 
     # -- the engine's thread --
@@ -337,5 +383,6 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._in_flight = None
         for request in self.scheduler.running + self.scheduler.waiting + self._incoming:
             self._end(request, Finished(None, GenerationError("the engine was closed")))

@@ -5,6 +5,10 @@
                               keep the smallest set of most likely tokens whose probability reaches top_p;
                               draw one from softmax(z) over what is kept, with the request's generator
     logprob (if asked):       log_softmax(logits)[token], and the `logprobs` largest alternatives
+
+In two halves, so that the host need not wait for the device in between (engine.py runs the next step meanwhile):
+`launch` queues every choice on the device and the copies of the results to the host; `Launched.read` waits for
+them. A row whose logits are not finite chooses nothing (`None`): its request fails.
 """
 
 from __future__ import annotations
@@ -37,22 +41,62 @@ def _filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return z
 
 
-def choose(logits: torch.Tensor, requests: list, generators: list) -> list[Choice]:
-    """logits [K, V] (float32 or wider), one row per request (whose `.params` say how) -> one Choice each."""
-    greedy = logits.argmax(-1).tolist()  # one device sync for every greedy row
-    choices = []
-    for row, request, generator, best in zip(logits, requests, generators, greedy):
+class Launched:
+    """The choices of one step, queued on the device: `tokens` [K] stays there (the next step's decodes read it
+    before the host has); `read()` waits for the host's copies."""
+
+    def __init__(self, tokens, finite, logprob_rows, chosen, top):
+        self.tokens = tokens
+        self.logprob_rows = logprob_rows  # row -> its index in chosen / top
+        copies = [t for t in (tokens, finite, chosen) + (top or ()) if t is not None]
+        self._host = [t.to("cpu", non_blocking=True) for t in copies]
+        self._ready = None
+        if tokens.is_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def read(self, requests: list) -> list[Choice | None]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        tokens, finite, *rest = [t.tolist() for t in self._host]
+        chosen, top_values, top_indices = (rest + [None, None, None])[:3]
+        choices = []
+        for row, (request, token, ok) in enumerate(zip(requests, tokens, finite)):
+            if not ok:
+                choices.append(None)
+                continue
+            choice = Choice(token)
+            index = self.logprob_rows.get(row)
+            if index is not None:
+                choice.logprob = chosen[index]
+                if request.params.logprobs:
+                    n = request.params.logprobs
+                    choice.top_logprobs = list(zip(top_indices[index][:n], top_values[index][:n]))
+            choices.append(choice)
+        return choices
+
+
+def launch(logits: torch.Tensor, requests: list) -> Launched:
+    """logits [K, V] (any float dtype), one row per request (whose `.params` say how and `.generator` draws)."""
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    finite = torch.isfinite(logits).all(-1)                                                # [K]
+    tokens = logits.argmax(-1)                                                             # [K]
+    for row, request in enumerate(requests):
         params: SamplingParams = request.params
-        token = best
         if params.temperature > 0:
-            probabilities = _filtered(row, params).softmax(-1)
-            token = int(torch.multinomial(probabilities, 1, generator=generator))
-        choice = Choice(token)
-        if params.logprobs is not None:
-            logprobs = row.log_softmax(-1)
-            choice.logprob = float(logprobs[token])
-            if params.logprobs:
-                values, indices = torch.topk(logprobs, params.logprobs)
-                choice.top_logprobs = list(zip(indices.tolist(), values.tolist()))
-        choices.append(choice)
-    return choices
+            # a row that is not finite fails when read; until then it draws from finite numbers (a device-side
+            # check of the distribution would end the whole process)
+            z = torch.where(finite[row], logits[row], 0.0)
+            probabilities = _filtered(z, params).softmax(-1)
+            tokens[row] = torch.multinomial(probabilities, 1, generator=request.generator)[0]
+    logprob_rows = {row: i for i, row in enumerate(r for r, q in enumerate(requests) if q.params.logprobs is not None)}
+    chosen = top = None
+    if logprob_rows:
+        rows = torch.tensor(list(logprob_rows), device=logits.device)
+        logprobs = logits[rows].log_softmax(-1)                                            # [L, V]
+        chosen = logprobs.gather(1, tokens[rows][:, None])[:, 0]                           # [L]
+        most = max(requests[row].params.logprobs for row in logprob_rows)
+        if most:
+            top = torch.topk(logprobs, most)                                               # ([L, n], [L, n])
+            top = (top.values, top.indices)
+    return Launched(tokens, finite, logprob_rows, chosen, top)

@@ -9,6 +9,11 @@ When a running request needs a block and the pool has none, the newest running r
 preempted: its blocks go back to the pool and it waits at the head of the queue; when it runs again its prompt
 and every token it has made so far are recomputed as a prefill (its output so far is kept, so no token is lost or
 made twice).
+
+The engine schedules a step while the step before it still runs (engine.py): a request sampled there has one token
+in flight, whose value the host does not know yet (`in_flight_row`: its row of that step's sampled tokens, where
+the device reads it). Its next decode takes that token from the device; it is never preempted (its output is not
+all known) and not scheduled once the tokens it has and has in flight reach its max_tokens.
 """
 
 from __future__ import annotations
@@ -44,14 +49,28 @@ class Request:
     cancelled: bool = False
     text: str = ""  # the output's text so far (with a tokenizer)
     emitted: int = 0  # characters of `text` already streamed
+    in_flight_row: int | None = None  # a token sampled by the running step, not read yet: its row there
+    in_flight_step: int | None = None  # that step's number
+    finished: bool = False
 
     @property
     def tokens(self) -> list[int]:
+        """The tokens the host knows (a token in flight is not among them)."""
         return self.prompt + self.output
 
     @property
+    def length(self) -> int:
+        """Tokens so far, a token in flight included."""
+        return len(self.prompt) + len(self.output) + (self.in_flight_row is not None)
+
+    @property
     def decoding(self) -> bool:
-        return self.computed == len(self.prompt) + len(self.output) - 1
+        return self.computed == self.length - 1
+
+    @property
+    def exhausted(self) -> bool:
+        """Its tokens, the one in flight included, reach max_tokens: it ends when that one is read."""
+        return len(self.output) + (self.in_flight_row is not None) >= self.params.max_tokens
 
 
 class Scheduler:
@@ -72,9 +91,9 @@ class Scheduler:
         for request in [r for r in self.running if r.decoding] + [r for r in self.running if not r.decoding]:
             if budget == 0:
                 break
-            if request.id in scheduled or request not in self.running:  # preempted meanwhile
+            if request.id in scheduled or request not in self.running or request.exhausted:  # preempted meanwhile
                 continue
-            count = min(len(request.tokens) - request.computed, budget)
+            count = min(request.length - request.computed, budget)
             if not self._grow(request, request.computed + count, scheduled):
                 continue
             chunks.append(self._chunk(request, count))
@@ -82,7 +101,7 @@ class Scheduler:
             budget -= count
         while budget and self.waiting and len(self.running) < self.max_running:
             request = self.waiting[0]
-            count = min(len(request.tokens), budget)
+            count = min(request.length, budget)
             if self.pool.blocks_for(count) > self.pool.free:
                 break  # joins when blocks free up; admission never preempts
             if request.adapter is not None:
@@ -99,14 +118,17 @@ class Scheduler:
 
     def _chunk(self, request: Request, count: int) -> Chunk:
         start = request.computed
-        return Chunk(request, start, request.tokens[start:start + count], request.slot,
-                     sample=start + count == len(request.tokens))
+        known = request.tokens[start:start + count]
+        in_flight = len(known) < count  # the chunk's last token is the one in flight (a decode)
+        return Chunk(request, start, known + [0] * (count - len(known)), request.slot,
+                     sample=start + count == request.length,
+                     from_row=request.in_flight_row if in_flight else None)
 
     def _grow(self, request: Request, tokens: int, scheduled: set[str]) -> bool:
         """Blocks for `tokens` positions of `request`, preempting newer unscheduled requests if need be."""
         needed = self.pool.blocks_for(tokens) - len(request.blocks)
         while needed > self.pool.free:
-            victims = [r for r in self.running if r.id not in scheduled and r is not request]
+            victims = [r for r in self.running if r.id not in scheduled and r is not request and r.in_flight_row is None]
             if not victims:
                 return False
             self.preempt(max(victims, key=lambda r: r.arrival))
