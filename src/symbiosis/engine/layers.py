@@ -24,7 +24,7 @@ from symbiosis.engine.batch import StepBatch
 from symbiosis.engine.compiled import compile_decoder_layers
 from symbiosis.engine.kv import PagedKV
 from symbiosis.executor.store import BaseLayer
-from symbiosis.kernels.sgmv import MAX_SLICES, lora_apply, lora_apply_op
+from symbiosis.kernels.sgmv import MAX_SLICES, linear_with_lora, lora_apply
 from symbiosis.model.partition import GROUP_SEPARATOR, BaseLayerSpec
 
 
@@ -49,13 +49,12 @@ def _project(base: BaseLayer, pools: Pools, tokens: torch.Tensor, state: StepSta
              widths: tuple[int, ...]) -> torch.Tensor:
     """tokens [T, in] -> [T, out]: x W^T + b, plus each segment's LoRA from `pools` (a layer's, or a group's whose
     members' outputs are `widths` side by side). Nothing here names a layer (torch.compile: one code for all)."""
-    y = base.forward(tokens)
     batch = state.batch
     segments = None if batch is None else batch.row_segments if is_head else batch.token_segments
-    if segments is not None and pools.a is not None:
-        lora_apply_op(y, tokens, pools.a, pools.b, pools.scales, segments.starts, segments.slots, segments.max_len,
-                      list(widths))
-    return y
+    if segments is None or pools.a is None:
+        return base.forward(tokens)
+    return linear_with_lora(tokens, base.weight, base.bias, base.spec.kind == "conv1d", pools.a, pools.b, pools.scales,
+                            segments.starts, segments.slots, segments.max_len, list(widths))
 
 
 class EngineLinear(nn.Module):

@@ -367,14 +367,44 @@ if triton is not None:
 
 # ---------------------------------------------------------------------------------------------- as an operator
 
-@torch.library.custom_op("symbiosis::lora_apply", mutates_args=("y",))
-def lora_apply_op(y: torch.Tensor, x: torch.Tensor, a_pool: torch.Tensor, b_pool: torch.Tensor, scales: torch.Tensor,
-                  starts: torch.Tensor, slots: torch.Tensor, max_len: int, slices: list[int]) -> None:
-    """`lora_apply(y, x, a_pool, b_pool, scales, Segments(starts, slots, max_len), slices=slices)` as a torch
-    operator: torch.compile keeps it whole (its launch plan is host code) and fuses what lies around it."""
-    lora_apply(y, x, a_pool, b_pool, scales, Segments(starts, slots, max_len), slices=tuple(slices))
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
-@lora_apply_op.register_fake
-def _(y, x, a_pool, b_pool, scales, starts, slots, max_len, slices):
-    return None
+@torch.library.custom_op("symbiosis::linear_with_lora", mutates_args=())
+def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_out: bool,
+                     a_pool: torch.Tensor, b_pool: torch.Tensor, scales: torch.Tensor, starts: torch.Tensor,
+                     slots: torch.Tensor, max_len: int, slices: list[int]) -> torch.Tensor:
+    """y = x W^T + b (x W + b with `in_out`: transformers' Conv1D keeps W as [in, out]), plus every segment's LoRA:
+    `lora_apply(y, x, a_pool, b_pool, scales, Segments(starts, slots, max_len), slices=slices)`.
+
+    As a torch operator, torch.compile keeps it whole (the launch plan is host code) and fuses what lies around it.
+    On a GPU the LoRA runs on a side stream, beside the base GEMM, into a delta added at the end: the LoRA's small
+    kernels are bound by their latency and the GEMM by memory, so the two overlap (H100, Llama-3-8B decode, batch 8:
+    about 30 µs of LoRA per layer otherwise in line)."""
+    segments = Segments(starts, slots, max_len)
+    slices = tuple(slices)
+
+    def base():
+        return torch.addmm(bias, x, weight) if in_out and bias is not None else x @ weight if in_out \
+            else torch.nn.functional.linear(x, weight, bias)
+
+    if not x.is_cuda:
+        y = base()
+        lora_apply(y, x, a_pool, b_pool, scales, segments, slices=slices)
+        return y
+    main = torch.cuda.current_stream(x.device)
+    side = _side_streams.get(x.device) or _side_streams.setdefault(x.device, torch.cuda.Stream(x.device))
+    # made on the main stream and dropped there after the join: the allocator needs no word of the side stream
+    delta = torch.empty(x.shape[0], b_pool.shape[1], dtype=x.dtype, device=x.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        delta.zero_()
+        lora_apply(delta, x, a_pool, b_pool, scales, segments, slices=slices)
+    y = base()
+    main.wait_stream(side)
+    return y.add_(delta)
+
+
+@linear_with_lora.register_fake
+def _(x, weight, bias, in_out, a_pool, b_pool, scales, starts, slots, max_len, slices):
+    return x.new_empty(x.shape[0], b_pool.shape[1])
