@@ -180,7 +180,8 @@ def profile_decode(engine: Engine, adapters: list[Path], path: Path, batch: int,
                                  (f"adapter-{i}", adapters[i])) for i in range(batch)]
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
             steps = 0
-            while not all(r.decoding for r in engine.scheduler.running) or engine.scheduler.waiting:  # prefill
+            while engine._incoming or engine.scheduler.waiting or \
+                    not all(r.decoding for r in engine.scheduler.running):  # prefill
                 engine.step()
                 steps += 1
             sync()
