@@ -24,7 +24,7 @@ from symbiosis.engine.batch import StepBatch
 from symbiosis.engine.compiled import compile_decoder_layers
 from symbiosis.engine.kv import PagedKV
 from symbiosis.executor.store import BaseLayer
-from symbiosis.kernels.sgmv import MAX_SLICES, linear_with_lora, lora_apply
+from symbiosis.kernels.sgmv import MAX_SLICES, linear_with_lora, linear_with_lora_op, lora_apply
 from symbiosis.model.partition import GROUP_SEPARATOR, BaseLayerSpec
 
 
@@ -53,8 +53,9 @@ def _project(base: BaseLayer, pools: Pools, tokens: torch.Tensor, state: StepSta
     segments = None if batch is None else batch.row_segments if is_head else batch.token_segments
     if segments is None or pools.a is None:
         return base.forward(tokens)
-    return linear_with_lora(tokens, base.weight, base.bias, base.spec.kind == "conv1d", pools.a, pools.b, pools.scales,
-                            segments.starts, segments.slots, segments.max_len, list(widths))
+    linear = linear_with_lora_op if torch.compiler.is_compiling() else linear_with_lora
+    return linear(tokens, base.weight, base.bias, base.spec.kind == "conv1d", pools.a, pools.b, pools.scales,
+                  segments.starts, segments.slots, segments.max_len, list(widths))
 
 
 class EngineLinear(nn.Module):
