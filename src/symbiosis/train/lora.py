@@ -1,0 +1,172 @@
+"""One hosted LoRA adapter in training: its matrices, its AdamW state, and their files.
+
+Parametrised as Tinker's published recipe ("LoRA Without Regret"): alpha fixed at 32, so each layer adds
+    y += (32 / r) * (x A^T) B^T        A [r, in] (Kaiming-uniform, as PEFT), B [out, r] (zeros, as PEFT)
+and the best learning rate hardly moves with the rank. Matrices and AdamW moments are float32 at least, whatever the
+base's dtype (PEFT keeps adapters in float32 too; a float64 base trains float64 ones); the LoRA runs in their
+dtype and its output is added in the activations'.
+
+Files: a checkpoint is an ordinary PEFT adapter directory (adapter_config.json, adapter_model.safetensors,
+symbiosis.json with the base's fingerprint), servable by the engine and loadable by plain PEFT, plus
+optimizer.safetensors (AdamW's exp_avg / exp_avg_sq per tensor) and trainer_state.json (steps taken, the spec).
+No pickle is written or read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from symbiosis.client.adapter_files import check_adapter_directory
+from symbiosis.client.generate import FINGERPRINT_FILE, check_base_fingerprint
+from symbiosis.errors import AdapterError
+
+ALPHA = 32.0
+PREFIX = "base_model.model."
+MAX_RANK = 256
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What a training client asks for (Tinker's LoraConfig): the rank, which parts of the model train, the seed
+    of the initial A matrices."""
+    rank: int = 32
+    seed: int | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or not 1 <= self.rank <= MAX_RANK:
+            raise ValueError(f"rank must be an integer in 1..{MAX_RANK}, got {self.rank!r}")
+        if not (self.train_attn or self.train_mlp or self.train_unembed):
+            raise ValueError("at least one of train_attn, train_mlp, train_unembed must be true")
+
+
+@dataclass(frozen=True)
+class TargetLayer:
+    """A base layer an adapter may train: its module name (PEFT's key), its executor id, its part, its shape."""
+    module: str
+    layer_id: str
+    part: str  # "attn", "mlp" or "unembed"
+    in_features: int
+    out_features: int
+
+
+class HostedLora:
+    """`layers`: layer id -> (A, B), float32 leaf tensors that train; `optimizer`: AdamW over them."""
+
+    def __init__(self, spec: LoraSpec, targets: list[TargetLayer], device: torch.device,
+                 dtype: torch.dtype = torch.float32, tensors: dict[str, torch.Tensor] | None = None):
+        """Fresh matrices (seeded by `spec.seed`) for the targets of the parts `spec` trains, or `tensors`
+        (PEFT's names) read from a checkpoint; in `dtype` promoted to at least float32."""
+        self.spec = spec
+        dtype = torch.promote_types(dtype, torch.float32)
+        wanted = {"attn": spec.train_attn, "mlp": spec.train_mlp, "unembed": spec.train_unembed}
+        self.targets = [t for t in targets if wanted[t.part]]
+        if not self.targets:
+            raise ValueError("this base model has no layer of the parts asked to train")
+        self.scale = ALPHA / spec.rank
+        generator = torch.Generator().manual_seed(spec.seed if spec.seed is not None else 0)
+        self.layers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for target in self.targets:
+            if tensors is None:
+                a = torch.empty(spec.rank, target.in_features, dtype=dtype)
+                # PEFT's (and nn.Linear's) init of A: kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in))
+                bound = 1 / math.sqrt(target.in_features)
+                a.uniform_(-bound, bound, generator=generator)
+                b = torch.zeros(target.out_features, spec.rank, dtype=dtype)
+            else:
+                a, b = (tensors[f"{PREFIX}{target.module}.lora_{name}.weight"].to(dtype) for name in "AB")
+            self.layers[target.layer_id] = (a.to(device).requires_grad_(), b.to(device).requires_grad_())
+        self.optimizer = torch.optim.AdamW(self.parameters(), lr=0.0)
+        self.steps = 0
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [p for pair in self.layers.values() for p in pair]
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """PEFT's names for the matrices."""
+        names = {}
+        for target in self.targets:
+            a, b = self.layers[target.layer_id]
+            names[f"{PREFIX}{target.module}.lora_A.weight"] = a
+            names[f"{PREFIX}{target.module}.lora_B.weight"] = b
+        return names
+
+    def has_gradients(self) -> bool:
+        return any(p.grad is not None for p in self.parameters())
+
+    def step(self, learning_rate: float, beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-12,
+             weight_decay: float = 0.0, grad_clip_norm: float = 0.0) -> dict[str, float]:
+        """One AdamW step on the gradients gathered since the last one (clipped to `grad_clip_norm` in total L2
+        norm when it is positive), then the gradients are cleared. Returns metrics."""
+        parameters = self.parameters()
+        grads = [p.grad for p in parameters if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads \
+            else torch.zeros(())
+        if grad_clip_norm > 0 and grads:
+            torch.nn.utils.clip_grad_norm_(parameters, grad_clip_norm)
+        for group in self.optimizer.param_groups:
+            group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return {"grad_norm:mean": float(norm), "learning_rate:mean": float(learning_rate)}
+
+    # -- files --
+
+    def save(self, directory: Path, base_model: str, fingerprint: str, with_optimizer: bool = True) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({name: t.detach().contiguous().cpu() for name, t in self.named_tensors().items()},
+                  directory / "adapter_model.safetensors")
+        modules = sorted(t.module for t in self.targets)  # full names: GPT-2's c_proj is in attention and MLP
+        (directory / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.spec.rank, "lora_alpha": ALPHA,
+            "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "target_modules": modules,
+            "base_model_name_or_path": base_model}, indent=1))
+        (directory / FINGERPRINT_FILE).write_text(json.dumps({"base_fingerprint": fingerprint}))
+        (directory / "trainer_state.json").write_text(json.dumps({"steps": self.steps, "spec": asdict(self.spec)}))
+        if with_optimizer:
+            moments = {}
+            for name, parameter in self.named_tensors().items():
+                state = self.optimizer.state.get(parameter, {})
+                for moment in ("exp_avg", "exp_avg_sq"):
+                    if moment in state:
+                        moments[f"{name}.{moment}"] = state[moment].detach().contiguous().cpu()
+            save_file(moments, directory / "optimizer.safetensors")
+
+    @classmethod
+    def load(cls, directory: Path, targets: list[TargetLayer], device: torch.device, dtype: torch.dtype,
+             fingerprint: str, with_optimizer: bool) -> "HostedLora":
+        """A training adapter from a directory `save` wrote (`AdapterError` naming what is wrong otherwise)."""
+        directory = check_adapter_directory(directory)
+        check_base_fingerprint(directory, fingerprint)
+        try:
+            state = json.loads((directory / "trainer_state.json").read_text())
+            spec = LoraSpec(**state["spec"])
+            tensors = load_file(directory / "adapter_model.safetensors")
+            lora = cls(spec, targets, device, dtype, tensors)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise AdapterError(f"{directory.name}: not a training checkpoint of this service ({e})") from e
+        for name, tensor in lora.named_tensors().items():
+            saved = tensors[name]
+            if saved.shape != tensor.shape or not torch.isfinite(saved).all():
+                raise AdapterError(f"{directory.name}: {name} has shape {list(saved.shape)} or values that do not fit")
+        lora.steps = int(state.get("steps", 0))
+        if with_optimizer:
+            if not (directory / "optimizer.safetensors").is_file():
+                raise AdapterError(f"{directory.name}: saved without optimizer state")
+            moments = load_file(directory / "optimizer.safetensors")
+            for name, parameter in lora.named_tensors().items():
+                if f"{name}.exp_avg" in moments:
+                    lora.optimizer.state[parameter] = {
+                        "step": torch.tensor(float(lora.steps)),
+                        "exp_avg": moments[f"{name}.exp_avg"].to(device, parameter.dtype),
+                        "exp_avg_sq": moments[f"{name}.exp_avg_sq"].to(device, parameter.dtype)}
+        return lora

@@ -1,0 +1,99 @@
+"""Hosted training: several adapters trained in one pass each step equal each adapter trained alone with plain
+PEFT (float64: losses, target log-probabilities and every matrix, over several AdamW steps)."""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import symbiosis
+from symbiosis.errors import BadCall
+from symbiosis.train import HostedLora, LoraSpec, Trainer, Work
+from symbiosis.train.trainer import Datum
+from matrix import make_checkpoint
+
+ADAM = dict(learning_rate=0.05, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0)
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("train") / "base"
+    make_checkpoint("llama", path)
+    executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
+    return path, Trainer(path, executor)
+
+
+def _datum(generator, length, loss_fn):
+    tokens = torch.randint(0, 128, (length,), generator=generator).tolist()
+    targets = torch.randint(0, 128, (length,), generator=generator)
+    if loss_fn == "cross_entropy":
+        inputs = {"weights": (torch.rand(length, generator=generator) > 0.3).double()}
+    else:
+        inputs = {"logprobs": -torch.rand(length, generator=generator, dtype=torch.float64) * 5 - 1,
+                  "advantages": torch.randn(length, generator=generator, dtype=torch.float64)}
+    return Datum(tokens, {"target_tokens": targets, **inputs})
+
+
+def _reference(path, lora: HostedLora):
+    """Plain transformers + PEFT with this adapter's initial matrices, and its AdamW."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    config = peft.LoraConfig(r=lora.spec.rank, lora_alpha=32, target_modules=[t.module for t in lora.targets])
+    model = peft.get_peft_model(model, config)
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for name, tensor in lora.named_tensors().items():
+            params[name.replace(".weight", ".default.weight")].copy_(tensor)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=ADAM["learning_rate"], betas=(ADAM["beta1"], ADAM["beta2"]),
+                                  eps=ADAM["eps"], weight_decay=ADAM["weight_decay"])
+    return model, trainable, optimizer
+
+
+def _reference_step(model, trainable, optimizer, work):
+    losses, logprobs = [], []
+    total = 0
+    for datum in work.datums:
+        logits = model(input_ids=torch.tensor([datum.tokens])).logits[0].log_softmax(-1)
+        lp = logits.gather(1, datum.inputs["target_tokens"][:, None])[:, 0]
+        loss = symbiosis.train.losses.LOSSES[work.loss_fn](lp, datum.inputs, work.config)
+        total = total + loss
+        losses.append(float(loss.detach()))
+        logprobs.append(lp.detach())
+    total.backward()
+    torch.nn.utils.clip_grad_norm_(trainable, ADAM["grad_clip_norm"])
+    optimizer.step()
+    optimizer.zero_grad()
+    return losses, logprobs
+
+
+def test_three_adapters_in_one_pass_train_as_each_alone(trainer):
+    path, trainer = trainer
+    generator = torch.Generator().manual_seed(3)
+    specs = [LoraSpec(rank=2, seed=1), LoraSpec(rank=4, seed=2, train_mlp=False),
+             LoraSpec(rank=8, seed=3, train_unembed=False, train_attn=False)]
+    loras = [HostedLora(spec, trainer.targets, trainer.device, trainer.dtype) for spec in specs]
+    with torch.no_grad():  # B starts at zero (PEFT's init): give it values so the first step's gradients differ
+        for lora in loras:
+            for _, b in lora.layers.values():
+                b.normal_(0, 0.1, generator=generator)
+    references = [_reference(path, lora) for lora in loras]
+    plans = [("cross_entropy", [5, 9]), ("importance_sampling", [12]), ("ppo", [3, 7, 4])]
+    for step in range(3):
+        works = [Work(lora, [_datum(generator, n, loss_fn) for n in lengths], loss_fn)
+                 for lora, (loss_fn, lengths) in zip(loras, plans)]
+        for work in works:
+            trainer.check(work)
+        results = trainer.run(works)
+        for lora, work, result, reference in zip(loras, works, results, references):
+            expected_losses, expected_logprobs = _reference_step(*reference, work)
+            assert result.losses == pytest.approx(expected_losses, rel=1e-10, abs=1e-10), f"step {step}"
+            for ours, theirs in zip(result.logprobs, expected_logprobs):
+                torch.testing.assert_close(ours.double(), theirs, rtol=1e-10, atol=1e-10)
+            lora.step(**ADAM)
+    for lora, (model, _, _) in zip(loras, references):
+        params = dict(model.named_parameters())
+        for name, tensor in lora.named_tensors().items():
+            torch.testing.assert_close(tensor.detach(), params[name.replace(".weight", ".default.weight")].detach(),
+                                       rtol=1e-9, atol=1e-11)
