@@ -1,0 +1,165 @@
+"""Which training work runs next: every adapter's requests in their order, and one pass for all of them.
+
+Each adapter (a training model) has a queue of operations, run strictly in its `seq` order (a request whose
+predecessor has not arrived waits for it). A round takes the next operation of every adapter: the calls
+(optimizer steps, saves, loads: each its adapter's alone) run one after another, then the forward and
+forward_backward requests of all adapters run as one pass (Trainer.run). A pass holds at most
+`max_pass_tokens`; each waiting request gets an equal share of it (at least one datum), and a request larger than
+its share goes on in the next rounds, where every other waiting request again gets its share. So no adapter waits
+more than one pass for a turn, however large another adapter's batch: a small request finishes in the first pass
+it joins. A pass starts as soon as anything is waiting: no fixed cycle.
+
+A pass that fails (out of memory, say) fails the requests in it, and the gradients their adapters gathered since
+their last optimizer step are dropped (`Operation.fail` says so): a later optimizer step must not apply half a
+pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+from symbiosis.train.trainer import Result, Trainer, Work
+
+log = logging.getLogger("symbiosis.train")
+
+
+@dataclass
+class Operation:
+    """One request of one adapter: a pass (`work`) or a call (`call()` returns the result)."""
+    seq: int
+    done: Callable[[object], None]  # receives the result
+    fail: Callable[[Exception], None]  # receives the error
+    work: Work | None = None
+    call: Callable[[], object] | None = None
+    results: list[Result] = field(default_factory=list)  # a pass's parts so far
+    next_datum: int = 0
+
+
+class TrainingQueue:
+    def __init__(self, trainer: Trainer, max_pass_tokens: int = 16384):
+        if max_pass_tokens < 1:
+            raise ValueError("max_pass_tokens must be positive")
+        self.trainer, self.max_pass_tokens = trainer, max_pass_tokens
+        self._queues: dict[str, dict[int, Operation]] = {}  # adapter key -> seq -> operation
+        self._next: dict[str, int] = {}  # adapter key -> the seq that runs next
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.passes = 0
+
+    def open(self, key: str, next_seq: int) -> None:
+        """An adapter whose first (next) operation will have `next_seq`."""
+        with self._lock:
+            self._queues.setdefault(key, {})
+            self._next[key] = next_seq
+
+    def close(self, key: str) -> None:
+        with self._lock:
+            for operation in self._queues.pop(key, {}).values():
+                operation.fail(RuntimeError("the training model was removed"))
+            self._next.pop(key, None)
+
+    def submit(self, key: str, operation: Operation) -> None:
+        with self._lock:
+            if key not in self._queues:
+                raise KeyError(key)
+            self._queues[key][operation.seq] = operation
+            self._lock.notify()
+
+    def skip(self, key: str, seq: int) -> None:
+        """`seq` will never come (it was answered otherwise): the adapter's queue goes on past it."""
+        with self._lock:
+            if self._next.get(key) == seq:
+                self._advance(key)
+                self._lock.notify()
+
+    # -- the runner --
+
+    def start(self) -> "TrainingQueue":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="symbiosis-training", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _ready(self) -> dict[str, Operation]:
+        return {key: queue[self._next[key]] for key, queue in self._queues.items() if self._next[key] in queue}
+
+    def _advance(self, key: str) -> None:
+        self._queues[key].pop(self._next[key], None)
+        self._next[key] += 1
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self._ready():
+                    self._lock.wait()
+                if self._stopping:
+                    return
+            self.round()
+
+    def round(self) -> bool:
+        """Run what is ready: the calls, then one pass. Returns whether anything ran."""
+        with self._lock:
+            ready = self._ready()
+        calls = {key: op for key, op in ready.items() if op.work is None}
+        passes = {key: op for key, op in ready.items() if op.work is not None}
+        for key, op in calls.items():
+            try:
+                result = op.call()
+            except Exception as e:  # noqa: BLE001 -- this request fails; the others go on
+                self._finish(key, op, error=e)
+            else:
+                self._finish(key, op, result=result)
+        if passes:
+            self._pass(passes)
+        return bool(ready)
+
+    def _pass(self, operations: dict[str, Operation]) -> None:
+        share = max(1, self.max_pass_tokens // len(operations))
+        parts = []
+        for key, op in operations.items():
+            datums, tokens = [], 0
+            for datum in op.work.datums[op.next_datum:]:
+                if datums and tokens + len(datum.tokens) > share:
+                    break
+                datums.append(datum)
+                tokens += len(datum.tokens)
+            parts.append((key, op, Work(op.work.lora, datums, op.work.loss_fn, op.work.config, op.work.backward)))
+        try:
+            results = self.trainer.run([work for _, _, work in parts])
+        except Exception as e:  # noqa: BLE001 -- the pass's requests fail; their adapters drop their gradients
+            log.exception("a training pass failed")
+            for key, op, work in parts:
+                if op.work.backward:
+                    work.lora.optimizer.zero_grad(set_to_none=True)
+                self._finish(key, op, error=RuntimeError(
+                    f"the training pass failed ({type(e).__name__}: {e}); the gradients this model gathered since "
+                    "its last optimizer step were dropped"))
+            return
+        self.passes += 1
+        for (key, op, work), result in zip(parts, results):
+            op.results.append(result)
+            op.next_datum += len(work.datums)
+            if op.next_datum == len(op.work.datums):
+                self._finish(key, op, result=Result([lp for r in op.results for lp in r.logprobs],
+                                                    [loss for r in op.results for loss in r.losses]))
+
+    def _finish(self, key: str, op: Operation, result=None, error: Exception | None = None) -> None:
+        with self._lock:
+            if self._queues.get(key, {}).get(op.seq) is op:
+                self._advance(key)
+        if error is not None:
+            op.fail(error)
+        else:
+            op.done(result)

@@ -1,0 +1,96 @@
+"""The training queue: each adapter's operations in seq order, every waiting adapter in every pass, a big request
+spread over passes without changing its result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import symbiosis
+from symbiosis.train import HostedLora, LoraSpec, Trainer, Work
+from symbiosis.train.scheduler import Operation, TrainingQueue
+from symbiosis.train.trainer import Datum
+from matrix import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("queue") / "base"
+    make_checkpoint("llama", path)
+    return Trainer(path, symbiosis.Executor.from_pretrained(path, dtype=torch.float64))
+
+
+def _work(trainer, seed, datums, length=6):
+    generator = torch.Generator().manual_seed(seed)
+    lora = HostedLora(LoraSpec(rank=4, seed=seed), trainer.targets, trainer.device, trainer.dtype)
+    with torch.no_grad():
+        for _, b in lora.layers.values():
+            b.normal_(0, 0.1, generator=generator)
+    data = [Datum(torch.randint(0, 128, (length,), generator=generator).tolist(),
+                  {"target_tokens": torch.randint(0, 128, (length,), generator=generator),
+                   "weights": torch.ones(length, dtype=torch.float64)}) for _ in range(datums)]
+    return Work(lora, data, "cross_entropy")
+
+
+def _operation(seq, log, work=None, call=None):
+    return Operation(seq, done=lambda result: log.append((seq, result)), fail=lambda e: log.append((seq, e)),
+                     work=work, call=call)
+
+
+def test_a_small_request_is_not_held_up_by_a_big_one_and_the_big_one_is_unchanged(trainer):
+    # passes of 24 tokens: the first shared (12 tokens, 2 datums of 6, for each), then 4 datums a pass alone
+    queue = TrainingQueue(trainer, max_pass_tokens=24)
+    big, small = _work(trainer, 1, 20), _work(trainer, 2, 1)
+    expected = trainer.run([_work(trainer, 1, 20)])[0]  # the same datums and matrices, in one pass
+    reference_grads = {n: t.grad.clone() for n, t in expected_grads(trainer, 1).items()}
+    queue.open("big", 0)
+    queue.open("small", 0)
+    log = []
+    queue.submit("big", _operation(0, log, work=big))
+    queue.submit("small", _operation(0, log, work=small))
+    queue.round()
+    assert [entry[0] for entry in log] == [0] and log[0][1].losses and len(log[0][1].losses) == 1, \
+        "the small request finished in the first pass"
+    while queue.round():
+        pass
+    big_result = log[1][1]
+    assert queue.passes == 1 + 5
+    assert big_result.losses == pytest.approx(expected.losses, rel=1e-12)
+    for name, tensor in big.lora.named_tensors().items():  # gradients add up across the passes
+        torch.testing.assert_close(tensor.grad, reference_grads[name], rtol=1e-12, atol=1e-14)
+
+
+def expected_grads(trainer, seed):
+    work = _work(trainer, seed, 20)
+    trainer.run([work])
+    return work.lora.named_tensors()
+
+
+def test_operations_run_in_seq_order_calls_between_passes(trainer):
+    queue = TrainingQueue(trainer)
+    queue.open("a", 5)
+    log = []
+    queue.submit("a", _operation(7, log, call=lambda: "seven"))
+    queue.submit("a", _operation(6, log, work=_work(trainer, 3, 2)))
+    assert not queue.round(), "nothing runs before seq 5 comes"
+    queue.submit("a", _operation(5, log, call=lambda: "five"))
+    while queue.round():
+        pass
+    assert [seq for seq, _ in log] == [5, 6, 7] and log[0][1] == "five" and log[2][1] == "seven"
+
+
+def test_a_failing_call_fails_alone_and_a_skipped_seq_lets_the_queue_go_on(trainer):
+    queue = TrainingQueue(trainer)
+    queue.open("a", 0)
+    log = []
+
+    def broken():
+        raise ValueError("no such checkpoint")
+
+    queue.submit("a", _operation(0, log, call=broken))
+    queue.submit("a", _operation(2, log, call=lambda: "two"))
+    queue.round()
+    assert isinstance(log[0][1], ValueError)
+    queue.skip("a", 1)
+    queue.round()
+    assert log[1] == (2, "two")
