@@ -21,7 +21,6 @@ beside the device's, not after it.
 from __future__ import annotations
 
 import queue
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from symbiosis.engine.kv import BlockPool, PagedKV
 from symbiosis.engine.params import SamplingParams
 from symbiosis.engine.scheduler import Request, Scheduler
 from symbiosis.errors import BadCall, SymbiosisError
+from symbiosis.worker import Worker
 
 
 class GenerationError(SymbiosisError):
@@ -158,9 +158,8 @@ class Engine:
         # pages one request may hold: the width of each step's block tables (fixed, so graphs keep their shapes)
         self.max_pages = min(kv_blocks, self.pool.blocks_for(self.context_limit or kv_blocks * block_size))
         self._incoming: list[Request] = []
-        self._lock = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._worker = Worker("symbiosis-engine", self.has_work, self._work)
+        self._lock = self._worker.lock
         self.steps = 0
         self.graphs = graphs.DecodeGraphs(self._decode_logits, self.device) if decode_graphs else None
         # the sampled tokens of the latest step, where the next step's decodes read their input
@@ -215,7 +214,7 @@ class Engine:
         """Run these requests together to the end (stepping here if no engine thread runs)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         handles = [self.submit(p, q, a) for p, q, a in zip(prompts, params_list, adapters or [None] * len(prompts))]
-        if self._thread is None:
+        if not self._worker.running:
             while self.has_work():
                 self.step()
         return [h.result() for h in handles]
@@ -357,32 +356,18 @@ class Engine:
     # -- the engine's thread --
 
     def start(self) -> "Engine":
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="symbiosis-engine", daemon=True)
-            self._thread.start()
+        self._worker.start()
         return self
 
     def _wake(self) -> None:
-        with self._lock:
-            self._lock.notify()
+        self._worker.wake()
 
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._stopping and not self.has_work():
-                    self._lock.wait()
-                if self._stopping:
-                    return
-            if self.step() == 0 and not self._incoming:
-                time.sleep(0.001)  # work that cannot run yet (blocks or adapter slots in use): let others finish
+    def _work(self) -> None:
+        if self.step() == 0 and not self._incoming:
+            time.sleep(0.001)  # work that cannot run yet (blocks or adapter slots in use): let others finish
 
     def close(self) -> None:
-        with self._lock:
-            self._stopping = True
-            self._lock.notify()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._worker.stop()
         self._in_flight = None
         for request in self.scheduler.running + self.scheduler.waiting + self._incoming:
             self._end(request, Finished(None, GenerationError("the engine was closed")))

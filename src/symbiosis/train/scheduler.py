@@ -17,11 +17,11 @@ pass.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
 from symbiosis.train.trainer import Result, Trainer, Work
+from symbiosis.worker import Worker
 
 log = logging.getLogger("symbiosis.train")
 
@@ -45,9 +45,8 @@ class TrainingQueue:
         self.trainer, self.max_pass_tokens = trainer, max_pass_tokens
         self._queues: dict[str, dict[int, Operation]] = {}  # adapter key -> seq -> operation
         self._next: dict[str, int] = {}  # adapter key -> the seq that runs next
-        self._lock = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._worker = Worker("symbiosis-training", lambda: bool(self._ready()), self.round)
+        self._lock = self._worker.lock
         self.passes = 0
 
     def open(self, key: str, next_seq: int) -> None:
@@ -79,18 +78,11 @@ class TrainingQueue:
     # -- the runner --
 
     def start(self) -> "TrainingQueue":
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="symbiosis-training", daemon=True)
-            self._thread.start()
+        self._worker.start()
         return self
 
     def stop(self) -> None:
-        with self._lock:
-            self._stopping = True
-            self._lock.notify()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._worker.stop()
 
     def _ready(self) -> dict[str, Operation]:
         return {key: queue[self._next[key]] for key, queue in self._queues.items() if self._next[key] in queue}
@@ -98,15 +90,6 @@ class TrainingQueue:
     def _advance(self, key: str) -> None:
         self._queues[key].pop(self._next[key], None)
         self._next[key] += 1
-
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._stopping and not self._ready():
-                    self._lock.wait()
-                if self._stopping:
-                    return
-            self.round()
 
     def round(self) -> bool:
         """Run what is ready: the calls, then one pass. Returns whether anything ran."""
