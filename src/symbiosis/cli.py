@@ -153,7 +153,10 @@ def serve_command(args: argparse.Namespace) -> int:
                           served_name=args.served_model_name, max_requests=args.max_requests,
                           max_requests_per_tenant=args.max_requests_per_tenant,
                           engine_options={"kv_blocks": args.kv_blocks, "block_size": args.block_size,
-                                          "max_lora_rank": args.max_lora_rank, "adapter_slots": args.adapter_slots})
+                                          "max_lora_rank": args.max_lora_rank, "adapter_slots": args.adapter_slots},
+                          training=None if args.no_training else {
+                              "persist_every": args.persist_every, "max_pass_tokens": args.max_pass_tokens,
+                              "tokenizer_id": args.tokenizer_id})
     except (symbiosis.SymbiosisError, KeyFileError, ValueError, OSError) as e:
         raise SystemExit(f"symbiosis serve: {e}") from None
     signal.signal(signal.SIGHUP, lambda *_: service.reload_keys())
@@ -226,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     serve.add_argument("--max-lora-rank", type=int, default=64)
     serve.add_argument("--adapter-slots", type=int, default=8, help="adapters on the device at once")
+    serve.add_argument("--no-training", action="store_true", help="no hosted training (the Tinker API)")
+    serve.add_argument("--persist-every", type=int, default=1, help="write each training model's state to the state "
+                       "dir every N optimizer steps (1: every step, before it is answered)")
+    serve.add_argument("--max-pass-tokens", type=int, default=16384, help="tokens of one batched training pass")
+    serve.add_argument("--tokenizer-id", help="what the Tinker API tells clients to load as the tokenizer (default: "
+                       "the model directory, for clients on this machine; else e.g. the base model's hub name)")
     serve.set_defaults(run=serve_command)
 
     executor = commands.add_parser("executor", help=executor_command.__doc__)

@@ -144,5 +144,13 @@ def create_app(service) -> FastAPI:
         return _ui_file(name, UI_ASSETS[name])
 
     app.include_router(openai_api.router(service, tenant))
+    if service.tinker is not None:
+        from symbiosis.serve.tinker import api as tinker_api
+
+        @app.exception_handler(tinker_api.Refused)
+        async def refused(request: Request, error: tinker_api.Refused):
+            return error.response()
+
+        app.include_router(tinker_api.router(service, service.tinker))
     app.add_middleware(BodyLimit)
     return app

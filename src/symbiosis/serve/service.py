@@ -9,6 +9,7 @@ from pathlib import Path
 
 from symbiosis.serve.adapters import AdapterRegistry
 from symbiosis.serve.dashboard import RecentRequests
+from symbiosis.serve.errors import not_found
 from symbiosis.serve.generation import Admission
 from symbiosis.serve.keys import ApiKeys
 from symbiosis.serve.metrics import Metrics
@@ -21,7 +22,9 @@ class Service:
     def __init__(self, model: str | Path, state_dir: str | Path, api_keys: str | Path, *, adapter_root=None,
                  device: str = "cpu", dtype=None, executor_listen: str | None = None, served_name: str | None = None,
                  max_requests: int = 256, max_requests_per_tenant: int = 64, max_chat_tokens: int = 4096,
-                 engine_options: dict | None = None):
+                 engine_options: dict | None = None, training: dict | None = None):
+        """`training`: the Tinker API's options (serve/tinker/service.py: persist_every, max_pass_tokens,
+        tokenizer_id), or None for no hosted training."""
         from transformers import AutoTokenizer
 
         from symbiosis.engine import Engine
@@ -49,14 +52,23 @@ class Service:
         self.admission = Admission(max_requests, max_requests_per_tenant)
         self.metrics = Metrics(self.engine, self.executor)
         self.recent = RecentRequests()
+        self.tinker = None
+        if training is not None:
+            from symbiosis.serve.tinker.service import TinkerService
+
+            self.tinker = TinkerService(self, **training)
 
     def start(self) -> "Service":
         self.engine.start()
+        if self.tinker is not None:
+            self.tinker.start()
         if self.server is not None:
             self.server.start()
         return self
 
     def close(self) -> None:
+        if self.tinker is not None:
+            self.tinker.close()
         self.engine.close()
         if self.server is not None:
             self.server.stop()
@@ -69,8 +81,19 @@ class Service:
                 "owned_by": "symbiosis", "root": name, "parent": None if base else self.base_name}
 
     def resolve(self, tenant: str, model: str) -> tuple[str, Path] | None:
-        """The adapter (engine name, directory) a request's `model` names, None for the base (404 otherwise)."""
-        return None if model == self.base_name else self.adapters.lookup(tenant, model)
+        """The adapter (engine name, directory) a request's `model` names, None for the base (404 otherwise): one
+        the tenant loaded, or one of its Tinker checkpoints (`tinker://...`)."""
+        if model == self.base_name:
+            return None
+        if self.tinker is not None and model.startswith("tinker://"):
+            from symbiosis.errors import BadCall
+
+            try:
+                _, directory = self.tinker.resolve(tenant, model)
+            except BadCall:
+                raise not_found(model) from None
+            return self.tinker.engine_name(tenant, model), directory
+        return self.adapters.lookup(tenant, model)
 
     def finished(self, tenant: str, model: str, generation, distinct_prompts: int, error: bool) -> None:
         prompt_tokens = generation.prompt_tokens(distinct_prompts)

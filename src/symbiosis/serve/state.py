@@ -12,6 +12,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 SCHEMA = """
@@ -37,20 +38,30 @@ class StateStore:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
 
-    def _write(self, sql: str, parameters: tuple) -> int:
+    @contextmanager
+    def transaction(self):
+        """The connection, inside one transaction (committed at the end, rolled back on an error)."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                changed = self._db.execute(sql, parameters).rowcount
+                yield self._db
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-            return changed
+
+    def _write(self, sql: str, parameters: tuple) -> int:
+        with self.transaction() as db:
+            return db.execute(sql, parameters).rowcount
 
     def _read(self, sql: str, parameters: tuple = ()) -> list[tuple]:
         with self._lock:
             return self._db.execute(sql, parameters).fetchall()
+
+    def create(self, schema: str) -> None:
+        """More tables (a part of the service keeps its own: serve/tinker/store.py)."""
+        with self._lock:
+            self._db.executescript(schema)
 
     # -- adapters --
 

@@ -24,6 +24,7 @@ from symbiosis.train.trainer import Result, Trainer, Work
 from symbiosis.worker import Worker
 
 log = logging.getLogger("symbiosis.train")
+UNORDERED = ""  # the queue of calls that belong to no adapter (submit_call); adapter keys are never empty
 
 
 @dataclass
@@ -45,6 +46,7 @@ class TrainingQueue:
         self.trainer, self.max_pass_tokens = trainer, max_pass_tokens
         self._queues: dict[str, dict[int, Operation]] = {}  # adapter key -> seq -> operation
         self._next: dict[str, int] = {}  # adapter key -> the seq that runs next
+        self._unordered = 0
         self._worker = Worker("symbiosis-training", lambda: bool(self._ready()), self.round)
         self._lock = self._worker.lock
         self.passes = 0
@@ -66,6 +68,16 @@ class TrainingQueue:
             if key not in self._queues:
                 raise KeyError(key)
             self._queues[key][operation.seq] = operation
+            self._lock.notify()
+
+    def submit_call(self, call: Callable[[], object], done: Callable[[object], None],
+                    fail: Callable[[Exception], None]) -> None:
+        """A call that belongs to no adapter's order (a sampler's prompt log-probabilities): it runs in the next
+        round."""
+        with self._lock:
+            self._unordered += 1
+            self._queues.setdefault(UNORDERED, {})[self._unordered] = Operation(self._unordered, done, fail, call=call)
+            self._next.setdefault(UNORDERED, self._unordered)
             self._lock.notify()
 
     def skip(self, key: str, seq: int) -> None:

@@ -1,0 +1,434 @@
+"""The Tinker API's work: training models (hosted LoRA adapters) trained by one queue of batched passes
+(train/scheduler.py), their checkpoints, sampling sessions on the hosted engine, and answers kept durable.
+
+Every request that names a model is accepted once per (model_id, seq_id) (a resubmission gets the same request)
+and answered through the store, so an answer outlives the process. Training work runs in each model's seq order.
+
+Durability: a model's live state (matrices, AdamW moments, steps) is written under STATE_DIR/tinker/models/ when it
+is made and at every `persist_every`-th optimizer step (1: every step, before the step is answered; the write is
+atomic: a new directory renamed over the old). After a restart every model comes back from it; a request accepted
+and not answered before the stop fails with a server error saying so (it never runs twice, and never silently
+vanishes); and a model whose last answered steps or gathered gradients were not on disk has its next request fail
+with a server error naming what was lost, once, then goes on from the state on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import shutil
+import threading
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from symbiosis.engine import Finished, SamplingParams
+from symbiosis.errors import AdapterError, BadCall, SymbiosisError
+from symbiosis.serve.tinker import wire
+from symbiosis.serve.tinker.paths import TinkerPath, check_name, model_directory_name, model_id as make_model_id
+from symbiosis.serve.tinker.store import TinkerStore
+from symbiosis.train import HostedLora, LoraSpec, Trainer, Work
+from symbiosis.train.scheduler import Operation, TrainingQueue
+from symbiosis.train.trainer import Datum
+
+log = logging.getLogger("symbiosis.serve.tinker")
+RESTARTED = ("the service restarted before this request was answered; it did not run and will not: "
+             "submit it again")
+MAX_SAMPLES = 64
+MAX_SAMPLE_TOKENS = 4096
+
+
+class UserError(BadCall):
+    """A request that cannot succeed as sent (category `user`)."""
+
+
+class ServerError(SymbiosisError):
+    """A request the service could not answer (category `server`)."""
+
+
+def category(error: Exception) -> str:
+    return "user" if isinstance(error, (BadCall, AdapterError, ValueError, KeyError)) else "server"
+
+
+class TinkerService:
+    def __init__(self, service, persist_every: int = 1, max_pass_tokens: int = 16384, tokenizer_id: str | None = None):
+        if persist_every < 1:
+            raise ValueError("persist_every must be at least 1")
+        self.service, self.persist_every = service, persist_every
+        self.store = TinkerStore(service.state)
+        self.root = service.state.directory / "tinker"
+        self.base_name = service.base_name
+        self.tokenizer_id = tokenizer_id or str(service.model_path.resolve())
+        self.trainer = Trainer(service.model_path, service.executor)
+        self.queue = TrainingQueue(self.trainer, max_pass_tokens)
+        self.loras: dict[str, HostedLora] = {}
+        self.lost: dict[str, str] = {}  # model id -> what a restart lost, said once at its next request
+        self._sample_counter = threading.Lock()
+        self.answered = lambda request_id: None  # set by the HTTP layer: wakes polls waiting for this request
+        self._recover()
+
+    # -- start and stop --
+
+    def _recover(self) -> None:
+        self.store.fail_unanswered(RESTARTED)
+        for row in self.store.all_models():
+            model = row["model_id"]
+            try:
+                lora = HostedLora.load(self._live(model), self.trainer.targets, self.trainer.device, self.trainer.dtype,
+                                       self.trainer.fingerprint, with_optimizer=True)
+            except (OSError, SymbiosisError) as e:
+                log.error("training model %s could not be restored: %s", model, e)
+                continue
+            self.loras[model] = lora
+            lost = []
+            if row["completed_steps"] > lora.steps:
+                lost.append(f"optimizer steps {lora.steps + 1}..{row['completed_steps']} (the model is back at step "
+                            f"{lora.steps}, its last one written to disk)")
+            if row["pending_grads"]:
+                lost.append(f"the gradients of {row['pending_grads']} forward_backward request(s) since its last step")
+            if lost:
+                self.lost[model] = "the service restarted and this model lost " + " and ".join(lost)
+                self.store.update_model(model, completed_steps=lora.steps, pending_grads=0)
+            self.queue.open(model, (self.store.last_seq(model) or 0) + 1)
+
+    def start(self) -> "TinkerService":
+        self.queue.start()
+        return self
+
+    def close(self) -> None:
+        self.queue.stop()
+
+    # -- files --
+
+    def _model_directory(self, model: str) -> Path:
+        return self.root / "models" / model_directory_name(model)
+
+    def _live(self, model: str) -> Path:
+        return self._model_directory(model) / "live"
+
+    def checkpoint_directory(self, path: TinkerPath) -> Path:
+        return self._model_directory(path.model_id) / path.kind / path.name
+
+    def _write(self, lora: HostedLora, directory: Path, with_optimizer: bool) -> int:
+        """Save atomically (a new directory renamed over the old one); returns the bytes written."""
+        temporary = directory.with_name(f".{directory.name}.{uuid.uuid4().hex[:8]}")
+        lora.save(temporary, self.base_name, self.trainer.fingerprint, with_optimizer)
+        size = sum(f.stat().st_size for f in temporary.iterdir())
+        old = directory.with_name(f".{directory.name}.old")
+        if directory.exists():
+            directory.rename(old)
+        temporary.rename(directory)
+        shutil.rmtree(old, ignore_errors=True)
+        return size
+
+    # -- requests --
+
+    def _answer(self, request_id: str, content_type: str, body: bytes) -> None:
+        self.store.answer(request_id, content_type, body)
+        self.answered(request_id)
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        self.store.fail(request_id, str(error), category(error))
+        self.answered(request_id)
+
+    def _json(self, request_id: str, value: dict) -> None:
+        self._answer(request_id, "json", json.dumps(value).encode())
+
+    def model(self, tenant: str, model: str) -> dict:
+        row = self.store.model(tenant, model) if isinstance(model, str) else None
+        if row is None or model not in self.loras:
+            raise UserError(f"no training model {str(model)[:80]!r}")
+        return row
+
+    def _check_base(self, base_model: str | None) -> None:
+        if base_model not in (None, self.base_name):
+            raise UserError(f"this service trains {self.base_name!r} only, not {str(base_model)[:120]!r}")
+
+    def _check_session(self, tenant: str, session_id: str) -> None:
+        session = self.store.session(tenant, session_id) if isinstance(session_id, str) else None
+        if session is None:
+            raise UserError(f"no session {str(session_id)[:80]!r}")
+
+    def create_model(self, tenant: str, session_id: str, model_seq_id: int, base_model: str, lora_config: dict) -> str:
+        self._check_session(tenant, session_id)
+        self._check_base(base_model)
+        try:
+            seed = lora_config.get("seed")
+            spec = LoraSpec(rank=int(lora_config.get("rank", 32)),
+                            seed=secrets.randbits(62) if seed is None else int(seed),  # None: a random seed
+                            train_attn=bool(lora_config.get("train_attn", True)),
+                            train_mlp=bool(lora_config.get("train_mlp", True)),
+                            train_unembed=bool(lora_config.get("train_unembed", True)))
+        except (TypeError, ValueError) as e:
+            raise UserError(f"lora_config: {e}") from None
+        model = make_model_id(session_id, int(model_seq_id))
+        request_id, new = self.store.accept(tenant, model, 0, "create_model")
+        if new:
+            try:
+                lora = HostedLora(spec, self.trainer.targets, self.trainer.device, self.trainer.dtype)
+                self._start_model(tenant, session_id, model, lora)
+            except Exception as e:  # noqa: BLE001 -- answered as this request's failure
+                self._fail(request_id, e)
+            else:
+                self._json(request_id, {"model_id": model, "type": "create_model"})
+        return request_id
+
+    def _start_model(self, tenant: str, session_id: str, model: str, lora: HostedLora) -> None:
+        self._write(lora, self._live(model), with_optimizer=True)
+        if not self.store.add_model(model, tenant, session_id, asdict(lora.spec), self.base_name, lora.steps):
+            raise UserError(f"model {model} exists already")
+        self.loras[model] = lora
+        self.queue.open(model, 1)
+
+    def info(self, tenant: str, model: str) -> dict:
+        row = self.model(tenant, model)
+        spec = json.loads(row["spec"])
+        return {"type": "get_info", "model_id": model, "is_lora": True, "lora_rank": spec["rank"],
+                "model_name": self.base_name,
+                "model_data": {"arch": self.trainer.model.config.model_type, "model_name": self.base_name,
+                               "tokenizer_id": self.tokenizer_id}}
+
+    def submit(self, tenant: str, model: str, seq_id: int, kind: str, work: Work | None = None, call=None) -> str:
+        """Accept a training request of `model` (once per seq_id) and queue it; returns its request id."""
+        self.model(tenant, model)
+        request_id, new = self.store.accept(tenant, model, int(seq_id), kind)
+        if not new:
+            return request_id
+        lost = self.lost.pop(model, None)
+        if lost is not None:
+            self._fail(request_id, ServerError(lost + "; it goes on from there with your next request"))
+            self.queue.skip(model, int(seq_id))
+            return request_id
+        if work is not None:
+            try:
+                self.trainer.check(work)
+            except BadCall as e:
+                self._fail(request_id, UserError(str(e)))
+                self.queue.skip(model, int(seq_id))
+                return request_id
+
+        def done(result):
+            if work is None:
+                self._json(request_id, result)
+                return
+            if work.backward:
+                row = self.store.model(tenant, model)
+                self.store.update_model(model, pending_grads=row["pending_grads"] + 1)
+            self._answer(request_id, "proto", wire.forward_backward_output(result.logprobs, result.loss))
+
+        self.queue.submit(model, Operation(int(seq_id), done, lambda error: self._fail(request_id, error), work, call))
+        return request_id
+
+    def submit_pass(self, tenant: str, model: str, seq_id: int, datums: list, loss_fn: str, config: dict,
+                    backward: bool) -> str:
+        """A forward (backward False) or forward_backward request of `model`."""
+        self.model(tenant, model)
+        work = Work(self.loras[model], datums, loss_fn, config, backward)
+        return self.submit(tenant, model, seq_id, "forward_backward" if backward else "forward", work=work)
+
+    def remove_checkpoint_files(self, path: TinkerPath) -> None:
+        shutil.rmtree(self.checkpoint_directory(path), ignore_errors=True)
+
+    # the calls below run on the training queue's thread, in the model's order
+
+    def optim_step(self, model: str, adam: dict) -> dict:
+        lora = self.loras[model]
+        try:
+            metrics = lora.step(float(adam.get("learning_rate", 1e-4)), float(adam.get("beta1", 0.9)),
+                                float(adam.get("beta2", 0.95)), float(adam.get("eps", 1e-12)),
+                                float(adam.get("weight_decay", 0.0)), float(adam.get("grad_clip_norm", 0.0)))
+        except (TypeError, ValueError) as e:
+            raise UserError(f"adam_params: {e}") from None
+        if lora.steps % self.persist_every == 0:
+            self._write(lora, self._live(model), with_optimizer=True)
+        self.store.update_model(model, completed_steps=lora.steps, pending_grads=0)
+        return {"metrics": metrics}
+
+    def save(self, tenant: str, model: str, name: str, sampler: bool) -> TinkerPath:
+        path = TinkerPath(model, "sampler_weights" if sampler else "weights", check_name(name, "path"))
+        size = self._write(self.loras[model], self.checkpoint_directory(path), with_optimizer=not sampler)
+        self.store.add_checkpoint(tenant, model, path.kind, path.name, size)
+        return path
+
+    def resolve(self, tenant: str, path: str) -> tuple[TinkerPath, Path]:
+        """A tinker:// path of one of the caller's checkpoints, and its directory (UserError otherwise)."""
+        parsed = TinkerPath.parse(path)
+        if self.store.checkpoint(tenant, parsed.model_id, parsed.kind, parsed.name) is None:
+            raise UserError(f"no checkpoint {path[:160]!r}")
+        return parsed, self.checkpoint_directory(parsed)
+
+    def load_into(self, tenant: str, model: str, path: str, optimizer: bool) -> dict:
+        _, directory = self.resolve(tenant, path)
+        lora = HostedLora.load(directory, self.trainer.targets, self.trainer.device, self.trainer.dtype,
+                               self.trainer.fingerprint, with_optimizer=optimizer)
+        self.loras[model] = lora
+        self._write(lora, self._live(model), with_optimizer=True)
+        self.store.update_model(model, completed_steps=lora.steps, persisted_steps=lora.steps, pending_grads=0,
+                                spec=json.dumps(asdict(lora.spec)))
+        return {"path": path, "model_id": model, "type": "load_weights"}
+
+    def create_from_state(self, tenant: str, session_id: str, model_seq_id: int, path: str, optimizer: bool,
+                          base_model: str | None) -> str:
+        self._check_session(tenant, session_id)
+        self._check_base(base_model)
+        model = make_model_id(session_id, int(model_seq_id))
+        request_id, new = self.store.accept(tenant, model, 0, "load_weights")
+        if new:
+            try:
+                _, directory = self.resolve(tenant, path)
+                lora = HostedLora.load(directory, self.trainer.targets, self.trainer.device, self.trainer.dtype,
+                                       self.trainer.fingerprint, with_optimizer=optimizer)
+                self._start_model(tenant, session_id, model, lora)
+            except Exception as e:  # noqa: BLE001
+                self._fail(request_id, e)
+            else:
+                self._json(request_id, {"path": path, "model_id": model, "type": "load_weights"})
+        return request_id
+
+    # -- sampling --
+
+    def create_sampler(self, tenant: str, session_id: str, seq: int, base_model: str | None,
+                       model_path: str | None) -> str:
+        self._check_session(tenant, session_id)
+        if model_path is None:
+            self._check_base(base_model)
+            if base_model is None:
+                raise UserError("give base_model or model_path")
+        else:
+            _, directory = self.resolve(tenant, model_path)
+            self.service.engine.adapters.load(self.engine_name(tenant, model_path), directory)  # checked now
+        sampler = f"{session_id}:sample:{int(seq)}"
+        self.store.add_sampler(sampler, tenant, session_id, self.base_name, model_path)
+        return sampler
+
+    @staticmethod
+    def engine_name(tenant: str, model_path: str) -> str:
+        return f"{tenant}/{model_path}"
+
+    def sampler(self, tenant: str, sampler: str) -> dict:
+        row = self.store.sampler(tenant, sampler) if isinstance(sampler, str) else None
+        if row is None:
+            raise UserError(f"no sampling session {str(sampler)[:80]!r}")
+        return row
+
+    def sample(self, tenant: str, sampler: str, seq_id: int, prompt: list[int], samples: int, params: dict,
+               prompt_logprobs: bool) -> tuple[str, list[str]]:
+        """Accept a sample request (once per (sampler, seq_id)) and start it on the engine; returns (request id,
+        sample sequence ids)."""
+        row = self.sampler(tenant, sampler)
+        if not 1 <= samples <= MAX_SAMPLES:
+            raise UserError(f"num_samples must be 1..{MAX_SAMPLES}, got {samples}")
+        request_id, new = self.store.accept(tenant, sampler, int(seq_id), "sample")
+        if new:
+            try:
+                self._start_sample(request_id, tenant, row, prompt, samples, params, prompt_logprobs)
+            except Exception as e:  # noqa: BLE001 -- this request's failure
+                self._fail(request_id, UserError(str(e)) if isinstance(e, BadCall) else e)
+        return request_id, [f"{request_id}:{i}" for i in range(samples)]
+
+    def _start_sample(self, request_id, tenant, row, prompt, samples, params, want_prompt_logprobs) -> None:
+        if not prompt:
+            raise UserError("the prompt is empty")
+        adapter = None
+        if row["model_path"] is not None:
+            _, directory = self.resolve(tenant, row["model_path"])
+            adapter = (self.engine_name(tenant, row["model_path"]), directory)
+        gather = _Samples(samples + want_prompt_logprobs, lambda result: self._answer(request_id, "proto", result),
+                          lambda error: self._fail(request_id, error))
+        sampling = [self._sampling_params(params, prompt, i) for i in range(samples)]
+        if want_prompt_logprobs:
+            self._prompt_logprobs(prompt, adapter, gather)
+        for i, sampling_params in enumerate(sampling):
+            self.service.engine.submit(prompt, sampling_params, adapter, events=gather.sink(i))
+
+
+    def _sampling_params(self, params: dict, prompt: list[int], index: int) -> SamplingParams:
+        """Tinker's sampling_params as the engine's (sample `index` seeded seed + index); stop: strings, token
+        ids, None (the model's end of sequence) or [] (nothing, not even that)."""
+        stop = params.get("stop")
+        stop = [stop] if isinstance(stop, str) else stop
+        room = max(1, (self.service.context_limit or MAX_SAMPLE_TOKENS) - len(prompt))
+        max_tokens, seed = params.get("max_tokens"), params.get("seed")
+        try:
+            return SamplingParams(
+                max_tokens=min(room, MAX_SAMPLE_TOKENS) if max_tokens is None else int(max_tokens),
+                temperature=float(params.get("temperature", 1.0)), top_p=float(params.get("top_p", 1.0)),
+                top_k=max(0, int(params.get("top_k", -1))), seed=None if seed is None else int(seed) + index,
+                stop=tuple(s for s in stop or () if isinstance(s, str)),
+                stop_token_ids=tuple(s for s in stop or () if isinstance(s, int)),
+                ignore_eos=stop == [], logprobs=0)
+        except (TypeError, ValueError) as e:
+            raise UserError(f"sampling_params: {e}") from None
+
+    def _prompt_logprobs(self, prompt: list[int], adapter, gather: "_Samples") -> None:
+        """log p(prompt[i] | prompt[:i]) for i >= 1 (NaN at 0): one forward pass of the trainer's model (with the
+        sampler's adapter, read from its directory), queued on the training queue; handed to `gather`."""
+        nan = float("nan")
+        if len(prompt) < 2:
+            gather.prompt_logprobs([nan] * len(prompt))
+            return
+        lora = None
+        if adapter is not None:
+            lora = HostedLora.load(adapter[1], self.trainer.targets, self.trainer.device, self.trainer.dtype,
+                                   self.trainer.fingerprint, with_optimizer=False)
+        datum = Datum(prompt[:-1], {"target_tokens": torch.tensor(prompt[1:]),
+                                    "weights": torch.zeros(len(prompt) - 1, dtype=torch.float64)})
+        work = Work(lora, [datum], "cross_entropy", backward=False)
+        self.trainer.check(work)
+        self.queue.submit_call(lambda: [nan] + self.trainer.run([work])[0].logprobs[0].tolist(),
+                               gather.prompt_logprobs, gather.failed)
+
+
+class _Samples:
+    """The parts of one sample request, as they finish on the engine's thread (and the training queue's, for
+    prompt log-probabilities): when the last is in, the SampleResponse is answered (or the first error)."""
+
+    def __init__(self, parts: int, answer, fail):
+        self.answer, self.fail = answer, fail
+        self.sequences: dict[int, tuple[list[int], list[float], str]] = {}
+        self.prompt: list[float] | None = None
+        self._tokens: dict[int, tuple[list[int], list[float]]] = {}
+        self._left, self._error = parts, None
+        self._lock = threading.Lock()
+
+    def sink(self, index: int):
+        gather = self
+
+        class Sink:
+            def put(self, event):
+                gather._event(index, event)
+        return Sink()
+
+    def _event(self, index: int, event) -> None:
+        if isinstance(event, Finished):
+            tokens, logprobs = self._tokens.pop(index, ([], []))
+            if event.error is not None:
+                self.failed(event.error)
+            else:
+                self.sequences[index] = (tokens, logprobs, event.reason)
+                self._part_done()
+            return
+        tokens, logprobs = self._tokens.setdefault(index, ([], []))
+        tokens.append(event.id)
+        logprobs.append(event.logprob)
+
+    def prompt_logprobs(self, values: list[float]) -> None:
+        self.prompt = values
+        self._part_done()
+
+    def failed(self, error: Exception) -> None:
+        with self._lock:
+            first, self._error = self._error is None, self._error or error
+            self._left -= 1
+        if first:
+            self.fail(UserError(str(error)) if isinstance(error, BadCall) else error)
+
+    def _part_done(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0 and self._error is None
+        if last:
+            self.answer(wire.sample_response([self.sequences[i] for i in sorted(self.sequences)], self.prompt))

@@ -1,0 +1,186 @@
+"""What the Tinker API keeps in the service's SQLite database (serve/state.py), beside the files of its models.
+
+    tinker_sessions(session_id, tenant, created, finished)
+    tinker_models(model_id, tenant, session_id, spec, base_model, created, last_request, completed_steps,
+                  persisted_steps, pending_grads)      a training model; its live state is files (service.py),
+                                                      written at every `persist_every`-th optimizer step
+    tinker_requests(request_id, tenant, owner, seq_id, kind, status, content_type, result, error, category,
+                    created, finished)                  every accepted request and its answer, unique per
+                                                      (owner, seq_id): a resubmission gets the first one's
+    tinker_checkpoints(tenant, model_id, kind, name, created, size_bytes)
+    tinker_samplers(sampling_session_id, tenant, session_id, base_model, model_path, created)
+
+Every row carries its tenant, and every read asks for the caller's: another tenant's object is not found.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from symbiosis.serve.state import StateStore
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS tinker_sessions (
+    session_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, created REAL NOT NULL, finished REAL);
+CREATE TABLE IF NOT EXISTS tinker_models (
+    model_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, session_id TEXT NOT NULL, spec TEXT NOT NULL,
+    base_model TEXT NOT NULL, created REAL NOT NULL, last_request REAL NOT NULL,
+    completed_steps INTEGER NOT NULL DEFAULT 0, persisted_steps INTEGER NOT NULL DEFAULT 0,
+    pending_grads INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS tinker_requests (
+    request_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, owner TEXT NOT NULL, seq_id INTEGER NOT NULL,
+    kind TEXT NOT NULL, status TEXT NOT NULL, content_type TEXT, result BLOB, error TEXT, category TEXT,
+    created REAL NOT NULL, finished REAL, UNIQUE (owner, seq_id));
+CREATE TABLE IF NOT EXISTS tinker_checkpoints (
+    tenant TEXT NOT NULL, model_id TEXT NOT NULL, kind TEXT NOT NULL, name TEXT NOT NULL, created REAL NOT NULL,
+    size_bytes INTEGER NOT NULL, PRIMARY KEY (model_id, kind, name));
+CREATE TABLE IF NOT EXISTS tinker_samplers (
+    sampling_session_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, session_id TEXT NOT NULL, base_model TEXT NOT NULL,
+    model_path TEXT, created REAL NOT NULL);
+"""
+KEEP_ANSWERS_S = 24 * 3600  # answered requests are kept this long (a client may poll late), then pruned
+
+
+def _rows(cursor) -> list[dict]:
+    names = [d[0] for d in cursor.description]
+    return [dict(zip(names, row)) for row in cursor.fetchall()]
+
+
+class TinkerStore:
+    def __init__(self, state: StateStore):
+        self.state = state
+        state.create(SCHEMA)
+
+    def _query(self, sql: str, parameters: tuple = ()) -> list[dict]:
+        with self.state.transaction() as db:
+            return _rows(db.execute(sql, parameters))
+
+    def _one(self, sql: str, parameters: tuple) -> dict | None:
+        rows = self._query(sql, parameters)
+        return rows[0] if rows else None
+
+    def _change(self, sql: str, parameters: tuple) -> int:
+        with self.state.transaction() as db:
+            return db.execute(sql, parameters).rowcount
+
+    # -- sessions --
+
+    def create_session(self, tenant: str) -> str:
+        session_id = uuid.uuid4().hex[:20]
+        self._change("INSERT INTO tinker_sessions VALUES (?, ?, ?, NULL)", (session_id, tenant, time.time()))
+        return session_id
+
+    def session(self, tenant: str, session_id: str) -> dict | None:
+        return self._one("SELECT * FROM tinker_sessions WHERE tenant = ? AND session_id = ?", (tenant, session_id))
+
+    def finish_session(self, tenant: str, session_id: str) -> bool:
+        return self._change("UPDATE tinker_sessions SET finished = COALESCE(finished, ?) WHERE tenant = ? AND "
+                            "session_id = ?", (time.time(), tenant, session_id)) > 0
+
+    # -- models --
+
+    def add_model(self, model_id: str, tenant: str, session_id: str, spec: dict, base_model: str,
+                  steps: int = 0) -> bool:
+        """False if the model exists already."""
+        now = time.time()
+        with self.state.transaction() as db:
+            if db.execute("SELECT 1 FROM tinker_models WHERE model_id = ?", (model_id,)).fetchone():
+                return False
+            db.execute("INSERT INTO tinker_models (model_id, tenant, session_id, spec, base_model, created, "
+                       "last_request, completed_steps, persisted_steps) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                       (model_id, tenant, session_id, json.dumps(spec), base_model, now, now, steps, steps))
+        return True
+
+    def model(self, tenant: str, model_id: str) -> dict | None:
+        return self._one("SELECT * FROM tinker_models WHERE tenant = ? AND model_id = ?", (tenant, model_id))
+
+    def all_models(self) -> list[dict]:
+        return self._query("SELECT * FROM tinker_models")
+
+    def models(self, tenant: str, offset: int, limit: int) -> tuple[list[dict], int]:
+        rows = self._query("SELECT * FROM tinker_models WHERE tenant = ? ORDER BY created DESC LIMIT ? OFFSET ?",
+                           (tenant, limit, offset))
+        total = self._query("SELECT COUNT(*) AS n FROM tinker_models WHERE tenant = ?", (tenant,))[0]["n"]
+        return rows, total
+
+    def update_model(self, model_id: str, **values) -> None:
+        assignments = ", ".join(f"{name} = ?" for name in values)
+        self._change(f"UPDATE tinker_models SET {assignments}, last_request = ? WHERE model_id = ?",
+                     (*values.values(), time.time(), model_id))
+
+    # -- requests --
+
+    def accept(self, tenant: str, owner: str, seq_id: int, kind: str) -> tuple[str, bool]:
+        """(request_id, new): the request of (owner, seq_id), made now unless it was accepted before."""
+        with self.state.transaction() as db:
+            found = db.execute("SELECT request_id, tenant FROM tinker_requests WHERE owner = ? AND seq_id = ?",
+                               (owner, seq_id)).fetchone()
+            if found is not None and found[1] == tenant:
+                return found[0], False
+            request_id = uuid.uuid4().hex
+            db.execute("INSERT INTO tinker_requests (request_id, tenant, owner, seq_id, kind, status, created) "
+                       "VALUES (?, ?, ?, ?, ?, 'pending', ?)", (request_id, tenant, owner, seq_id, kind, time.time()))
+            return request_id, True
+
+    def answer(self, request_id: str, content_type: str, result: bytes) -> None:
+        self._change("UPDATE tinker_requests SET status = 'done', content_type = ?, result = ?, finished = ? "
+                     "WHERE request_id = ?", (content_type, result, time.time(), request_id))
+
+    def fail(self, request_id: str, error: str, category: str) -> None:
+        self._change("UPDATE tinker_requests SET status = 'failed', error = ?, category = ?, finished = ? "
+                     "WHERE request_id = ?", (error, category, time.time(), request_id))
+
+    def request(self, tenant: str, request_id: str) -> dict | None:
+        return self._one("SELECT * FROM tinker_requests WHERE tenant = ? AND request_id = ?", (tenant, request_id))
+
+    def fail_unanswered(self, error: str) -> list[dict]:
+        """At start: every request accepted and not answered before the service stopped fails with `error`."""
+        with self.state.transaction() as db:
+            pending = _rows(db.execute("SELECT request_id, owner, seq_id, kind FROM tinker_requests "
+                                       "WHERE status = 'pending'"))
+            db.execute("UPDATE tinker_requests SET status = 'failed', error = ?, category = 'server', finished = ? "
+                       "WHERE status = 'pending'", (error, time.time()))
+            db.execute("DELETE FROM tinker_requests WHERE status != 'pending' AND finished < ?",
+                       (time.time() - KEEP_ANSWERS_S,))
+        return pending
+
+    def last_seq(self, owner: str) -> int | None:
+        row = self._one("SELECT MAX(seq_id) AS seq FROM tinker_requests WHERE owner = ?", (owner,))
+        return None if row is None else row["seq"]
+
+    # -- checkpoints --
+
+    def add_checkpoint(self, tenant: str, model_id: str, kind: str, name: str, size: int) -> None:
+        self._change("INSERT OR REPLACE INTO tinker_checkpoints VALUES (?, ?, ?, ?, ?, ?)",
+                     (tenant, model_id, kind, name, time.time(), size))
+
+    def checkpoint(self, tenant: str, model_id: str, kind: str, name: str) -> dict | None:
+        return self._one("SELECT * FROM tinker_checkpoints WHERE tenant = ? AND model_id = ? AND kind = ? AND name = ?",
+                         (tenant, model_id, kind, name))
+
+    def checkpoints(self, tenant: str, model_id: str | None = None, offset: int = 0,
+                    limit: int = 1000) -> tuple[list[dict], int]:
+        where, parameters = "tenant = ?", (tenant,)
+        if model_id is not None:
+            where, parameters = where + " AND model_id = ?", parameters + (model_id,)
+        rows = self._query(f"SELECT * FROM tinker_checkpoints WHERE {where} ORDER BY created LIMIT ? OFFSET ?",
+                           parameters + (limit, offset))
+        total = self._query(f"SELECT COUNT(*) AS n FROM tinker_checkpoints WHERE {where}", parameters)[0]["n"]
+        return rows, total
+
+    def delete_checkpoint(self, tenant: str, model_id: str, kind: str, name: str) -> bool:
+        return self._change("DELETE FROM tinker_checkpoints WHERE tenant = ? AND model_id = ? AND kind = ? AND name = ?",
+                            (tenant, model_id, kind, name)) > 0
+
+    # -- sampling sessions --
+
+    def add_sampler(self, sampler_id: str, tenant: str, session_id: str, base_model: str,
+                    model_path: str | None) -> None:
+        self._change("INSERT OR REPLACE INTO tinker_samplers VALUES (?, ?, ?, ?, ?, ?)",
+                     (sampler_id, tenant, session_id, base_model, model_path, time.time()))
+
+    def sampler(self, tenant: str, sampler_id: str) -> dict | None:
+        return self._one("SELECT * FROM tinker_samplers WHERE tenant = ? AND sampling_session_id = ?",
+                         (tenant, sampler_id))

@@ -1,0 +1,188 @@
+"""The Tinker API of `symbiosis serve`, driven by the official `tinker` SDK on loopback: a supervised loop whose
+first loss is plain transformers' (float64), sampling from the trained adapter (its greedy tokens plain PEFT's, and
+the same checkpoint as an OpenAI `model`), save/load round trips with optimizer state, two tenants training at
+once who cannot see each other's runs, bad requests answered as the SDK's errors."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import openai
+import peft
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import KEYS, start
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+TINKER_KEYS = {"alice": "tml-alice-0123456789abcdef", "bob": "tml-bob-0123456789abcdef"}
+TEXT = "the cat sat on the mat. the dog sat on the log. a bird sang in the tree."
+
+
+@pytest.fixture(scope="module")
+def training_server(served_files, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("tinker-keys") / "keys.txt"
+    # a tenant may have several keys: its OpenAI key and its `tml-` key for the tinker SDK
+    keys.write_text("".join(f"{t} {k}\n" for t, k in [*KEYS.items(), *TINKER_KEYS.items()]))
+    running = start({**served_files, "keys": keys}, tmp_path_factory.mktemp("tinker-state"), training={})
+    yield running
+    running.stop()
+
+
+def _client(server, tenant="alice"):
+    return tinker.ServiceClient(base_url=server.url, api_key=TINKER_KEYS[tenant])
+
+
+def _datum(tokenizer, text):
+    ids = tokenizer(text)["input_ids"]
+    weights = [0.0] * 3 + [1.0] * (len(ids) - 4)  # the first tokens as a prompt: not trained on
+    return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                       loss_fn_inputs={"target_tokens": ids[1:], "weights": weights}), ids, weights
+
+
+def test_a_supervised_loop_starts_at_plain_transformers_loss_and_learns(training_server, served_files):
+    service = _client(training_server)
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=1).result()
+    tokenizer = training.get_tokenizer()
+    datum, ids, weights = _datum(tokenizer, TEXT)
+    plain = AutoModelForCausalLM.from_pretrained(served_files["model"], dtype=torch.float64)
+    with torch.no_grad():  # LoRA's B starts at zero: the first loss is the base model's
+        logprobs = plain(torch.tensor([ids[:-1]])).logits[0].log_softmax(-1)
+    expected = logprobs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    losses = []
+    for step in range(6):
+        result = training.forward_backward([datum], "cross_entropy").result()
+        if step == 0:
+            assert result.metrics["loss:sum"] == pytest.approx(float(-(expected * torch.tensor(weights)).sum()), rel=1e-9)
+            torch.testing.assert_close(result.loss_fn_outputs[0]["logprobs"].to_torch().double(), expected.float().double(),
+                                       rtol=1e-6, atol=1e-6)
+        losses.append(result.metrics["loss:sum"])
+        training.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+    assert losses[-1] < 0.8 * losses[0], losses
+    service.close("success")
+
+
+def test_sampling_from_the_trained_adapter_gives_plain_peft_greedy_tokens(training_server, served_files):
+    service = _client(training_server)
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=8, seed=2, train_unembed=False).result()
+    datum, ids, _ = _datum(training.get_tokenizer(), TEXT)
+    for _ in range(3):
+        training.forward_backward([datum], "cross_entropy")
+        training.optim_step(types.AdamParams(learning_rate=1e-2))
+    path = training.save_weights_for_sampler("greedy").result().path
+    sampler = service.create_sampling_client(model_path=path).result()
+    prompt = ids[:6]
+    result = sampler.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=6, temperature=0.0,
+                                                                                        stop=[])).result()
+    directory = training_server.service.tinker.resolve("alice", path)[1]
+    plain = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(served_files["model"], dtype=torch.float64),
+                                           directory)
+    expected = plain.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+    assert [s.tokens for s in result.sequences] == [expected, expected]
+    assert all(s.stop_reason == "length" for s in result.sequences)
+    with torch.no_grad():  # compute_logprobs: the prompt's log-probabilities under the adapter
+        logits = plain(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+    assert scored[0] is None
+    torch.testing.assert_close(torch.tensor(scored[1:], dtype=torch.float64),
+                               logits[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0], rtol=1e-6, atol=1e-6)
+    # the checkpoint is an OpenAI `model` of its tenant at once, and nobody else's
+    openai_client = training_server.client("alice")
+    completion = openai_client.completions.create(model=path, prompt=prompt, max_tokens=6, temperature=0)
+    assert completion.choices[0].text == training_server.service.tokenizer.decode(expected, skip_special_tokens=True)
+    with pytest.raises(openai.NotFoundError):
+        training_server.client("bob").completions.create(model=path, prompt=prompt, max_tokens=2)
+    service.close("success")
+
+
+def test_save_and_load_state_carry_the_adapter_and_its_optimizer(training_server):
+    service = _client(training_server)
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=3).result()
+    datum, _, _ = _datum(training.get_tokenizer(), TEXT)
+    adam = types.AdamParams(learning_rate=5e-3)
+    for _ in range(2):
+        training.forward_backward([datum], "cross_entropy")
+        training.optim_step(adam)
+    path = training.save_state("after-two").result().path
+    assert path.endswith("/weights/after-two")
+    saved_loss = training.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+    with_optimizer = service.create_training_client_from_state_with_optimizer(path).result()
+    without = service.create_training_client_from_state(path).result()
+    losses = []
+    for client in (training, with_optimizer, without):  # one more step each, from the same state
+        client.forward_backward([datum], "cross_entropy")
+        client.optim_step(adam).result()
+        losses.append(client.forward([datum], "cross_entropy").result().metrics["loss:sum"])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-12), "the optimizer state came back with the weights"
+    assert losses[2] != pytest.approx(losses[0], rel=1e-6), "fresh AdamW moments take another step"
+    training.load_state(path).result()  # back to the checkpoint, in place
+    assert training.forward([datum], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(saved_loss, rel=1e-12)
+    rest = service.create_rest_client()
+    checkpoints = rest.list_checkpoints(training.model_id).result().checkpoints
+    assert [c.checkpoint_id for c in checkpoints] == ["weights/after-two"]
+    rest.delete_checkpoint(training.model_id, "weights/after-two").result()
+    assert rest.list_checkpoints(training.model_id).result().checkpoints == []
+    with pytest.raises(tinker.RequestFailedError, match="no checkpoint"):
+        service.create_training_client_from_state(path).result()
+    service.close("success")
+
+
+def test_two_tenants_train_at_once_and_see_only_their_own(training_server):
+    outcomes = {}
+
+    def train(tenant, seed):
+        service = _client(training_server, tenant)
+        training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=seed).result()
+        datum, _, _ = _datum(training.get_tokenizer(), TEXT if tenant == "alice" else TEXT[::-1])
+        futures = []
+        for _ in range(4):
+            futures.append(training.forward_backward([datum], "cross_entropy"))
+            training.optim_step(types.AdamParams(learning_rate=5e-3))
+        losses = [f.result().metrics["loss:sum"] for f in futures]
+        outcomes[tenant] = (training.model_id, training.save_state("mine").result().path, losses)
+        service.close("success")
+
+    threads = [threading.Thread(target=train, args=(tenant, seed)) for seed, tenant in enumerate(TINKER_KEYS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert set(outcomes) == {"alice", "bob"}
+    for _, _, losses in outcomes.values():
+        assert losses[-1] < losses[0]
+    bob = _client(training_server, "bob")
+    alice_model, alice_path, _ = outcomes["alice"]
+    rest = bob.create_rest_client()
+    assert alice_model not in [run.training_run_id for run in rest.list_training_runs(limit=100).result().training_runs]
+    with pytest.raises(tinker.NotFoundError):
+        rest.get_training_run(alice_model).result()
+    with pytest.raises(tinker.RequestFailedError, match="no checkpoint"):
+        bob.create_training_client_from_state(alice_path).result()
+    bob.close("success")
+
+
+def test_bad_requests_are_the_sdks_errors(training_server):
+    service = _client(training_server)
+    with pytest.raises(tinker.BadRequestError, match="trains 'tiny-llama' only"):
+        service.create_lora_training_client(base_model="someone/else", rank=4).result()
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4).result()
+    datum, ids, _ = _datum(training.get_tokenizer(), TEXT)
+    with pytest.raises(tinker.RequestFailedError, match="not supported") as failed:
+        training.forward_backward([datum], "dro").result()
+    assert failed.value.category == types.RequestErrorCategory.User
+    outside = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                          loss_fn_inputs={"target_tokens": [10_000] * (len(ids) - 1), "weights": [1.0] * (len(ids) - 1)})
+    with pytest.raises(tinker.RequestFailedError, match="outside the vocabulary"):
+        training.forward_backward([outside], "cross_entropy").result()
+    short = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:3]})
+    with pytest.raises(tinker.RequestFailedError, match="target_tokens of shape"):
+        training.forward_backward([short], "cross_entropy").result()
+    # the model goes on after its failed requests
+    assert training.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
+    service.close("success")
