@@ -4,7 +4,10 @@ root, and API keys for three tenants."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -102,3 +105,28 @@ def server(served_files, tmp_path_factory):
     running = start(served_files, tmp_path_factory.mktemp("state"))
     yield running
     running.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(model: Path, state_dir: Path, keys: Path, *options: str, port: int | None = None):
+    """`symbiosis serve` as a user starts it, in its own process, up (answering /health): (process, url)."""
+    port = port or free_port()
+    process = subprocess.Popen([sys.executable, "-m", "symbiosis.cli", "serve", "--model", str(model), "--state-dir",
+                                str(state_dir), "--api-keys", str(keys), "--port", str(port), *options],
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert process.poll() is None, process.stderr.read()
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the service did not come up"
+        time.sleep(0.2)

@@ -3,11 +3,7 @@ the keys (for the HTTP API and for split tenants attaching to its executor); SIG
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import openai
@@ -15,36 +11,16 @@ import pytest
 import torch
 
 import symbiosis
-from conftest import KEYS, httpx
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import KEYS, launch
 
 
 def test_serve_reloads_keys_on_sighup_and_shares_its_executor(served_files, tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("".join(f"{tenant} {key}\n" for tenant, key in KEYS.items()))
-    port, executor_url = _free_port(), f"ipc://{tmp_path / 'executor.sock'}"
-    process = subprocess.Popen([sys.executable, "-m", "symbiosis.cli", "serve", "--model", str(served_files["model"]),
-                                "--state-dir", str(tmp_path / "state"), "--api-keys", str(keys), "--port", str(port),
-                                "--adapter-root", str(served_files["adapters"]), "--executor-listen", executor_url,
-                                "--served-model-name", "tiny"],
-                               env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    executor_url = f"ipc://{tmp_path / 'executor.sock'}"
+    process, url = launch(served_files["model"], tmp_path / "state", keys, "--adapter-root", str(served_files["adapters"]),
+                          "--executor-listen", executor_url, "--served-model-name", "tiny", "--no-training")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stderr.read()
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the service did not come up"
-            time.sleep(0.2)
         client = lambda tenant: openai.OpenAI(base_url=url + "/v1", api_key=KEYS[tenant], max_retries=0)  # noqa: E731
         served = client("bob").completions.create(model="tiny", prompt="the cat", max_tokens=4, temperature=0)
         assert served.usage.completion_tokens >= 1

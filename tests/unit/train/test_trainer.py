@@ -9,7 +9,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import symbiosis
-from symbiosis.errors import BadCall
 from symbiosis.train import HostedLora, LoraSpec, Trainer, Work
 from symbiosis.train.trainer import Datum
 from matrix import make_checkpoint
