@@ -1,10 +1,16 @@
 """The training model: the base model over the executor's own weights (like the engine's), whose base layers add,
 for the rows of each adapter's datums, that adapter's LoRA, with autograd reaching the adapters' matrices.
 
-One pass runs every tenant's datums together (a padded batch, datums of one adapter in a row): the base GEMMs
-once over all rows, each adapter's LoRA over its rows only. Each adapter's loss is a sum over its own datums and
+One pass runs every tenant's datums together (a padded batch [B, L], datums of one adapter in a row): the base GEMMs
+once over all rows, each adapter's LoRA over its datums only. Each adapter's loss is a sum over its own datums and
 its matrices meet no other adapter's rows, so the gradient of the total is, for each adapter, the gradient of
 its own loss: exactly what training it alone computes.
+
+The LoRA of a layer is two batched products over the datums, whatever the number of adapters:
+    delta[d] = scale[d] * (x[d] @ A[d]^T) @ B[d]^T        x [B, L, in], A [B, R, in], B [B, out, R]
+where A[d], B[d] are datum d's adapter's matrices (stacked once per layer and pass, ranks padded to the largest
+with zeros; zero for an adapter that does not train the layer): a few launches per layer instead of a pair per
+adapter, and autograd carries each datum's gradients back to its adapter's matrices.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from symbiosis.executor.store import BaseLayer
@@ -20,8 +27,16 @@ from symbiosis.train.lora import HostedLora, TargetLayer
 
 @dataclass
 class PassState:
-    """Which rows of the pass's flattened tokens belong to which adapter: (first row, end row, adapter or None)."""
-    rows: list[tuple[int, int, HostedLora | None]] = field(default_factory=list)
+    """The pass's adapters: `datums[d]` is datum d's (None: the base model alone); `stacks` caches, per layer, the
+    stacked matrices of the datums (TrainLinear)."""
+    datums: list[HostedLora | None] = field(default_factory=list)
+    stacks: dict = field(default_factory=dict)
+
+    def begin(self, datums: list[HostedLora | None]) -> None:
+        self.datums, self.stacks = datums, {}
+
+    def end(self) -> None:
+        self.datums, self.stacks = [], {}
 
 
 class TrainLinear(nn.Module):
@@ -34,9 +49,39 @@ class TrainLinear(nn.Module):
         self.layer_id = base.spec.layer_id
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = x.reshape(-1, x.shape[-1])
-        y = self.project(tokens, self.state.rows)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        # x [B, L, in]: datum d's tokens in row d
+        y = self.base.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)  # [B, L, out]
+        stack = self._stack()
+        if stack is None:
+            return y
+        a, b, scale = stack
+        delta = torch.bmm(torch.bmm(x.to(a.dtype), a.transpose(1, 2)), b.transpose(1, 2)) * scale  # [B, L, out]
+        return y + delta.to(y.dtype)
+
+    def _stack(self):
+        """(A [B, R, in], B [B, out, R], scale [B, 1, 1]) of the pass's datums for this layer, or None if no datum's
+        adapter trains it."""
+        if self.layer_id in self.state.stacks:
+            return self.state.stacks[self.layer_id]
+        loras = self.state.datums
+        adapters = {id(lora): lora for lora in loras if lora is not None and self.layer_id in lora.layers}
+        stack = None
+        if adapters:
+            rank = max(lora.spec.rank for lora in adapters.values())
+            first = next(iter(adapters.values())).layers[self.layer_id][0]
+            spec = self.base.spec
+            zero_a = first.new_zeros(rank, spec.in_features)
+            zero_b = first.new_zeros(spec.out_features, rank)
+            pairs = {key: (F.pad(lora.layers[self.layer_id][0], (0, 0, 0, rank - lora.spec.rank)),
+                           F.pad(lora.layers[self.layer_id][1], (0, rank - lora.spec.rank)))
+                     for key, lora in adapters.items()}
+            a = torch.stack([pairs[id(lora)][0] if id(lora) in pairs else zero_a for lora in loras])
+            b = torch.stack([pairs[id(lora)][1] if id(lora) in pairs else zero_b for lora in loras])
+            scale = torch.tensor([lora.scale if id(lora) in pairs else 0.0 for lora in loras], dtype=first.dtype,
+                                 device=first.device).view(-1, 1, 1)
+            stack = (a, b, scale)
+        self.state.stacks[self.layer_id] = stack
+        return stack
 
     def project(self, tokens: torch.Tensor, rows) -> torch.Tensor:
         """tokens [T, in] -> [T, out], `rows` covering 0..T (or none: no adapter anywhere)."""

@@ -96,10 +96,7 @@ class Trainer:
         for row, datum in enumerate(datums):
             input_ids[row, :len(datum.tokens)] = torch.tensor(datum.tokens)
             mask[row, :len(datum.tokens)] = 1
-        self.state.rows, first = [], 0
-        for work in works:
-            self.state.rows.append((first * length, (first + len(work.datums)) * length, work.lora))
-            first += len(work.datums)
+        self.state.begin([work.lora for work in works for _ in work.datums])
         backward = any(work.backward for work in works)
         try:
             with torch.enable_grad() if backward else torch.no_grad():
@@ -122,7 +119,7 @@ class Trainer:
                 if total is not None:
                     total.backward()
         finally:
-            self.state.rows = []
+            self.state.end()
         return results
 
     def _target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, lora: HostedLora) -> torch.Tensor:
