@@ -150,7 +150,7 @@ def router(service, tinker: TinkerService) -> APIRouter:
         tenant, fields = await body(request)
         request_id = await off_loop(lambda: tinker.create_model(
             tenant, fields.get("session_id"), _int(fields, "model_seq_id"), fields.get("base_model"),
-            fields.get("lora_config") or {}))
+            fields.get("lora_config") or {}, (fields.get("optimizer_config") or {}).get("type")))
         return {"request_id": request_id}
 
     @api.post("/get_info")

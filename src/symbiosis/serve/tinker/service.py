@@ -152,9 +152,12 @@ class TinkerService:
         if session is None:
             raise UserError(f"no session {str(session_id)[:80]!r}")
 
-    def create_model(self, tenant: str, session_id: str, model_seq_id: int, base_model: str, lora_config: dict) -> str:
+    def create_model(self, tenant: str, session_id: str, model_seq_id: int, base_model: str, lora_config: dict,
+                     optimizer: str | None = None) -> str:
         self._check_session(tenant, session_id)
         self._check_base(base_model)
+        if optimizer not in (None, "adamw"):
+            raise UserError(f"this service trains with AdamW, not {str(optimizer)[:40]!r}")
         try:
             seed = lora_config.get("seed")
             spec = LoraSpec(rank=int(lora_config.get("rank", 32)),
