@@ -40,6 +40,7 @@ LORAS = {  # name -> (rank, target modules, other LoraConfig options)
     "lora3_r8_qkvo": (8, ["q_proj", "k_proj", "v_proj", "o_proj"], {}),
     "lora4_r64_qkvo": (64, ["q_proj", "k_proj", "v_proj", "o_proj"], {}),
     "dora_r8_qkvo": (8, ["q_proj", "k_proj", "v_proj", "o_proj"], {"use_dora": True}),
+    "lora_r16_qkvo_a32": (16, ["q_proj", "k_proj", "v_proj", "o_proj"], {"lora_alpha": 32}),  # Tinker's parametrisation
 }
 
 
@@ -75,9 +76,18 @@ def checkpoint(name: str, root: Path | None = None) -> Path:
     return path
 
 
+def with_tokenizer(model_dir: Path) -> Path:
+    """The benchmark checkpoints have no tokenizer; a service needs one (a small BPE, as the demo's)."""
+    if not (model_dir / "tokenizer.json").is_file():
+        from symbiosis.demo import build_tokenizer
+
+        build_tokenizer(["the cat sees a dog in the garden ."] * 50).save_pretrained(model_dir)
+    return model_dir
+
+
 def lora(name: str) -> LoraConfig:
     r, targets, options = LORAS[name]
-    return LoraConfig(task_type="CAUSAL_LM", r=r, lora_alpha=2 * r, target_modules=targets, **options)
+    return LoraConfig(task_type="CAUSAL_LM", r=r, target_modules=targets, **{"lora_alpha": 2 * r, **options})
 
 
 def sync() -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from common import CONFIGS, checkpoint, device, dtype, emit
+from common import CONFIGS, checkpoint, device, dtype, emit, with_tokenizer
 from engine import write_adapters
 
 
@@ -115,14 +115,6 @@ def run_http(url: str, key: str, jobs: list[dict], times: list[float], names: li
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _tokenizer(model_dir: Path) -> None:
-    """The benchmark checkpoints have no tokenizer; the service needs one (a small BPE, as the demo's)."""
-    if not (model_dir / "tokenizer.json").is_file():
-        from symbiosis.demo import build_tokenizer
-
-        build_tokenizer(["the cat sees a dog in the garden ."] * 50).save_pretrained(model_dir)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
@@ -147,7 +139,7 @@ def main() -> None:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = checkpoint(args.model)
-    _tokenizer(model_dir)
+    with_tokenizer(model_dir)
     adapter_root = workdir / "adapters"
     directories = write_adapters(args.model, args.adapters, args.rank, adapter_root)
     key = "bench-key-0123456789abcdef"

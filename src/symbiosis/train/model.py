@@ -72,9 +72,7 @@ class TrainLinear(nn.Module):
             spec = self.base.spec
             zero_a = first.new_zeros(rank, spec.in_features)
             zero_b = first.new_zeros(spec.out_features, rank)
-            pairs = {key: (F.pad(lora.layers[self.layer_id][0], (0, 0, 0, rank - lora.spec.rank)),
-                           F.pad(lora.layers[self.layer_id][1], (0, rank - lora.spec.rank)))
-                     for key, lora in adapters.items()}
+            pairs = {key: _padded(*lora.layers[self.layer_id], rank) for key, lora in adapters.items()}
             a = torch.stack([pairs[id(lora)][0] if id(lora) in pairs else zero_a for lora in loras])
             b = torch.stack([pairs[id(lora)][1] if id(lora) in pairs else zero_b for lora in loras])
             scale = torch.tensor([lora.scale if id(lora) in pairs else 0.0 for lora in loras], dtype=first.dtype,
@@ -97,6 +95,12 @@ class TrainLinear(nn.Module):
                 piece = piece + delta.to(y.dtype)
             pieces.append(piece)
         return torch.cat(pieces)
+
+
+def _padded(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [r, in], B [out, r] padded with zeros to `rank` (no copy when r is the rank)."""
+    missing = rank - a.shape[0]
+    return (a, b) if missing == 0 else (F.pad(a, (0, 0, 0, missing)), F.pad(b, (0, missing)))
 
 
 def build(model_path, executor):

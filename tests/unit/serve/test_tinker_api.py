@@ -86,6 +86,9 @@ def test_sampling_from_the_trained_adapter_gives_plain_peft_greedy_tokens(traini
                               pad_token_id=0)[0, len(prompt):].tolist()
     assert [s.tokens for s in result.sequences] == [expected, expected]
     assert all(s.stop_reason == "length" for s in result.sequences)
+    direct = training.save_weights_and_get_sampling_client()  # the same weights, without naming them
+    assert direct.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(
+        max_tokens=6, temperature=0.0, stop=[])).result().sequences[0].tokens == expected
     with torch.no_grad():  # compute_logprobs: the prompt's log-probabilities under the adapter
         logits = plain(torch.tensor([prompt])).logits[0].log_softmax(-1)
     scored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
@@ -185,4 +188,30 @@ def test_bad_requests_are_the_sdks_errors(training_server):
         training.forward_backward([short], "cross_entropy").result()
     # the model goes on after its failed requests
     assert training.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
+    service.close("success")
+
+
+def test_a_resubmitted_request_gets_the_first_ones_answer_and_runs_once(training_server):
+    """The SDK retries a submission with the same seq_id (and a new idempotency key): it is one request."""
+    from conftest import httpx
+
+    service = _client(training_server)
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=4).result()
+    datum, _, _ = _datum(training.get_tokenizer(), TEXT)
+    training.forward_backward([datum], "cross_entropy").result()  # seq 1
+    headers = {"X-API-Key": TINKER_KEYS["alice"]}
+    body = {"model_id": training.model_id, "seq_id": 2, "type": "optim_step",
+            "adam_params": {"learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+                            "grad_clip_norm": 0.0}}
+    first = httpx.post(training_server.url + "/api/v1/optim_step", json=body, headers=headers).json()
+    again = httpx.post(training_server.url + "/api/v1/optim_step", json=body, headers=headers).json()
+    assert first["request_id"] == again["request_id"]
+    answer = httpx.post(training_server.url + "/api/v1/retrieve_future", json={"request_id": first["request_id"]},
+                        headers=headers, timeout=60).json()
+    assert "metrics" in answer
+    assert training_server.service.tinker.loras[training.model_id].steps == 1, "the step ran once"
+    # another tenant's request id is not found
+    other = httpx.post(training_server.url + "/api/v1/retrieve_future", json={"request_id": first["request_id"]},
+                       headers={"X-API-Key": TINKER_KEYS["bob"]})
+    assert other.status_code == 404
     service.close("success")

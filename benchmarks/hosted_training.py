@@ -1,0 +1,245 @@
+"""Hosted fine-tuning (the Tinker API's training): N tenants each train their own LoRA (rank 16 on q/k/v/o) at
+batch 1 x 256 tokens per step, forward_backward + optim_step in a loop, all batched by the service into one pass.
+
+    python benchmarks/hosted_training.py --model llama-3.2-1b --tenants 8,16,32
+
+Measured side by side in one run, on one GPU:
+- symbiosis through its own Python API (train/: Trainer + TrainingQueue, each tenant a thread submitting its
+  requests as the HTTP layer would) and, separately, through the official `tinker` SDK over HTTP (a loopback
+  `symbiosis serve` in this process, each tenant a thread with its own ServiceClient);
+- one compiled PEFT job at batch 1 x 256 (a tenant alone) and at batch N x 256 (every tenant's tokens in ONE job with
+  ONE adapter: the ceiling of batching);
+- a fleet of eager PEFT processes, one per tenant (`--fleet`, under MPS with `MPS=1 run_all.sh`), as many as fit.
+Reported: aggregate tokens/s (trained tokens over the window), GPU memory, passes per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from common import CONFIGS, checkpoint, device, dtype, emit, peak_gib, reset_peak, sync, with_tokenizer
+
+PARTS = dict(train_attn=True, train_mlp=False, train_unembed=False)
+
+
+def _tokens(vocab: int, length: int, generator: torch.Generator) -> list[int]:
+    return torch.randint(3, vocab, (length + 1,), generator=generator).tolist()
+
+
+def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: float, vocab: int) -> dict:
+    """Every tenant a thread submitting forward_backward then optim_step to one TrainingQueue."""
+    from symbiosis.executor.executor import Executor
+    from symbiosis.train import HostedLora, LoraSpec, Trainer, Work
+    from symbiosis.train.scheduler import Operation, TrainingQueue
+    from symbiosis.train.trainer import Datum
+
+    reset_peak()
+    executor = Executor.from_pretrained(model_dir, device=device(), dtype=dtype())
+    trainer = Trainer(model_dir, executor)
+    queue = TrainingQueue(trainer, max_pass_tokens=tenants * length).start()
+    trained = [0] * tenants
+    stop_at = [None]
+    ready = threading.Barrier(tenants + 1)
+
+    def tenant(index: int) -> None:
+        generator = torch.Generator().manual_seed(index)
+        lora = HostedLora(LoraSpec(rank=rank, seed=index, **PARTS), trainer.targets, trainer.device, trainer.dtype)
+        key = f"tenant-{index}"
+        queue.open(key, 0)
+        seq = 0
+
+        def run(work=None, call=None):
+            nonlocal seq
+            done = threading.Event()
+            outcome = {}
+            queue.submit(key, Operation(seq, lambda r: (outcome.update(r=r), done.set()),
+                                        lambda e: (outcome.update(e=e), done.set()), work=work, call=call))
+            seq += 1
+            done.wait()
+            if "e" in outcome:
+                raise outcome["e"]
+
+        def step() -> None:
+            tokens = _tokens(vocab, length, generator)
+            datum = Datum(tokens[:-1], {"target_tokens": torch.tensor(tokens[1:]),
+                                        "weights": torch.ones(length, dtype=torch.float64)})
+            run(work=Work(lora, [datum], "cross_entropy"))
+            run(call=lambda: lora.step(1e-4))
+
+        step()  # warm-up
+        ready.wait()
+        while stop_at[0] is None or time.perf_counter() < stop_at[0]:
+            step()
+            if stop_at[0] is not None and time.perf_counter() < stop_at[0]:
+                trained[index] += length
+
+    threads = [threading.Thread(target=tenant, args=(i,)) for i in range(tenants)]
+    for thread in threads:
+        thread.start()
+    ready.wait()
+    passes, start = queue.passes, time.perf_counter()
+    stop_at[0] = start + duration
+    for thread in threads:
+        thread.join()
+    sync()
+    wall = time.perf_counter() - start
+    result = {"tokens_per_s": sum(trained) / wall, "passes_per_s": (queue.passes - passes) / wall,
+              "peak_gib": peak_gib()}
+    queue.stop()
+    del trainer, executor, queue
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration: float, vocab: int) -> dict:
+    """A loopback `symbiosis serve` (in this process) and every tenant a thread driving the tinker SDK."""
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    import tinker
+    import uvicorn
+    from tinker import types
+
+    from symbiosis.serve.app import create_app
+    from symbiosis.serve.service import Service
+
+    with_tokenizer(model_dir)
+    state = Path(tempfile.mkdtemp())
+    keys = state / "keys"
+    keys.write_text("".join(f"tenant{i} tml-tenant-{i:04d}-0123456789\n" for i in range(tenants)))
+    reset_peak()
+    service = Service(model_dir, state / "state", keys, device=device(), dtype=dtype(), served_name="base",
+                      engine_options={"kv_blocks": 64}, training={"persist_every": 10**9,
+                                                                  "max_pass_tokens": tenants * length}).start()
+    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    trained = [0] * tenants
+    stop_at = [None]
+    ready = threading.Barrier(tenants + 1)
+
+    def tenant(index: int) -> None:
+        generator = torch.Generator().manual_seed(index)
+        client = tinker.ServiceClient(base_url=url, api_key=f"tml-tenant-{index:04d}-0123456789")
+        training = client.create_lora_training_client(base_model="base", rank=rank, seed=index, **PARTS).result()
+
+        def step() -> None:
+            tokens = _tokens(vocab, length, generator)
+            datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * length})
+            backward = training.forward_backward([datum], "cross_entropy")
+            update = training.optim_step(types.AdamParams(learning_rate=1e-4))
+            backward.result()
+            update.result()
+
+        step()
+        ready.wait()
+        while stop_at[0] is None or time.perf_counter() < stop_at[0]:
+            step()
+            if stop_at[0] is not None and time.perf_counter() < stop_at[0]:
+                trained[index] += length
+        client.close("success")
+
+    threads = [threading.Thread(target=tenant, args=(i,)) for i in range(tenants)]
+    for t in threads:
+        t.start()
+    ready.wait()
+    start = time.perf_counter()
+    stop_at[0] = start + duration
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    result = {"tokens_per_s": sum(trained) / wall, "peak_gib": peak_gib()}
+    server.should_exit = True
+    thread.join(30)
+    service.close()
+    del service
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def compiled_peft(model_dir: Path, batch: int, length: int, duration: float) -> dict:
+    """One PEFT job, torch.compile'd, at batch x length tokens a step: tokens/s and peak memory."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from common import fit_step, lora, transformers_loss
+
+    reset_peak()
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype(), device_map=device()),
+                           lora("lora_r16_qkvo_a32"))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    loss_fn = transformers_loss(torch.compile(model))
+    ids = lambda: torch.randint(3, model.config.vocab_size, (batch, length), device=device())  # noqa: E731
+    for _ in range(3):
+        fit_step(loss_fn, optimizer, ids())
+    sync()
+    steps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < duration:
+        fit_step(loss_fn, optimizer, ids())
+        steps += 1
+    sync()
+    result = {"tokens_per_s": steps * batch * length / (time.perf_counter() - start), "peak_gib": peak_gib()}
+    del model, optimizer
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def peft_fleet(model_dir: Path, jobs: int, length: int, duration: float) -> dict | None:
+    """`jobs` eager PEFT processes (benchmarks/tenant.py), one per tenant, batch 1 x length; None if they do not
+    fit."""
+    from fleet import run_fleet
+
+    specs = [dict(model_dir=model_dir, lora="lora_r16_qkvo_a32", batch_size=1, seq_len=length, mode="plain",
+                  name=f"peft{i}") for i in range(jobs)]
+    try:
+        results, gpu = run_fleet(specs, duration)
+    except RuntimeError as e:
+        print(f"{jobs} PEFT processes: {e}", flush=True)
+        return None
+    return {"tokens_per_s": sum(r["tokens_per_s"] for r in results), "gpu_gib": gpu.used_gib}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama-3.2-1b", choices=sorted(CONFIGS))
+    parser.add_argument("--tenants", default="8,16,32")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--paths", default="engine,sdk", help="engine (the Python API), sdk (tinker over HTTP)")
+    parser.add_argument("--fleet", default="8,16", help="PEFT process fleets to run (empty: none)")
+    args = parser.parse_args()
+    model_dir = checkpoint(args.model)
+    vocab = CONFIGS[args.model]["vocab_size"]
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    common = dict(bench="hosted_training", model=args.model, rank=args.rank, seq_len=args.seq_len, gpu=gpu)
+    counts = [int(n) for n in args.tenants.split(",")]
+    for n in counts:
+        if "engine" in args.paths:
+            emit(**common, system="symbiosis engine API", tenants=n,
+                 **engine_api(model_dir, n, args.rank, args.seq_len, args.duration, vocab))
+        if "sdk" in args.paths:
+            emit(**common, system="symbiosis tinker SDK over HTTP", tenants=n,
+                 **through_sdk(model_dir, n, args.rank, args.seq_len, args.duration, vocab))
+    emit(**common, system="PEFT compiled, one job", batch=1, **compiled_peft(model_dir, 1, args.seq_len, args.duration))
+    emit(**common, system="PEFT compiled, one job (batching ceiling)", batch=max(counts),
+         **compiled_peft(model_dir, max(counts), args.seq_len, args.duration))
+    for jobs in [int(n) for n in args.fleet.split(",") if n]:
+        fleet = peft_fleet(model_dir, jobs, args.seq_len, args.duration)
+        emit(**common, system="PEFT processes, eager", tenants=jobs, **(fleet or {"fits": False}))
+
+
+if __name__ == "__main__":
+    main()
