@@ -2,10 +2,17 @@
 adapters and runs them as one pass (engine of the Tinker API's training; serve/tinker.py schedules it).
 
 A pass: every datum of every request is a row of a padded batch [B, L] (a request's datums side by side, so each
-adapter's rows are one run); the decoder runs once; each datum's target log-probabilities come from the head a
-datum at a time, under activation checkpointing (its logits [n, vocab] exist only inside, recomputed in backward);
-each request's loss is the sum of its datums' (losses.py); one backward of the total of the requests that asked
-for gradients. Gradients add up in each adapter's matrices until its optimizer step.
+adapter's rows are one run); the decoder runs once; each request's loss is the sum of its datums' (losses.py); one
+backward of the total of the requests that asked for gradients. Gradients add up in each adapter's matrices until
+its optimizer step.
+
+The head runs a datum at a time, a chunk of its tokens at a time, and never keeps logits [n, vocab]. Where the
+adapter does not train the head (a base layer, frozen), each chunk computes its logits z, the target
+log-probabilities lp, the loss's gradient with respect to them, c = d loss / d lp (every loss here is a sum over
+tokens: a chunk's c is its own), and at once the gradient that reaches the hidden states,
+    d loss / d h = (c (onehot(target) - softmax(z)) * transform') W,
+which is all that is kept: the head's GEMMs run once each way, as a plain step's would. Where the adapter trains the
+head, each chunk runs under activation checkpointing (its forward again in backward).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from symbiosis.client.loss import LOGIT_TRANSFORMS
+from symbiosis.client.loss import CHUNK_ELEMENTS, LOGIT_TRANSFORMS
 from symbiosis.errors import BadCall, UnsupportedAdapter
 from symbiosis.train import losses
 from symbiosis.train.lora import HostedLora
@@ -105,11 +112,15 @@ class Trainer:
                 results, total, row = [], None, 0
                 for work in works:
                     logprobs, values = [], []
+                    frozen_head = work.lora is None or self.head.layer_id not in work.lora.layers
                     for datum in work.datums:
                         n = len(datum.tokens)
-                        lp = self._target_logprobs(hidden[row, :n], datum.inputs["target_tokens"], work.lora)
-                        loss = losses.LOSSES[work.loss_fn](lp, {k: v.to(self.device) for k, v in datum.inputs.items()},
-                                                          work.config)
+                        inputs = {k: v.to(self.device) for k, v in datum.inputs.items()}
+                        if work.backward and frozen_head:
+                            loss, lp = _FrozenHeadLoss.apply(hidden[row, :n], inputs, work.loss_fn, work.config, self)
+                        else:
+                            lp = self._target_logprobs(hidden[row, :n], inputs["target_tokens"], work.lora)
+                            loss = losses.LOSSES[work.loss_fn](lp, inputs, work.config)
                         if work.backward:
                             total = loss if total is None else total + loss
                         logprobs.append(lp.detach().cpu())
@@ -122,20 +133,73 @@ class Trainer:
             self.state.end()
         return results
 
-    def _target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, lora: HostedLora) -> torch.Tensor:
+    def chunk_rows(self) -> int:
+        """Tokens per chunk of the head: a chunk's logits at most CHUNK_ELEMENTS elements."""
+        return max(1, CHUNK_ELEMENTS // self.vocab)
+
+    def logits(self, hidden: torch.Tensor, lora: HostedLora | None) -> tuple[torch.Tensor, object]:
+        """(logits [n, vocab] in at least float32, the transform's slope d logits / d raw) of hidden [n, H]."""
+        raw = self.head.project(hidden, [(0, hidden.shape[0], lora)])
+        raw = raw.to(torch.promote_types(raw.dtype, torch.float32))
+        return self.transform(raw) if self.transform is not None else (raw, 1.0)
+
+    def _target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, lora: HostedLora | None) -> torch.Tensor:
         """log p(targets) [n] (or [n, K]) from hidden [n, H]: the head (with the adapter's LoRA on it, if any),
-        the model's logit transform, log-softmax in at least float32; checkpointed when gradients flow."""
-        targets = targets.to(self.device).long()
+        the model's logit transform, log-softmax in at least float32; a chunk at a time, each checkpointed when
+        gradients flow."""
+        targets = targets.long()
 
-        def score(h):
-            logits = self.head.project(h, [(0, h.shape[0], lora)])
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-            if self.transform is not None:
-                logits = self.transform(logits)[0]
-            picked = logits.gather(1, targets if targets.dim() == 2 else targets[:, None])
-            lp = picked - torch.logsumexp(logits, dim=-1, keepdim=True)
-            return lp if targets.dim() == 2 else lp[:, 0]
+        def score(h, t):
+            logits, _ = self.logits(h, lora)
+            return _picked(logits, t)
 
-        if torch.is_grad_enabled():
-            return checkpoint(score, hidden, use_reentrant=False)
-        return score(hidden)
+        pieces = []
+        for start in range(0, hidden.shape[0], self.chunk_rows()):
+            h, t = hidden[start:start + self.chunk_rows()], targets[start:start + self.chunk_rows()]
+            pieces.append(checkpoint(score, h, t, use_reentrant=False) if torch.is_grad_enabled() else score(h, t))
+        return torch.cat(pieces)
+
+
+def _picked(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits) at `targets` ([n] or [n, K])."""
+    picked = logits.gather(1, targets if targets.dim() == 2 else targets[:, None])
+    lp = picked - torch.logsumexp(logits, dim=-1, keepdim=True)
+    return lp if targets.dim() == 2 else lp[:, 0]
+
+
+class _FrozenHeadLoss(torch.autograd.Function):
+    """(loss, lp) of one datum through a frozen head; forward also makes d loss / d hidden, chunk by chunk, and
+    keeps only that (see the module's docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, inputs: dict, loss_fn: str, config: dict, trainer: "Trainer"):
+        targets = inputs["target_tokens"].long()
+        chunk = trainer.chunk_rows()
+        grad_hidden = torch.empty_like(hidden)
+        total, lps = None, []
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            logits, slope = trainer.logits(hidden[rows], None)  # [C, vocab]
+            target = targets[rows]
+            lp = _picked(logits, target).detach().requires_grad_()
+            with torch.enable_grad():  # c = d loss / d lp: the loss's own autograd, over this chunk's tokens
+                loss = losses.LOSSES[loss_fn](lp, {k: v[rows] for k, v in inputs.items()}, config)
+                (c,) = torch.autograd.grad(loss, lp)
+            weights = c if c.dim() == 2 else c[:, None]  # [C, K]
+            index = target if target.dim() == 2 else target[:, None]
+            # d loss / d z = sum_k c_k onehot(t_k) - (sum_k c_k) softmax(z)
+            grad = torch.softmax(logits, dim=-1).mul_(-weights.sum(1, keepdim=True)).scatter_add_(1, index, weights)
+            if not isinstance(slope, float):
+                grad = grad * slope
+            grad_hidden[rows] = trainer.head.base.backward(grad.to(hidden.dtype))
+            total = loss.detach() if total is None else total + loss.detach()
+            lps.append(lp.detach())
+        ctx.save_for_backward(grad_hidden)
+        lp = torch.cat(lps)
+        ctx.mark_non_differentiable(lp)
+        return total, lp
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, grad_lp: torch.Tensor | None):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None

@@ -96,3 +96,37 @@ def test_three_adapters_in_one_pass_train_as_each_alone(trainer):
         for name, tensor in lora.named_tensors().items():
             torch.testing.assert_close(tensor.detach(), params[name.replace(".weight", ".default.weight")].detach(),
                                        rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo"])
+def test_the_frozen_heads_gradient_is_the_checkpointed_ones(trainer, monkeypatch, loss_fn):
+    """A head the adapter does not train gives d loss / d hidden in its forward (no logits kept, nothing
+    recomputed): the same gradients as running it under checkpointing, in chunks smaller than a datum, for K
+    targets a position too (cross_entropy's top-K distillation)."""
+    _, trainer = trainer
+    monkeypatch.setattr(trainer, "chunk_rows", lambda: 3)
+    grads = []
+    for frozen in (True, False):
+        generator = torch.Generator().manual_seed(9)
+        lora = HostedLora(LoraSpec(rank=4, seed=7, train_unembed=False), trainer.targets, trainer.device, trainer.dtype)
+        with torch.no_grad():
+            for _, b in lora.layers.values():
+                b.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+        datums = [_datum(torch.Generator().manual_seed(2), 8, loss_fn), _datum(torch.Generator().manual_seed(3), 5, loss_fn)]
+        if loss_fn == "cross_entropy":  # K = 3 targets a position, soft weights
+            for datum in datums:
+                n = len(datum.tokens)
+                datum.inputs = {"target_tokens": torch.randint(0, 128, (n, 3), generator=generator),
+                                "weights": torch.rand(n, 3, generator=generator, dtype=torch.float64)}
+        if not frozen:  # the head as if it trained (a zero LoRA): checkpointed chunks, autograd through them
+            lora.layers[trainer.head.layer_id] = (torch.zeros(4, trainer.head.base.spec.in_features, dtype=torch.float64),
+                                                   torch.zeros(trainer.vocab, 4, dtype=torch.float64))
+        work = Work(lora, datums, loss_fn)
+        trainer.check(work)
+        result = trainer.run([work])[0]
+        lora.layers.pop(trainer.head.layer_id, None)
+        grads.append(({name: t.grad.clone() for name, t in lora.named_tensors().items()}, result))
+    (frozen_grads, frozen_result), (checkpointed_grads, checkpointed_result) = grads
+    assert frozen_result.losses == pytest.approx(checkpointed_result.losses, rel=1e-12)
+    for name, grad in frozen_grads.items():
+        torch.testing.assert_close(grad, checkpointed_grads[name], rtol=1e-10, atol=1e-12)
