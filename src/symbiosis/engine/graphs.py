@@ -56,6 +56,8 @@ class DecodeGraphs:
             self.forward(batch)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: other threads of the process (the service's training queue) go on launching their own work
+        # while this thread records; only this thread's calls are checked for what a capture forbids
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = self.forward(batch)
         return batch, graph, logits
