@@ -1,8 +1,9 @@
 """One hosted LoRA adapter in training: its matrices, its AdamW state, and their files.
 
-Parametrised as Tinker's published recipe ("LoRA Without Regret"): alpha fixed at 32, so each layer adds
+Parametrised by default as Tinker's published recipe ("LoRA Without Regret"): alpha fixed at 32, so each layer adds
     y += (32 / r) * (x A^T) B^T        A [r, in] (Kaiming-uniform, as PEFT), B [out, r] (zeros, as PEFT)
-and the best learning rate hardly moves with the rank. Matrices and AdamW moments are float32 at least, whatever the
+and the best learning rate hardly moves with the rank. A fine-tuning job may ask for PEFT's own: another alpha,
+rsLoRA's alpha / sqrt(r), target modules by name. Matrices and AdamW moments are float32 at least, whatever the
 base's dtype (PEFT keeps adapters in float32 too; a float64 base trains float64 ones); the LoRA runs in their
 dtype and its output is added in the activations'.
 
@@ -34,18 +35,40 @@ MAX_RANK = 256
 @dataclass(frozen=True)
 class LoraSpec:
     """What a training client asks for (Tinker's LoraConfig): the rank, which parts of the model train, the seed
-    of the initial A matrices."""
+    of the initial A matrices; or, for a fine-tuning job, PEFT's `alpha`, `rslora` and `modules` (target module
+    names as PEFT matches them: a module whose name is one of them or ends with `.` + one of them; `all-linear`:
+    every base layer but the output head), which take the place of the parts."""
     rank: int = 32
     seed: int | None = None
     train_attn: bool = True
     train_mlp: bool = True
     train_unembed: bool = True
+    alpha: float = ALPHA
+    rslora: bool = False
+    modules: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or not 1 <= self.rank <= MAX_RANK:
             raise ValueError(f"rank must be an integer in 1..{MAX_RANK}, got {self.rank!r}")
         if not (self.train_attn or self.train_mlp or self.train_unembed):
             raise ValueError("at least one of train_attn, train_mlp, train_unembed must be true")
+        if not 0 < float(self.alpha) <= 1e6:
+            raise ValueError(f"alpha must be positive, got {self.alpha!r}")
+        if self.modules is not None:
+            object.__setattr__(self, "modules", tuple(str(m) for m in self.modules))
+            if not self.modules or any(not m for m in self.modules):
+                raise ValueError("target modules must be non-empty names")
+
+    def trains(self, target: "TargetLayer") -> bool:
+        if self.modules is None:
+            return {"attn": self.train_attn, "mlp": self.train_mlp, "unembed": self.train_unembed}[target.part]
+        if "all-linear" in self.modules and target.part != "unembed":
+            return True
+        return any(target.module == m or target.module.endswith("." + m) for m in self.modules)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
 
 @dataclass(frozen=True)
@@ -67,11 +90,10 @@ class HostedLora:
         (PEFT's names) read from a checkpoint; in `dtype` promoted to at least float32."""
         self.spec = spec
         dtype = torch.promote_types(dtype, torch.float32)
-        wanted = {"attn": spec.train_attn, "mlp": spec.train_mlp, "unembed": spec.train_unembed}
-        self.targets = [t for t in targets if wanted[t.part]]
+        self.targets = [t for t in targets if spec.trains(t)]
         if not self.targets:
-            raise ValueError("this base model has no layer of the parts asked to train")
-        self.scale = ALPHA / spec.rank
+            raise ValueError("this base model has no layer of the parts or modules asked to train")
+        self.scale = spec.scale
         generator = torch.Generator().manual_seed(spec.seed if spec.seed is not None else 0)
         self.layers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for target in self.targets:
@@ -98,6 +120,11 @@ class HostedLora:
             names[f"{PREFIX}{target.module}.lora_A.weight"] = a
             names[f"{PREFIX}{target.module}.lora_B.weight"] = b
         return names
+
+    def spec_json(self) -> dict:
+        spec = asdict(self.spec)
+        spec["modules"] = None if self.spec.modules is None else list(self.spec.modules)
+        return spec
 
     def has_gradients(self) -> bool:
         return any(p.grad is not None for p in self.parameters())
@@ -127,11 +154,11 @@ class HostedLora:
                   directory / "adapter_model.safetensors")
         modules = sorted(t.module for t in self.targets)  # full names: GPT-2's c_proj is in attention and MLP
         (directory / "adapter_config.json").write_text(json.dumps({
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.spec.rank, "lora_alpha": ALPHA,
-            "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "target_modules": modules,
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.spec.rank, "lora_alpha": self.spec.alpha,
+            "lora_dropout": 0.0, "bias": "none", "use_rslora": self.spec.rslora, "target_modules": modules,
             "base_model_name_or_path": base_model}, indent=1))
         (directory / FINGERPRINT_FILE).write_text(json.dumps({"base_fingerprint": fingerprint}))
-        (directory / "trainer_state.json").write_text(json.dumps({"steps": self.steps, "spec": asdict(self.spec)}))
+        (directory / "trainer_state.json").write_text(json.dumps({"steps": self.steps, "spec": self.spec_json()}))
         if with_optimizer:
             moments = {}
             for name, parameter in self.named_tensors().items():

@@ -20,7 +20,6 @@ import secrets
 import shutil
 import threading
 import uuid
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -181,7 +180,7 @@ class TinkerService:
 
     def _start_model(self, tenant: str, session_id: str, model: str, lora: HostedLora) -> None:
         self._write(lora, self._live(model), with_optimizer=True)
-        if not self.store.add_model(model, tenant, session_id, asdict(lora.spec), self.base_name, lora.steps):
+        if not self.store.add_model(model, tenant, session_id, lora.spec_json(), self.base_name, lora.steps):
             raise UserError(f"model {model} exists already")
         self.loras[model] = lora
         self.queue.open(model, 1)
@@ -270,7 +269,7 @@ class TinkerService:
         self.loras[model] = lora
         self._write(lora, self._live(model), with_optimizer=True)
         self.store.update_model(model, completed_steps=lora.steps, persisted_steps=lora.steps, pending_grads=0,
-                                spec=json.dumps(asdict(lora.spec)))
+                                spec=json.dumps(lora.spec_json()))
         return {"path": path, "model_id": model, "type": "load_weights"}
 
     def create_from_state(self, tenant: str, session_id: str, model_seq_id: int, path: str, optimizer: bool,
