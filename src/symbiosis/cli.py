@@ -156,7 +156,9 @@ def serve_command(args: argparse.Namespace) -> int:
                                           "max_lora_rank": args.max_lora_rank, "adapter_slots": args.adapter_slots},
                           training=None if args.no_training else {
                               "persist_every": args.persist_every, "max_pass_tokens": args.max_pass_tokens,
-                              "tokenizer_id": args.tokenizer_id})
+                              "tokenizer_id": args.tokenizer_id, "max_running_jobs": args.max_running_jobs,
+                              "max_running_jobs_per_tenant": args.max_running_jobs_per_tenant,
+                              "checkpoint_every": args.checkpoint_every})
     except (symbiosis.SymbiosisError, KeyFileError, ValueError, OSError) as e:
         raise SystemExit(f"symbiosis serve: {e}") from None
     signal.signal(signal.SIGHUP, lambda *_: service.reload_keys())
@@ -229,7 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     serve.add_argument("--max-lora-rank", type=int, default=64)
     serve.add_argument("--adapter-slots", type=int, default=8, help="adapters on the device at once")
-    serve.add_argument("--no-training", action="store_true", help="no hosted training (the Tinker API)")
+    serve.add_argument("--no-training", action="store_true", help="no hosted training (neither the Tinker API nor "
+                       "fine-tuning jobs)")
+    serve.add_argument("--max-running-jobs", type=int, default=8, help="fine-tuning jobs training at once, in all")
+    serve.add_argument("--max-running-jobs-per-tenant", type=int, default=2, help="... of one tenant")
+    serve.add_argument("--checkpoint-every", type=int, default=50, help="a fine-tuning job's checkpoint every N steps "
+                       "(and at the end of every epoch)")
     serve.add_argument("--persist-every", type=int, default=1, help="write each training model's state to the state "
                        "dir every N optimizer steps (1: every step, before it is answered)")
     serve.add_argument("--max-pass-tokens", type=int, default=16384, help="tokens of one batched training pass")

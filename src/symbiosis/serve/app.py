@@ -19,23 +19,27 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from symbiosis.serve import dashboard, openai_api
 from symbiosis.serve.errors import ApiError
 from symbiosis.serve.keys import ADMIN
+from symbiosis.train.data import MAX_FILE_BYTES
 
 MAX_BODY_BYTES = 8 << 20
+MAX_UPLOAD_BYTES = MAX_FILE_BYTES + (1 << 20)  # a training file and its multipart envelope
 access_log = logging.getLogger("symbiosis.serve.access")
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over `limit` bytes is answered 413 before it is read whole."""
+    """ASGI middleware: a request body over `limit` bytes (`uploads` for POST /v1/files) is answered 413 before it
+    is read whole."""
 
-    def __init__(self, app, limit: int = MAX_BODY_BYTES):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int = MAX_BODY_BYTES, uploads: int = MAX_UPLOAD_BYTES):
+        self.app, self.limit, self.uploads = app, limit, uploads
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.uploads if scope.get("path") == "/v1/files" else self.limit
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            return await ApiError(413, f"the request body is over {self.limit} bytes").response()(scope, receive, send)
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            return await ApiError(413, f"the request body is over {limit} bytes").response()(scope, receive, send)
         seen = 0
 
         async def limited():
@@ -43,8 +47,8 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise ApiError(413, f"the request body is over {self.limit} bytes")
+                if seen > limit:
+                    raise ApiError(413, f"the request body is over {limit} bytes")
             return message
         await self.app(scope, limited, send)
 
@@ -152,5 +156,9 @@ def create_app(service) -> FastAPI:
             return error.response()
 
         app.include_router(tinker_api.router(service, service.tinker))
+    if service.jobs is not None:
+        from symbiosis.serve.jobs import api as jobs_api
+
+        app.include_router(jobs_api.router(service, tenant))
     app.add_middleware(BodyLimit)
     return app

@@ -23,8 +23,9 @@ class Service:
                  device: str = "cpu", dtype=None, executor_listen: str | None = None, served_name: str | None = None,
                  max_requests: int = 256, max_requests_per_tenant: int = 64, max_chat_tokens: int = 4096,
                  engine_options: dict | None = None, training: dict | None = None):
-        """`training`: the Tinker API's options (serve/tinker/service.py: persist_every, max_pass_tokens,
-        tokenizer_id), or None for no hosted training."""
+        """`training`: hosted training's options (max_pass_tokens: tokens of one batched pass; the Tinker API's
+        persist_every and tokenizer_id; the fine-tuning jobs' max_running_jobs, max_running_jobs_per_tenant,
+        checkpoint_every), or None for no hosted training (neither the Tinker API nor fine-tuning jobs)."""
         from transformers import AutoTokenizer
 
         from symbiosis.engine import Engine
@@ -52,23 +53,33 @@ class Service:
         self.admission = Admission(max_requests, max_requests_per_tenant)
         self.metrics = Metrics(self.engine, self.executor)
         self.recent = RecentRequests()
-        self.tinker = None
+        self.tinker = self.jobs = self.training_queue = None
         if training is not None:
+            from symbiosis.serve.jobs.service import JobService
             from symbiosis.serve.tinker.service import TinkerService
+            from symbiosis.train import Trainer
+            from symbiosis.train.scheduler import TrainingQueue
 
-            self.tinker = TinkerService(self, **training)
+            training = dict(training)
+            self.trainer = Trainer(self.model_path, self.executor)
+            self.training_queue = TrainingQueue(self.trainer, training.pop("max_pass_tokens", 16384))
+            tinker = {key: training.pop(key) for key in ("persist_every", "tokenizer_id") if key in training}
+            self.tinker = TinkerService(self, **tinker)
+            self.jobs = JobService(self, **training)
 
     def start(self) -> "Service":
         self.engine.start()
-        if self.tinker is not None:
-            self.tinker.start()
+        if self.training_queue is not None:
+            self.training_queue.start()
+            self.jobs.start()
         if self.server is not None:
             self.server.start()
         return self
 
     def close(self) -> None:
-        if self.tinker is not None:
-            self.tinker.close()
+        if self.training_queue is not None:
+            self.jobs.close()
+            self.training_queue.stop()
         self.engine.close()
         if self.server is not None:
             self.server.stop()
@@ -93,6 +104,8 @@ class Service:
             except BadCall:
                 raise not_found(model) from None
             return self.tinker.engine_name(tenant, model), directory
+        if self.jobs is not None and model.startswith("ft:"):
+            return self.jobs.resolve(tenant, model)
         return self.adapters.lookup(tenant, model)
 
     def finished(self, tenant: str, model: str, generation, distinct_prompts: int, error: bool) -> None:

@@ -29,8 +29,8 @@ from symbiosis.errors import AdapterError, BadCall, SymbiosisError
 from symbiosis.serve.tinker import wire
 from symbiosis.serve.tinker.paths import TinkerPath, check_name, model_directory_name, model_id as make_model_id
 from symbiosis.serve.tinker.store import TinkerStore
-from symbiosis.train import HostedLora, LoraSpec, Trainer, Work
-from symbiosis.train.scheduler import Operation, TrainingQueue
+from symbiosis.train import HostedLora, LoraSpec, Work
+from symbiosis.train.scheduler import Operation
 from symbiosis.train.trainer import Datum
 
 log = logging.getLogger("symbiosis.serve.tinker")
@@ -53,7 +53,8 @@ def category(error: Exception) -> str:
 
 
 class TinkerService:
-    def __init__(self, service, persist_every: int = 1, max_pass_tokens: int = 16384, tokenizer_id: str | None = None):
+    def __init__(self, service, persist_every: int = 1, tokenizer_id: str | None = None):
+        """On the service's trainer and training queue (shared with fine-tuning jobs)."""
         if persist_every < 1:
             raise ValueError("persist_every must be at least 1")
         self.service, self.persist_every = service, persist_every
@@ -61,8 +62,7 @@ class TinkerService:
         self.root = service.state.directory / "tinker"
         self.base_name = service.base_name
         self.tokenizer_id = tokenizer_id or str(service.model_path.resolve())
-        self.trainer = Trainer(service.model_path, service.executor)
-        self.queue = TrainingQueue(self.trainer, max_pass_tokens)
+        self.trainer, self.queue = service.trainer, service.training_queue
         self.loras: dict[str, HostedLora] = {}
         self.lost: dict[str, str] = {}  # model id -> what a restart lost, said once at its next request
         self._sample_counter = threading.Lock()
@@ -92,13 +92,6 @@ class TinkerService:
                 self.lost[model] = "the service restarted and this model lost " + " and ".join(lost)
                 self.store.update_model(model, completed_steps=lora.steps, pending_grads=0)
             self.queue.open(model, (self.store.last_seq(model) or 0) + 1)
-
-    def start(self) -> "TinkerService":
-        self.queue.start()
-        return self
-
-    def close(self) -> None:
-        self.queue.stop()
 
     # -- files --
 

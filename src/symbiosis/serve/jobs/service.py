@@ -1,0 +1,426 @@
+"""Files and fine-tuning jobs (OpenAI's API) on the service's hosted training.
+
+A job: its files are checked (validating_files), tokenized, its hyperparameters resolved (queued); it runs when a
+place is free (at most `max_running_jobs`, and `max_running_jobs_per_tenant` of one tenant), on a thread of its own
+whose LoRA steps join the shared training queue's passes (every tenant's jobs and Tinker clients together) or, for
+other PEFT methods, as a split client of the shared executor (train/job.py). Its events and checkpoints go to the
+store as they come; the checkpoints (and the final adapter) are served by the engine at once as
+`ft:BASE:SUFFIX:JOB_ID[:ckpt-step-N]`.
+
+Durable: a job's state is its newest checkpoint; when the service stops (or is killed) every job that was
+validating, queued or running is queued again at the next start and resumes from there, ending with the adapter
+an uninterrupted run would have. A job that cannot go on (bad data found late, a NaN loss, out of memory) ends
+`failed` with the reason; the others go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import secrets
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from symbiosis.errors import SymbiosisError
+from symbiosis.serve.errors import ApiError, not_found
+from symbiosis.serve.jobs.store import JobStore
+from symbiosis.train.data import MAX_FILE_BYTES, DataError, check_lines, tokenize
+from symbiosis.train.job import BASE_LEARNING_RATE, HostedBackend, Hyperparameters, JobFailed, JobRunner, SplitBackend
+from symbiosis.train.lora import LoraSpec
+
+log = logging.getLogger("symbiosis.serve.jobs")
+SUFFIX = re.compile(r"[A-Za-z0-9._-]{1,40}")
+ACTIVE = ("validating_files", "queued", "running")
+# the keys a LoRA config may hold for the batched trainer; any other (dropout, DoRA, biases, ...) runs on a split client
+HOSTED_LORA_KEYS = {"r", "lora_alpha", "target_modules", "use_rslora", "lora_dropout", "task_type"}
+
+
+def _peft_config(method: str, options: dict):
+    """A PEFT config for `method` (a PEFT type's name, or rslora / dora) and its options; ApiError(400) naming
+    what is wrong."""
+    import peft
+
+    from symbiosis.client.peft_support import EXACT, REFUSED
+
+    name = method.lower()
+    extra = {"rslora": {"use_rslora": True}, "dora": {"use_dora": True}}.get(name, {})
+    kind = "LORA" if extra else name.upper()
+    if kind in REFUSED or kind not in EXACT:
+        raise ApiError(400, f"PEFT method {method!r} is not one this service trains (it trains "
+                            f"{', '.join(sorted(m.lower() for m in EXACT))}, rslora and dora)", "peft.method")
+    config_class = peft.PEFT_TYPE_TO_CONFIG_MAPPING[kind]
+    defaults = {"LORA": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}}.get(kind, {})
+    try:
+        return config_class(**{**defaults, **options, **extra, "task_type": "CAUSAL_LM"})
+    except (TypeError, ValueError) as e:
+        raise ApiError(400, f"peft.config for {method}: {e}", "peft.config") from None
+
+
+def _hosted_spec(config, seed: int) -> LoraSpec | None:
+    """The batched trainer's LoraSpec for a plain LoRA config (no dropout, no DoRA, nothing else), else None."""
+    from peft import LoraConfig, PeftType
+
+    if not isinstance(config, LoraConfig) or config.peft_type != PeftType.LORA:
+        return None
+    given = {k for k, v in config.to_dict().items() if v != getattr(LoraConfig(), k, v)}
+    if config.lora_dropout or config.use_dora or given - HOSTED_LORA_KEYS - {"peft_type"}:
+        return None
+    modules = config.target_modules
+    modules = (modules,) if isinstance(modules, str) else tuple(sorted(modules))
+    return LoraSpec(rank=config.r, seed=seed, alpha=float(config.lora_alpha), rslora=bool(config.use_rslora),
+                    modules=modules)
+
+
+class JobService:
+    def __init__(self, service, max_running_jobs: int = 8, max_running_jobs_per_tenant: int = 2,
+                 checkpoint_every: int = 50):
+        self.service, self.store = service, JobStore(service.state)
+        self.files_root = service.state.directory / "files"
+        self.jobs_root = service.state.directory / "jobs"
+        self.max_running, self.max_per_tenant = max_running_jobs, max_running_jobs_per_tenant
+        self.checkpoint_every = checkpoint_every
+        self._lock = threading.Lock()
+        self._threads: dict[str, threading.Thread] = {}
+        self._asked: dict[str, str] = {}  # job id -> "pause" / "cancel" / "shutdown"
+        self._closing = False
+        for job in self.store.jobs_in(*ACTIVE):  # what was under way when the service stopped goes on
+            self.store.update_job(job["job_id"], status="validating_files")
+            self.store.add_event(job["job_id"], "The service restarted: the job goes on from its last checkpoint")
+
+    def start(self) -> None:
+        for job in self.store.jobs_in("validating_files"):
+            self._validate_later(job)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            for job_id in self._threads:
+                self._asked[job_id] = "shutdown"
+            threads = list(self._threads.values())
+        for thread in threads:
+            thread.join(120)
+
+    # -- files --
+
+    def upload(self, tenant: str, filename: str, purpose: str, data: bytes) -> dict:
+        if purpose != "fine-tune":
+            raise ApiError(400, f"purpose {purpose!r} is not supported (fine-tune)", "purpose")
+        if not filename or len(filename) > 255 or "/" in filename or "\\" in filename or "\x00" in filename:
+            raise ApiError(400, "a file name of 1-255 characters, without slashes", "file")
+        if not filename.endswith(".jsonl"):
+            raise ApiError(400, "a training file is a .jsonl file (one JSON example per line)", "file")
+        try:
+            examples = check_lines(data)
+        except DataError as e:
+            raise ApiError(400, f"{filename}: {e}", "file", "invalid_file") from None
+        relative = f"{uuid.uuid4().hex}.jsonl"
+        self.files_root.mkdir(parents=True, exist_ok=True)
+        (self.files_root / relative).write_bytes(data)
+        return self.file_object(self.store.add_file(tenant, filename, purpose, len(data), relative, len(examples)))
+
+    @staticmethod
+    def file_object(row: dict) -> dict:
+        return {"id": row["file_id"], "object": "file", "bytes": row["bytes"], "created_at": row["created_at"],
+                "filename": row["filename"], "purpose": row["purpose"], "status": "processed", "expires_at": None,
+                "status_details": None}
+
+    def file(self, tenant: str, file_id: str) -> dict:
+        row = self.store.file(tenant, file_id)
+        if row is None:
+            raise ApiError(404, f"No such File object: {file_id}", "file_id", "file_not_found")
+        return row
+
+    def file_content(self, tenant: str, file_id: str) -> bytes:
+        return (self.files_root / self.file(tenant, file_id)["path"]).read_bytes()
+
+    def delete_file(self, tenant: str, file_id: str) -> None:
+        row = self.file(tenant, file_id)
+        self.store.delete_file(tenant, file_id)
+        (self.files_root / row["path"]).unlink(missing_ok=True)
+
+    # -- jobs --
+
+    def create(self, tenant: str, body: dict) -> dict:
+        base = self.service.base_name
+        if body.get("model") != base:
+            raise ApiError(400, f"this service fine-tunes {base!r}, not {str(body.get('model'))[:80]!r}", "model")
+        training = self.file(tenant, str(body.get("training_file")))
+        validation = body.get("validation_file")
+        if validation is not None:
+            self.file(tenant, str(validation))
+        suffix = body.get("suffix")
+        if suffix is not None and not SUFFIX.fullmatch(str(suffix)):
+            raise ApiError(400, "suffix must be 1-40 of [A-Za-z0-9._-]", "suffix")
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31):
+            raise ApiError(400, "seed must be an integer in [0, 2^31)", "seed")
+        seed = secrets.randbelow(2**31) if seed is None else seed
+        method = body.get("method") or {"type": "supervised", "supervised": {
+            "hyperparameters": body.get("hyperparameters") or {}}}
+        if not isinstance(method, dict) or method.get("type") != "supervised":
+            raise ApiError(400, "method.type: this service runs supervised fine-tuning only", "method")
+        requested = ((method.get("supervised") or {}).get("hyperparameters")) or {}
+        for name, check in (("n_epochs", lambda v: isinstance(v, int) and 1 <= v <= 50),
+                            ("batch_size", lambda v: isinstance(v, int) and 1 <= v <= 256),
+                            ("learning_rate_multiplier", lambda v: isinstance(v, (int, float)) and 0 < v <= 100)):
+            value = requested.get(name, "auto")
+            if value != "auto" and (isinstance(value, bool) or not check(value)):
+                raise ApiError(400, f"method.supervised.hyperparameters.{name} must be 'auto' or in range",
+                               f"hyperparameters.{name}")
+        peft_request = body.get("peft") or {"method": "lora", "config": {}}
+        if not isinstance(peft_request, dict) or not isinstance(peft_request.get("config", {}), dict):
+            raise ApiError(400, 'peft must be {"method": NAME, "config": {...}}', "peft")
+        _peft_config(str(peft_request.get("method", "lora")), peft_request.get("config", {}))  # checked now
+        job = self.store.add_job(tenant, model=base, training_file=training["file_id"], validation_file=validation,
+                                 suffix=suffix, seed=seed, method={"type": "supervised"},
+                                 peft={"method": str(peft_request.get("method", "lora")),
+                                       "config": peft_request.get("config", {})},
+                                 hyperparameters=requested)
+        self.store.add_event(job["job_id"], f"Validating training file: {training['file_id']}")
+        self._validate_later(job)
+        return self.job(tenant, job["job_id"])
+
+    def _validate_later(self, job: dict) -> None:
+        threading.Thread(target=self._validate, args=(job["job_id"],), name="symbiosis-job-check", daemon=True).start()
+
+    def _examples(self, job: dict):
+        """(training, validation) examples of a job; DataError says which file and line."""
+        tokenizer, context = self.service.tokenizer, self.service.engine.context_limit
+        loaded = []
+        for kind in ("training", "validation"):
+            file_id = job[f"{kind}_file"]
+            if file_id is None:
+                loaded.append(None)
+                continue
+            row = self.store.file(job["tenant"], file_id)
+            if row is None:
+                raise DataError(None, f"the {kind} file {file_id} was deleted")
+            try:
+                records = check_lines((self.files_root / row["path"]).read_bytes())
+                loaded.append(tokenize(records, tokenizer, context))
+            except DataError as e:
+                raise DataError(e.line, f"{kind} file {file_id}: {e}") from None
+        return loaded
+
+    def _validate(self, job_id: str) -> None:
+        job = self.store.job(None, job_id)
+        try:
+            training, _ = self._examples(job)
+        except DataError as e:
+            param = "validation_file" if "validation file" in str(e) else "training_file"
+            return self._fail(job, f"invalid_{param}", str(e), param)
+        hyper = self.hyperparameters(job, len(training))
+        total = math.ceil(len(training) / hyper.batch_size) * hyper.n_epochs
+        self.store.update_job(job_id, status="queued", total_steps=total, hyperparameters={
+            "n_epochs": hyper.n_epochs, "batch_size": hyper.batch_size,
+            "learning_rate_multiplier": hyper.learning_rate_multiplier})
+        self.store.add_event(job_id, f"Files validated; the job is queued ({len(training)} examples, {total} steps)")
+        self._dispatch()
+
+    @staticmethod
+    def hyperparameters(job: dict, examples: int) -> Hyperparameters:
+        """"auto": 3 epochs; a batch of about 0.2% of the examples (1 to 32); learning rate multiplier 1."""
+        asked = job["hyperparameters"]
+        value = lambda name, auto: auto if asked.get(name, "auto") == "auto" else asked[name]  # noqa: E731
+        return Hyperparameters(value("n_epochs", 3), value("batch_size", max(1, min(32, round(0.002 * examples)))),
+                               float(value("learning_rate_multiplier", 1.0)))
+
+    def _fail(self, job: dict, code: str, message: str, param: str | None = None) -> None:
+        self.store.update_job(job["job_id"], status="failed", finished_at=int(time.time()),
+                              error={"code": code, "message": message, "param": param})
+        self.store.add_event(job["job_id"], f"The job failed: {message}", level="error")
+
+    def _dispatch(self) -> None:
+        """Start queued jobs, oldest first, where there is room."""
+        with self._lock:
+            if self._closing:
+                return
+            running = [self.store.job(None, job_id)["tenant"] for job_id in self._threads]
+            for job in self.store.jobs_in("queued"):
+                if len(running) >= self.max_running:
+                    break
+                if running.count(job["tenant"]) >= self.max_per_tenant or job["job_id"] in self._threads:
+                    continue
+                running.append(job["tenant"])
+                self.store.update_job(job["job_id"], status="running", started_at=job["started_at"] or int(time.time()))
+                thread = threading.Thread(target=self._run, args=(job["job_id"],), name=f"symbiosis-{job['job_id']}",
+                                          daemon=True)
+                self._threads[job["job_id"]] = thread
+                thread.start()
+
+    def _run(self, job_id: str) -> None:
+        job = self.store.job(None, job_id)
+        backend = None
+        try:
+            training, validation = self._examples(job)
+            hyper = self.hyperparameters(job, len(training))
+            config = _peft_config(job["peft"]["method"], job["peft"]["config"])
+            spec = _hosted_spec(config, job["seed"])
+            if spec is not None:
+                backend = HostedBackend(self.service.trainer, self.service.training_queue, f"job:{job_id}", spec)
+            else:
+                backend = SplitBackend(self.service.model_path, self.service.executor, config, job["seed"])
+            kind = config.peft_type.value if hasattr(config.peft_type, "value") else str(config.peft_type)
+            rate = BASE_LEARNING_RATE["prompt" if getattr(config, "is_prompt_learning", False) else "lora"]
+            if kind == "IA3":
+                rate = 3e-3
+            runner = JobRunner(backend, training, validation, hyper, job["seed"], rate, self.checkpoint_every,
+                               self.jobs_root / job_id, job["model"], lambda kind_, **f: self._report(job, kind_, f),
+                               lambda: self._asked.get(job_id))
+            position = runner.resume()
+            if position.step:
+                self.store.add_event(job_id, f"Resumed from the checkpoint at step {position.step}")
+            else:
+                self.store.add_event(job_id, f"Fine-tuning job started ({spec and 'LoRA on the batched trainer' or kind + ' on a split client'})")
+            outcome = runner.run(position)
+        except JobFailed as e:
+            self._fail(job, e.code, str(e))
+        except DataError as e:
+            self._fail(job, "invalid_training_file", str(e), "training_file")
+        except torch.OutOfMemoryError as e:
+            self._fail(job, "out_of_memory", f"the job ran out of GPU memory ({e}); try a smaller batch_size")
+        except (SymbiosisError, ValueError, RuntimeError) as e:
+            log.exception("job %s failed", job_id)
+            self._fail(job, "training_failed", f"{type(e).__name__}: {e}")
+        else:
+            self._finished(job, outcome, len(training) and sum(len(e.tokens) for e in training) * hyper.n_epochs)
+        finally:
+            if backend is not None:
+                backend.close()
+            with self._lock:
+                self._threads.pop(job_id, None)
+                self._asked.pop(job_id, None)
+            self._dispatch()
+
+    def _finished(self, job: dict, outcome: str, trained_tokens: int) -> None:
+        job_id, now = job["job_id"], int(time.time())
+        if outcome == "succeeded":
+            name = self.model_name(job)
+            self.store.update_job(job_id, status="succeeded", finished_at=now, fine_tuned_model=name,
+                                  trained_tokens=trained_tokens)
+            self.store.add_event(job_id, f"New fine-tuned model created: {name}")
+            self.store.add_event(job_id, "The job has successfully completed")
+        elif outcome == "cancelled":
+            self.store.update_job(job_id, status="cancelled", finished_at=now)
+            self.store.add_event(job_id, "The job was cancelled")
+        elif self._asked.get(job_id) == "shutdown":
+            self.store.update_job(job_id, status="queued")  # goes on at the next start
+        else:
+            self.store.update_job(job_id, status="paused")
+            self.store.add_event(job_id, "The job was paused")
+
+    def _report(self, job: dict, kind: str, fields: dict) -> None:
+        job_id = job["job_id"]
+        if kind == "metrics":
+            self.store.update_job(job_id, last_step=fields["step"])
+            self.store.add_event(job_id, f"Step {fields['step']}/{fields['total_steps']}: training loss="
+                                         f"{fields['train_loss']:.4f}", kind="metrics",
+                                 data={"step": fields["step"], "train_loss": fields["train_loss"],
+                                       "total_steps": fields["total_steps"], "epoch": fields["epoch"]})
+        else:
+            directory = fields["directory"]
+            name = f"{self.model_name(job)}:ckpt-step-{fields['step']}"
+            metrics = {k: v for k, v in fields["metrics"].items() if v is not None}
+            self.store.add_checkpoint(job_id, fields["step"], metrics, name,
+                                      str(directory.relative_to(self.jobs_root)))
+            if "valid_loss" in metrics:
+                self.store.add_event(job_id, f"Step {fields['step']}: validation loss={metrics['valid_loss']:.4f}",
+                                     kind="metrics", data=metrics)
+            self.store.add_event(job_id, f"Checkpoint created at step {fields['step']}: {name}")
+
+    def model_name(self, job: dict) -> str:
+        return f"ft:{job['model']}:{job['suffix'] or job['tenant']}:{job['job_id']}"
+
+    def job(self, tenant: str, job_id: str) -> dict:
+        row = self.store.job(tenant, job_id)
+        if row is None:
+            raise ApiError(404, f"No such fine-tuning job: {job_id}", "fine_tuning_job_id", "job_not_found")
+        return self.job_object(row)
+
+    def job_object(self, row: dict) -> dict:
+        hyper = row["hyperparameters"]
+        return {
+            "id": row["job_id"], "object": "fine_tuning.job", "created_at": row["created_at"], "error": row["error"],
+            "fine_tuned_model": row["fine_tuned_model"], "finished_at": row["finished_at"],
+            "hyperparameters": {k: hyper.get(k, "auto") for k in ("n_epochs", "batch_size", "learning_rate_multiplier")},
+            "model": row["model"], "organization_id": row["tenant"], "result_files": [], "seed": row["seed"],
+            "status": row["status"], "trained_tokens": row["trained_tokens"], "training_file": row["training_file"],
+            "validation_file": row["validation_file"], "estimated_finish": None, "integrations": [],
+            "metadata": None, "suffix": row["suffix"],
+            "method": {"type": "supervised", "supervised": {"hyperparameters": {
+                k: hyper.get(k, "auto") for k in ("n_epochs", "batch_size", "learning_rate_multiplier")}}},
+            "peft": row["peft"], "total_steps": row["total_steps"], "last_step": row["last_step"]}
+
+    def jobs(self, tenant: str, after: str | None, limit: int) -> dict:
+        rows = self.store.jobs(tenant, after, limit)
+        return {"object": "list", "data": [self.job_object(r) for r in rows[:limit]], "has_more": len(rows) > limit}
+
+    def control(self, tenant: str, job_id: str, action: str) -> dict:
+        """cancel, pause or resume a job, as its status allows (400 otherwise)."""
+        row = self.store.job(tenant, job_id)
+        if row is None:
+            raise ApiError(404, f"No such fine-tuning job: {job_id}", "fine_tuning_job_id", "job_not_found")
+        status = row["status"]
+        with self._lock:
+            running = job_id in self._threads
+            if action == "cancel" and status in ("validating_files", "queued", "paused", "running"):
+                if running:
+                    self._asked[job_id] = "cancel"
+                else:
+                    self.store.update_job(job_id, status="cancelled", finished_at=int(time.time()))
+                    self.store.add_event(job_id, "The job was cancelled")
+            elif action == "pause" and status in ("queued", "running"):
+                if running:
+                    self._asked[job_id] = "pause"
+                else:
+                    self.store.update_job(job_id, status="paused")
+                    self.store.add_event(job_id, "The job was paused")
+            elif action == "resume" and status == "paused" and not running:
+                self.store.update_job(job_id, status="queued")
+                self.store.add_event(job_id, "The job was resumed")
+            else:
+                raise ApiError(400, f"a {status} job cannot be {action}ed" if action != "pause" else
+                               f"a {status} job cannot be paused", code="invalid_job_state")
+        self._dispatch()
+        return self.job(tenant, job_id)
+
+    def events(self, tenant: str, job_id: str, after: str | None, limit: int) -> dict:
+        self.job(tenant, job_id)
+        rows = self.store.events(job_id, after, limit)
+        return {"object": "list", "has_more": len(rows) > limit, "data": [
+            {"id": r["event_id"], "object": "fine_tuning.job.event", "created_at": r["created_at"], "level": r["level"],
+             "message": r["message"], "type": r["type"], "data": r["data"] or {}} for r in rows[:limit]]}
+
+    def checkpoints(self, tenant: str, job_id: str, after: str | None, limit: int) -> dict:
+        self.job(tenant, job_id)
+        rows = self.store.checkpoints(job_id)
+        if after is not None:
+            ids = [r["checkpoint_id"] for r in rows]
+            rows = rows[ids.index(after) + 1:] if after in ids else []
+        return {"object": "list", "has_more": len(rows) > limit, "first_id": rows[0]["checkpoint_id"] if rows else None,
+                "last_id": rows[min(limit, len(rows)) - 1]["checkpoint_id"] if rows else None, "data": [
+                    {"id": r["checkpoint_id"], "object": "fine_tuning.job.checkpoint", "created_at": r["created_at"],
+                     "fine_tuned_model_checkpoint": r["model_name"], "fine_tuning_job_id": job_id,
+                     "metrics": r["metrics"], "step_number": r["step"]} for r in rows[:limit]]}
+
+    def resolve(self, tenant: str, model: str) -> tuple[str, Path]:
+        """(engine name, directory) of the tenant's fine-tuned model or checkpoint `model` (404 otherwise)."""
+        checkpoint = self.store.checkpoint_named(tenant, model)
+        if checkpoint is None:
+            finished = [j for j in self.store.jobs_in("succeeded") if j["tenant"] == tenant
+                        and j["fine_tuned_model"] == model]
+            if not finished:
+                raise not_found(model)
+            checkpoints = self.store.checkpoints(finished[0]["job_id"])
+            checkpoint = checkpoints[0] if checkpoints else None
+            if checkpoint is None:
+                raise not_found(model)
+        directory = self.jobs_root / checkpoint["path"]
+        if not directory.is_dir():
+            raise not_found(model)
+        return f"{tenant}/{model}", directory

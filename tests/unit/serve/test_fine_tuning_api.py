@@ -1,0 +1,164 @@
+"""OpenAI's files and fine-tuning jobs API of `symbiosis serve`, driven by the official `openai` client: a file
+checked line by line, a job that trains, reports its events and checkpoints, and whose model (and each checkpoint)
+serves completions at once; cancel, pause, resume; other PEFT methods; a second tenant who sees none of it."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import openai
+import peft
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import start
+
+LINES = [{"prompt": "the cat", "completion": " sat on the mat"}, {"prompt": "a dog", "completion": " ran in the park"},
+         {"messages": [{"role": "user", "content": "what sat?"}, {"role": "assistant", "content": "the cat sat"}]},
+         {"prompt": "birds", "completion": " sing in the tree"}]
+
+
+@pytest.fixture(scope="module")
+def jobs_server(served_files, tmp_path_factory):
+    running = start(served_files, tmp_path_factory.mktemp("jobs-state"),
+                    training={"checkpoint_every": 2, "max_running_jobs": 4})
+    yield running
+    running.stop()
+
+
+def _jsonl(lines) -> io.BytesIO:
+    data = io.BytesIO("\n".join(json.dumps(line) for line in lines).encode())
+    data.name = "train.jsonl"
+    return data
+
+
+def _wait(client, job_id, statuses, timeout=180):
+    deadline = time.monotonic() + timeout
+    while True:
+        job = client.fine_tuning.jobs.retrieve(job_id)
+        if job.status in statuses:
+            return job
+        assert time.monotonic() < deadline, f"job {job_id} stayed {job.status}"
+        time.sleep(0.2)
+
+
+def test_a_file_is_checked_line_by_line(jobs_server):
+    client = jobs_server.client("alice")
+    bad = io.BytesIO((json.dumps(LINES[0]) + "\n{not json\n").encode())
+    bad.name = "bad.jsonl"
+    with pytest.raises(openai.BadRequestError, match="line 2: not JSON"):
+        client.files.create(file=bad, purpose="fine-tune")
+    uploaded = client.files.create(file=_jsonl(LINES), purpose="fine-tune")
+    assert uploaded.filename == "train.jsonl" and uploaded.purpose == "fine-tune" and uploaded.bytes > 0
+    assert uploaded.id in [f.id for f in client.files.list().data]
+    assert client.files.retrieve(uploaded.id).id == uploaded.id
+    with pytest.raises(openai.NotFoundError):
+        jobs_server.client("bob").files.retrieve(uploaded.id)
+    assert client.files.delete(uploaded.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploaded.id)
+
+
+def test_a_job_trains_reports_and_serves_its_model_and_checkpoints(jobs_server, served_files):
+    client = jobs_server.client("alice")
+    training = client.files.create(file=_jsonl(LINES), purpose="fine-tune")
+    validation = client.files.create(file=_jsonl(LINES[:2]), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(
+        model="tiny-llama", training_file=training.id, validation_file=validation.id, suffix="poet", seed=7,
+        method={"type": "supervised", "supervised": {"hyperparameters": {
+            "n_epochs": 3, "batch_size": 2, "learning_rate_multiplier": 20}}},
+        extra_body={"peft": {"method": "lora", "config": {"r": 4, "lora_alpha": 8}}})  # the test engine's ranks <= 8
+    assert job.status in ("validating_files", "queued", "running")
+    job = _wait(client, job.id, ("succeeded", "failed"))
+    assert job.status == "succeeded", job.error
+    assert job.fine_tuned_model == f"ft:tiny-llama:poet:{job.id}" and job.trained_tokens > 0
+    assert job.hyperparameters.n_epochs == 3 and job.hyperparameters.batch_size == 2
+    events = list(client.fine_tuning.jobs.list_events(job.id, limit=100))
+    assert events[0].message == "The job has successfully completed"
+    losses = [e.data["train_loss"] for e in reversed(events) if e.type == "metrics" and "train_loss" in e.data
+              and "total_steps" in e.data]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    checkpoints = client.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert [c.step_number for c in checkpoints] == [6, 4, 2]
+    assert all(c.metrics.valid_loss is not None for c in checkpoints)
+    assert job.id in [j.id for j in client.fine_tuning.jobs.list(limit=50).data]
+
+    # the model and each checkpoint answer at once; plain PEFT loads the checkpoint's directory
+    prompt = "the cat"
+    served = client.completions.create(model=job.fine_tuned_model, prompt=prompt, max_tokens=5, temperature=0)
+    at_two = client.completions.create(model=checkpoints[-1].fine_tuned_model_checkpoint, prompt=prompt, max_tokens=5,
+                                       temperature=0)
+    directory = jobs_server.service.jobs.resolve("alice", job.fine_tuned_model)[1]
+    tokenizer = jobs_server.service.tokenizer
+    plain = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(served_files["model"],
+                                                                                dtype=torch.float64), directory)
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    expected = plain.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)[0, ids.shape[1]:]
+    assert served.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert at_two.choices[0].text is not None
+
+    bob = jobs_server.client("bob")  # none of it is bob's
+    with pytest.raises(openai.NotFoundError):
+        bob.fine_tuning.jobs.retrieve(job.id)
+    with pytest.raises(openai.NotFoundError):
+        bob.completions.create(model=job.fine_tuned_model, prompt=prompt, max_tokens=2)
+    assert job.id not in [j.id for j in bob.fine_tuning.jobs.list().data]
+
+
+def test_cancel_pause_and_resume(jobs_server):
+    client = jobs_server.client("alice")
+    training = client.files.create(file=_jsonl(LINES), purpose="fine-tune")
+    long = {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 50, "batch_size": 1}}}
+    job = client.fine_tuning.jobs.create(model="tiny-llama", training_file=training.id, method=long, seed=1)
+    _wait(client, job.id, ("running",))
+    paused = client.fine_tuning.jobs.pause(job.id)
+    paused = _wait(client, job.id, ("paused",))
+    with pytest.raises(openai.BadRequestError, match="cannot be paused"):
+        client.fine_tuning.jobs.pause(job.id)
+    client.fine_tuning.jobs.resume(job.id)
+    resumed = _wait(client, job.id, ("running",))
+    assert resumed.status == "running"
+    client.fine_tuning.jobs.cancel(job.id)
+    cancelled = _wait(client, job.id, ("cancelled",))
+    assert cancelled.fine_tuned_model is None
+    messages = [e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=100)]
+    assert "The job was cancelled" in messages and "The job was paused" in messages
+    assert any(m.startswith("Resumed from the checkpoint at step") for m in messages)
+
+
+def test_other_peft_methods_train_on_split_clients(jobs_server, served_files):
+    client = jobs_server.client("alice")
+    training = client.files.create(file=_jsonl(LINES), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(
+        model="tiny-llama", training_file=training.id, seed=3,
+        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 1, "batch_size": 2}}},
+        extra_body={"peft": {"method": "loha", "config": {"r": 2, "alpha": 4, "target_modules": ["q_proj", "v_proj"]}}})
+    job = _wait(client, job.id, ("succeeded", "failed"))
+    assert job.status == "succeeded", job.error
+    directory = jobs_server.service.jobs.resolve("alice", job.fine_tuned_model)[1]
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(served_files["model"]), directory)
+    assert loaded.peft_config["default"].peft_type == peft.PeftType.LOHA
+
+
+def test_bad_jobs_are_refused_or_fail_with_the_reason(jobs_server):
+    client = jobs_server.client("alice")
+    training = client.files.create(file=_jsonl(LINES), purpose="fine-tune")
+    cases = [({"model": "gpt-4o"}, "fine-tunes 'tiny-llama'"),
+             ({"method": {"type": "dpo", "dpo": {}}}, "supervised fine-tuning only"),
+             ({"method": {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 0}}}}, "n_epochs"),
+             ({"extra_body": {"peft": {"method": "glora"}}}, "not one this service trains"),
+             ({"extra_body": {"peft": {"method": "lora", "config": {"rank": 4}}}}, "peft.config for lora")]
+    for changes, message in cases:
+        arguments = {"model": "tiny-llama", "training_file": training.id, **changes}
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.fine_tuning.jobs.create(**arguments)
+    with pytest.raises(openai.NotFoundError):
+        client.fine_tuning.jobs.create(model="tiny-llama", training_file="file-nothing")
+    # too long for the model's context: found when the job checks its files, named by line
+    long = client.files.create(file=_jsonl(LINES + [{"prompt": "the cat " * 200, "completion": " sat"}]),
+                               purpose="fine-tune")
+    job = _wait(client, client.fine_tuning.jobs.create(model="tiny-llama", training_file=long.id).id, ("failed",))
+    assert job.error.code == "invalid_training_file" and "line 5" in job.error.message
