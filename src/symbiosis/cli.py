@@ -244,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
                        "the model directory, for clients on this machine; else e.g. the base model's hub name)")
     serve.set_defaults(run=serve_command)
 
+    from symbiosis.serve.jobs import cli as jobs_cli
+
+    jobs_cli.add_parser(commands)
+
     executor = commands.add_parser("executor", help=executor_command.__doc__)
     executor.add_argument("--model", help="Hugging Face model directory (config.json + safetensors)")
     executor.add_argument("--listen", help="ipc:///path/to/socket or tcp://host:port")

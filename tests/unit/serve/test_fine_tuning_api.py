@@ -162,3 +162,31 @@ def test_bad_jobs_are_refused_or_fail_with_the_reason(jobs_server):
                                purpose="fine-tune")
     job = _wait(client, client.fine_tuning.jobs.create(model="tiny-llama", training_file=long.id).id, ("failed",))
     assert job.error.code == "invalid_training_file" and "line 5" in job.error.message
+
+
+def test_the_command_line_follows_a_job_to_its_end(jobs_server):
+    import subprocess
+    import sys
+
+    from conftest import KEYS
+
+    client = jobs_server.client("alice")
+    training = client.files.create(file=_jsonl(LINES), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(
+        model="tiny-llama", training_file=training.id, seed=2, extra_body={"peft": {"method": "lora", "config": {"r": 4}}},
+        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 2, "batch_size": 2}}})
+    command = [sys.executable, "-m", "symbiosis.cli", "jobs", "--base-url", jobs_server.url + "/v1", "--api-key",
+               KEYS["alice"]]
+    followed = subprocess.run(command + ["follow", job.id, "--interval", "0.2"], capture_output=True, text=True,
+                              timeout=180)
+    assert followed.returncode == 0, followed.stderr
+    lines = followed.stdout.splitlines()
+    assert lines[0].startswith("info  Validating training file")
+    assert "[###############...............] 2/4  loss" in followed.stdout
+    assert lines[-1].startswith(f"{job.id}  succeeded") and f"ft:tiny-llama:alice:{job.id}" in lines[-1]
+    listed = subprocess.run(command + ["list"], capture_output=True, text=True, timeout=60)
+    assert job.id in listed.stdout
+    shown = subprocess.run(command + ["show", job.id], capture_output=True, text=True, timeout=60)
+    assert "checkpoint step 4:" in shown.stdout
+    unknown = subprocess.run(command + ["show", "ftjob-nothing"], capture_output=True, text=True, timeout=60)
+    assert unknown.returncode != 0 and "404: No such fine-tuning job" in unknown.stderr
