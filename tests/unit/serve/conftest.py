@@ -107,6 +107,21 @@ def server(served_files, tmp_path_factory):
     running.stop()
 
 
+@pytest.fixture(scope="session")
+def browser():
+    """Debian's chromium, driven by Playwright with its executable path (no browser download)."""
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "the browser tests need Debian's chromium (README: the test command installs it)"
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        yield launched
+        launched.close()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

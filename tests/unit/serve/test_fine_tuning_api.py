@@ -190,3 +190,37 @@ def test_the_command_line_follows_a_job_to_its_end(jobs_server):
     assert "checkpoint step 4:" in shown.stdout
     unknown = subprocess.run(command + ["show", "ftjob-nothing"], capture_output=True, text=True, timeout=60)
     assert unknown.returncode != 0 and "404: No such fine-tuning job" in unknown.stderr
+
+
+def test_the_page_shows_a_jobs_losses_events_and_checkpoints_and_cancels_one(jobs_server, browser):
+    from conftest import KEYS
+
+    client = jobs_server.client("alice")
+    training = client.files.create(file=_jsonl(LINES), purpose="fine-tune")
+    lora = {"peft": {"method": "lora", "config": {"r": 4}}}
+    done = client.fine_tuning.jobs.create(
+        model="tiny-llama", training_file=training.id, validation_file=training.id, seed=2, extra_body=lora,
+        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 2, "batch_size": 2}}})
+    _wait(client, done.id, ("succeeded",))
+    long = client.fine_tuning.jobs.create(
+        model="tiny-llama", training_file=training.id, seed=2, extra_body=lora,
+        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 50, "batch_size": 1}}})
+    page = browser.new_page(viewport={"width": 1280, "height": 1400})
+    errors = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.goto(jobs_server.url + "/ui")
+    page.fill("#key", KEYS["alice"])
+    page.click("button[type=submit]")
+    page.click(f"#jobs tr[data-job='{done.id}']")
+    page.wait_for_selector("#losses polyline[data-series='training loss']")
+    points = page.eval_on_selector("#losses polyline[data-series='training loss']",
+                                   "l => l.getAttribute('points').split(' ').length")
+    assert points == 4  # 2 epochs of 2 steps
+    assert page.eval_on_selector("#losses polyline[data-series='validation loss']", "l => l.getAttribute('points')")
+    page.wait_for_selector("#events li:has-text('The job has successfully completed')")
+    assert "step 4:" in page.inner_text("#checkpoints")
+    page.click(f"#jobs tr[data-job='{long.id}'] button.cancel")
+    assert _wait(client, long.id, ("cancelled",)).status == "cancelled"
+    page.wait_for_selector(f"#jobs tr[data-job='{long.id}'] td:has-text('cancelled')")
+    assert not errors
+    page.close()

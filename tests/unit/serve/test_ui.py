@@ -5,26 +5,12 @@ else's, plots live figures, and refuses a wrong key."""
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 from pathlib import Path
 
-import pytest
-from playwright.sync_api import sync_playwright
-
 from conftest import KEYS, load
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SCREENSHOT = Path(__file__).parents[3] / "docs" / "images" / "ui.png"
-
-
-@pytest.fixture(scope="module")
-def browser():
-    assert CHROMIUM, "the browser tests need Debian's chromium (README: the test command installs it)"
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield browser
-        browser.close()
 
 
 def test_the_page_shows_the_tenants_own_models_and_live_plots(server, browser):

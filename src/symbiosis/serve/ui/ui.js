@@ -98,7 +98,73 @@ async function refresh() {
   lineChart(document.getElementById("executor"), [{name: "executor batches/s", values: rates.map(r => r.batches)},
                                                   {name: "calls per batch", values: rates.map(r => r.size)},
                                                   {name: "engine steps/s", values: rates.map(r => r.steps)}]);
+  await refreshJobs();
   document.getElementById("status").textContent = `updated ${new Date(data.time * 1000).toLocaleTimeString()}`;
+}
+
+// Fine-tuning jobs: a row each (click: its loss curves, events and checkpoints); a cancel button while it is active
+let selectedJob = null;
+const ACTIVE = ["validating_files", "queued", "running", "paused"];
+
+async function api(path, options) {
+  const key = sessionStorage.getItem("symbiosis-key");
+  return fetch(path, Object.assign({headers: {Authorization: `Bearer ${key}`}}, options || {}));
+}
+
+async function refreshJobs() {
+  const response = await api("/v1/fine_tuning/jobs?limit=20");
+  const section = document.getElementById("jobs-section");
+  if (!response.ok) { section.hidden = true; return; }  // a service without fine-tuning
+  section.hidden = false;
+  const jobs = (await response.json()).data, body = document.querySelector("#jobs tbody");
+  body.replaceChildren();
+  for (const job of jobs) {
+    const row = document.createElement("tr");
+    row.className = "job" + (job.id === selectedJob ? " selected" : "");
+    row.dataset.job = job.id;
+    for (const text of [job.id, job.status, `${job.last_step || 0}/${job.total_steps || "?"}`, job.fine_tuned_model || ""]) {
+      const cell = document.createElement("td");
+      cell.textContent = text;
+      row.appendChild(cell);
+    }
+    const cell = document.createElement("td");
+    if (ACTIVE.includes(job.status)) {
+      const cancel = document.createElement("button");
+      cancel.textContent = "cancel";
+      cancel.className = "cancel";
+      cancel.addEventListener("click", async event => {
+        event.stopPropagation();
+        await api(`/v1/fine_tuning/jobs/${encodeURIComponent(job.id)}/cancel`, {method: "POST"});
+        refreshJobs();
+      });
+      cell.appendChild(cancel);
+    }
+    row.appendChild(cell);
+    row.addEventListener("click", () => { selectedJob = job.id; refreshJobs(); });
+    body.appendChild(row);
+  }
+  if (selectedJob) await showJob(selectedJob);
+}
+
+async function showJob(id) {
+  const [events, checkpoints] = await Promise.all([
+    api(`/v1/fine_tuning/jobs/${encodeURIComponent(id)}/events?limit=100`).then(r => r.json()),
+    api(`/v1/fine_tuning/jobs/${encodeURIComponent(id)}/checkpoints?limit=100`).then(r => r.json())]);
+  document.getElementById("job").hidden = false;
+  document.getElementById("job-title").textContent = `${id}: loss per step (training; validation at checkpoints)`;
+  const steps = events.data.filter(e => e.type === "metrics" && e.data && e.data.total_steps).reverse();
+  const last = steps.length ? steps[steps.length - 1].data.step : 0;
+  const train = Array(last).fill(null), valid = Array(last).fill(null);
+  for (const e of steps) train[e.data.step - 1] = e.data.train_loss;
+  for (const c of checkpoints.data) if (c.metrics.valid_loss !== undefined && c.step_number <= last) valid[c.step_number - 1] = c.metrics.valid_loss;
+  lineChart(document.getElementById("losses"), [{name: "training loss", values: train},
+                                                {name: "validation loss", values: valid}]);
+  const list = (id, items) => {
+    const node = document.getElementById(id);
+    node.replaceChildren(...items.map(text => { const li = document.createElement("li"); li.textContent = text; return li; }));
+  };
+  list("events", events.data.map(e => `${new Date(e.created_at * 1000).toLocaleTimeString()} ${e.message}`));
+  list("checkpoints", checkpoints.data.map(c => `step ${c.step_number}: ${c.fine_tuned_model_checkpoint}`));
 }
 
 function show(loggedIn) {
@@ -111,6 +177,8 @@ function logout(message) {
   sessionStorage.removeItem("symbiosis-key");
   clearInterval(timer);
   history.length = 0;
+  selectedJob = null;
+  document.getElementById("job").hidden = true;
   document.getElementById("who").textContent = "";
   document.getElementById("login-error").textContent = message || "";
   show(false);
