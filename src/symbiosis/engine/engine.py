@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from symbiosis.engine import graphs, layers, sampling
+from symbiosis.engine import graphs, layers, sampling, stops
 from symbiosis.engine.adapters import AdapterStore
 from symbiosis.engine.batch import StepBatch
 from symbiosis.engine.kv import BlockPool, PagedKV
@@ -310,38 +310,11 @@ class Engine:
                     f"{len(request.output)}; the request is stopped", retryable=False)))
                 continue
             request.output.append(choice.token)
-            reason = self._stop_reason(request, choice.token)
-            text = self._new_text(request, final=reason is not None)
+            reason = stops.stop_reason(request, choice.token, self.tokenizer, self.eos_ids)
+            text = stops.new_text(request, final=reason is not None)
             request.events.put(Token(choice.token, text, choice.logprob, choice.top_logprobs))
             if reason is not None:
                 self._end(request, Finished(reason))
-
-    def _stop_reason(self, request: Request, token: int) -> str | None:
-        """Why the request ends with `token`, if it does; with a tokenizer, `request.text` becomes the output's
-        text (without a final stop token, cut before a stop string)."""
-        params = request.params
-        reason = "stop" if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids) else None
-        if self.tokenizer is not None:
-            request.text = self.tokenizer.decode(request.output[:-1] if reason else request.output,
-                                                 skip_special_tokens=True)
-            hits = [request.text.find(s) for s in params.stop if s in request.text] if reason is None else []
-            if hits:
-                request.text, reason = request.text[:min(hits)], "stop"
-        if reason is None and len(request.output) >= params.max_tokens:
-            reason = "length"
-        return reason
-
-    def _new_text(self, request: Request, final: bool) -> str:
-        """The text that the newest token adds, held back while it might still become a stop string or ends in
-        an incomplete character."""
-        end = len(request.text)
-        if not final:
-            end -= max((len(s) - 1 for s in request.params.stop), default=0)
-            while end > request.emitted and request.text[end - 1] == "\ufffd":
-                end -= 1
-        delta = request.text[request.emitted:max(end, request.emitted)]
-        request.emitted += len(delta)
-        return delta
 
     def _end(self, request: Request, finished: Finished) -> None:
         """The request leaves: its blocks and adapter slot go back now, though the step in flight may still run a

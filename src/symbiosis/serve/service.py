@@ -53,7 +53,7 @@ class Service:
         self.admission = Admission(max_requests, max_requests_per_tenant)
         self.metrics = Metrics(self.engine, self.executor)
         self.recent = RecentRequests()
-        self.tinker = self.jobs = self.training_queue = None
+        self.tinker = self.jobs = self.training_queue = self.split_generator = None
         if training is not None:
             from symbiosis.serve.jobs.service import JobService
             from symbiosis.serve.tinker.service import TinkerService
@@ -107,6 +107,23 @@ class Service:
         if self.jobs is not None and model.startswith("ft:"):
             return self.jobs.resolve(tenant, model)
         return self.adapters.lookup(tenant, model)
+
+    def generator_for(self, adapter: tuple[str, str] | None):
+        """What generates with `adapter`: the hosted engine (the base, LoRA adapters), or, for an adapter of another
+        PEFT method (a fine-tuning job's IA3, LoHa, ...), a split client of the executor (split_generation.py)."""
+        if adapter is None:
+            return self.engine
+        from symbiosis.errors import UnsupportedAdapter
+
+        try:
+            self.engine.adapters.load(*adapter)  # read and checked once, then cached
+            return self.engine
+        except UnsupportedAdapter:
+            if self.split_generator is None:
+                from symbiosis.serve.split_generation import SplitGenerator
+
+                self.split_generator = SplitGenerator(self)
+            return self.split_generator
 
     def finished(self, tenant: str, model: str, generation, distinct_prompts: int, error: bool) -> None:
         prompt_tokens = generation.prompt_tokens(distinct_prompts)

@@ -45,6 +45,17 @@ def _wait(client, job_id, statuses, timeout=180):
         time.sleep(0.2)
 
 
+def _plain_greedy(jobs_server, served_files, model: str, prompt: str, tokens: int) -> str:
+    """What plain transformers + PEFT (float64) says greedily with the job's adapter directory."""
+    directory = jobs_server.service.jobs.resolve("alice", model)[1]
+    tokenizer = jobs_server.service.tokenizer
+    plain = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(served_files["model"],
+                                                                                dtype=torch.float64), directory)
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    expected = plain.generate(ids, max_new_tokens=tokens, do_sample=False, pad_token_id=0)[0, ids.shape[1]:]
+    return tokenizer.decode(expected, skip_special_tokens=True)
+
+
 def test_a_file_is_checked_line_by_line(jobs_server):
     client = jobs_server.client("alice")
     bad = io.BytesIO((json.dumps(LINES[0]) + "\n{not json\n").encode())
@@ -91,13 +102,7 @@ def test_a_job_trains_reports_and_serves_its_model_and_checkpoints(jobs_server, 
     served = client.completions.create(model=job.fine_tuned_model, prompt=prompt, max_tokens=5, temperature=0)
     at_two = client.completions.create(model=checkpoints[-1].fine_tuned_model_checkpoint, prompt=prompt, max_tokens=5,
                                        temperature=0)
-    directory = jobs_server.service.jobs.resolve("alice", job.fine_tuned_model)[1]
-    tokenizer = jobs_server.service.tokenizer
-    plain = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(served_files["model"],
-                                                                                dtype=torch.float64), directory)
-    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-    expected = plain.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)[0, ids.shape[1]:]
-    assert served.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert served.choices[0].text == _plain_greedy(jobs_server, served_files, job.fine_tuned_model, prompt, 5)
     assert at_two.choices[0].text is not None
 
     bob = jobs_server.client("bob")  # none of it is bob's
@@ -141,6 +146,16 @@ def test_other_peft_methods_train_on_split_clients(jobs_server, served_files):
     directory = jobs_server.service.jobs.resolve("alice", job.fine_tuned_model)[1]
     loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(served_files["model"]), directory)
     assert loaded.peft_config["default"].peft_type == peft.PeftType.LOHA
+    # the engine runs LoRA only: the LoHa model answers on a split client, as plain PEFT does, streamed or not
+    expected = _plain_greedy(jobs_server, served_files, job.fine_tuned_model, "a dog", 6)
+    served = client.completions.create(model=job.fine_tuned_model, prompt="a dog", max_tokens=6, temperature=0)
+    assert served.choices[0].text == expected and served.choices[0].finish_reason == "length"
+    streamed = client.completions.create(model=job.fine_tuned_model, prompt="a dog", max_tokens=6, temperature=0,
+                                         stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == expected
+    chat = client.chat.completions.create(model=job.fine_tuned_model, max_tokens=3, temperature=0.8, seed=5,
+                                          messages=[{"role": "user", "content": "what sat?"}])
+    assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.completion_tokens <= 3
 
 
 def test_bad_jobs_are_refused_or_fail_with_the_reason(jobs_server):
