@@ -9,6 +9,7 @@ refers to. Every write is one transaction; readers never see half of one. Tables
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 import time
@@ -107,3 +108,40 @@ class StateStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+class Tables:
+    """A part of the service with tables of its own in the state's database (serve/tinker/store.py,
+    serve/jobs/store.py): `SCHEMA` made at start, rows read as dicts, `JSON_COLUMNS` held as JSON text."""
+
+    SCHEMA = ""
+    JSON_COLUMNS: tuple[str, ...] = ()
+
+    def __init__(self, state: StateStore):
+        self.state = state
+        state.create(self.SCHEMA)
+
+    def _rows(self, cursor) -> list[dict]:
+        names = [d[0] for d in cursor.description]
+        rows = [dict(zip(names, row)) for row in cursor.fetchall()]
+        for row in rows:
+            for column in self.JSON_COLUMNS:
+                if row.get(column) is not None:
+                    row[column] = json.loads(row[column])
+        return rows
+
+    def _encoded(self, fields: dict) -> dict:
+        return {name: json.dumps(value) if name in self.JSON_COLUMNS and value is not None else value
+                for name, value in fields.items()}
+
+    def _query(self, sql: str, parameters: tuple = ()) -> list[dict]:
+        with self.state.transaction() as db:
+            return self._rows(db.execute(sql, parameters))
+
+    def _one(self, sql: str, parameters: tuple) -> dict | None:
+        rows = self._query(sql, parameters)
+        return rows[0] if rows else None
+
+    def _change(self, sql: str, parameters: tuple) -> int:
+        with self.state.transaction() as db:
+            return db.execute(sql, parameters).rowcount

@@ -5,6 +5,7 @@ root, and API keys for three tenants."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -144,4 +145,27 @@ def launch(model: Path, state_dir: Path, keys: Path, *options: str, port: int | 
         except httpx.TransportError:
             pass
         assert time.monotonic() < deadline, "the service did not come up"
+        time.sleep(0.2)
+
+
+def terminate(process) -> None:
+    """Stop a launched service as a user does (SIGTERM), killing it if it does not end."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def wait_for_job(client, job_id: str, statuses, timeout: float = 300):
+    """The fine-tuning job once its status is one of `statuses`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        job = client.fine_tuning.jobs.retrieve(job_id)
+        if job.status in statuses:
+            return job
+        assert time.monotonic() < deadline, f"job {job_id} stayed {job.status}"
         time.sleep(0.2)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import time
 
 import openai
 import peft
@@ -14,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import start
+from conftest import start, wait_for_job
 
 LINES = [{"prompt": "the cat", "completion": " sat on the mat"}, {"prompt": "a dog", "completion": " ran in the park"},
          {"messages": [{"role": "user", "content": "what sat?"}, {"role": "assistant", "content": "the cat sat"}]},
@@ -35,14 +34,6 @@ def _jsonl(lines) -> io.BytesIO:
     return data
 
 
-def _wait(client, job_id, statuses, timeout=180):
-    deadline = time.monotonic() + timeout
-    while True:
-        job = client.fine_tuning.jobs.retrieve(job_id)
-        if job.status in statuses:
-            return job
-        assert time.monotonic() < deadline, f"job {job_id} stayed {job.status}"
-        time.sleep(0.2)
 
 
 def _plain_greedy(jobs_server, served_files, model: str, prompt: str, tokens: int) -> str:
@@ -83,7 +74,7 @@ def test_a_job_trains_reports_and_serves_its_model_and_checkpoints(jobs_server, 
             "n_epochs": 3, "batch_size": 2, "learning_rate_multiplier": 20}}},
         extra_body={"peft": {"method": "lora", "config": {"r": 4, "lora_alpha": 8}}})  # the test engine's ranks <= 8
     assert job.status in ("validating_files", "queued", "running")
-    job = _wait(client, job.id, ("succeeded", "failed"))
+    job = wait_for_job(client, job.id, ("succeeded", "failed"))
     assert job.status == "succeeded", job.error
     assert job.fine_tuned_model == f"ft:tiny-llama:poet:{job.id}" and job.trained_tokens > 0
     assert job.hyperparameters.n_epochs == 3 and job.hyperparameters.batch_size == 2
@@ -118,16 +109,16 @@ def test_cancel_pause_and_resume(jobs_server):
     training = client.files.create(file=_jsonl(LINES), purpose="fine-tune")
     long = {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 50, "batch_size": 1}}}
     job = client.fine_tuning.jobs.create(model="tiny-llama", training_file=training.id, method=long, seed=1)
-    _wait(client, job.id, ("running",))
-    paused = client.fine_tuning.jobs.pause(job.id)
-    paused = _wait(client, job.id, ("paused",))
+    wait_for_job(client, job.id, ("running",))
+    client.fine_tuning.jobs.pause(job.id)
+    wait_for_job(client, job.id, ("paused",))
     with pytest.raises(openai.BadRequestError, match="cannot be paused"):
         client.fine_tuning.jobs.pause(job.id)
     client.fine_tuning.jobs.resume(job.id)
-    resumed = _wait(client, job.id, ("running",))
+    resumed = wait_for_job(client, job.id, ("running",))
     assert resumed.status == "running"
     client.fine_tuning.jobs.cancel(job.id)
-    cancelled = _wait(client, job.id, ("cancelled",))
+    cancelled = wait_for_job(client, job.id, ("cancelled",))
     assert cancelled.fine_tuned_model is None
     messages = [e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=100)]
     assert "The job was cancelled" in messages and "The job was paused" in messages
@@ -141,7 +132,7 @@ def test_other_peft_methods_train_on_split_clients(jobs_server, served_files):
         model="tiny-llama", training_file=training.id, seed=3,
         method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 1, "batch_size": 2}}},
         extra_body={"peft": {"method": "loha", "config": {"r": 2, "alpha": 4, "target_modules": ["q_proj", "v_proj"]}}})
-    job = _wait(client, job.id, ("succeeded", "failed"))
+    job = wait_for_job(client, job.id, ("succeeded", "failed"))
     assert job.status == "succeeded", job.error
     directory = jobs_server.service.jobs.resolve("alice", job.fine_tuned_model)[1]
     loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(served_files["model"]), directory)
@@ -175,7 +166,7 @@ def test_bad_jobs_are_refused_or_fail_with_the_reason(jobs_server):
     # too long for the model's context: found when the job checks its files, named by line
     long = client.files.create(file=_jsonl(LINES + [{"prompt": "the cat " * 200, "completion": " sat"}]),
                                purpose="fine-tune")
-    job = _wait(client, client.fine_tuning.jobs.create(model="tiny-llama", training_file=long.id).id, ("failed",))
+    job = wait_for_job(client, client.fine_tuning.jobs.create(model="tiny-llama", training_file=long.id).id, ("failed",))
     assert job.error.code == "invalid_training_file" and "line 5" in job.error.message
 
 
@@ -216,7 +207,7 @@ def test_the_page_shows_a_jobs_losses_events_and_checkpoints_and_cancels_one(job
     done = client.fine_tuning.jobs.create(
         model="tiny-llama", training_file=training.id, validation_file=training.id, seed=2, extra_body=lora,
         method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 2, "batch_size": 2}}})
-    _wait(client, done.id, ("succeeded",))
+    wait_for_job(client, done.id, ("succeeded",))
     long = client.fine_tuning.jobs.create(
         model="tiny-llama", training_file=training.id, seed=2, extra_body=lora,
         method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 50, "batch_size": 1}}})
@@ -235,7 +226,7 @@ def test_the_page_shows_a_jobs_losses_events_and_checkpoints_and_cancels_one(job
     page.wait_for_selector("#events li:has-text('The job has successfully completed')")
     assert "step 4:" in page.inner_text("#checkpoints")
     page.click(f"#jobs tr[data-job='{long.id}'] button.cancel")
-    assert _wait(client, long.id, ("cancelled",)).status == "cancelled"
+    assert wait_for_job(client, long.id, ("cancelled",)).status == "cancelled"
     page.wait_for_selector(f"#jobs tr[data-job='{long.id}'] td:has-text('cancelled')")
     assert not errors
     page.close()

@@ -12,21 +12,13 @@ import openai
 import torch
 from safetensors.torch import load_file
 
-from conftest import KEYS, launch
+from conftest import KEYS, launch, terminate, wait_for_job
 
 LINES = [{"prompt": f"example {i}", "completion": f" the cat sat on mat {i}"} for i in range(6)]
 HYPER = {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 4, "batch_size": 2,
                                                                   "learning_rate_multiplier": 10}}}
 
 
-def _wait(client, job_id, statuses, timeout=300):
-    deadline = time.monotonic() + timeout
-    while True:
-        job = client.fine_tuning.jobs.retrieve(job_id)
-        if job.status in statuses:
-            return job
-        assert time.monotonic() < deadline, f"job {job_id} stayed {job.status}"
-        time.sleep(0.2)
 
 
 def test_a_killed_service_resumes_its_jobs_from_their_last_checkpoint(served_files, tmp_path):
@@ -52,23 +44,17 @@ def test_a_killed_service_resumes_its_jobs_from_their_last_checkpoint(served_fil
         process.wait(30)
 
         process, _ = launch(served_files["model"], state, keys, *options, port=port)
-        resumed = _wait(client, first.id, ("succeeded", "failed"))
+        resumed = wait_for_job(client, first.id, ("succeeded", "failed"))
         assert resumed.status == "succeeded", resumed.error
         messages = [e.message for e in client.fine_tuning.jobs.list_events(first.id, limit=100)]
         assert any(m.startswith("Resumed from the checkpoint at step") for m in messages)
         again = client.fine_tuning.jobs.create(model="tiny", training_file=file_id, seed=5, method=HYPER,
                                                extra_body=peft_lora)
-        assert _wait(client, again.id, ("succeeded", "failed")).status == "succeeded"
+        assert wait_for_job(client, again.id, ("succeeded", "failed")).status == "succeeded"
         final = [state / "jobs" / job_id / "checkpoints" / "step-12" / "adapter_model.safetensors"
                  for job_id in (first.id, again.id)]
         killed, whole = (load_file(path) for path in final)
         for name, tensor in whole.items():
             torch.testing.assert_close(killed[name], tensor, rtol=1e-6, atol=1e-8)
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(60)
-            finally:
-                if process.poll() is None:
-                    process.kill()
+        terminate(process)

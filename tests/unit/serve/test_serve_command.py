@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import symbiosis
-from conftest import KEYS, launch
+from conftest import KEYS, launch, terminate
 
 
 def test_serve_reloads_keys_on_sighup_and_shares_its_executor(served_files, tmp_path):
@@ -49,10 +49,5 @@ def test_serve_reloads_keys_on_sighup_and_shares_its_executor(served_files, tmp_
         with pytest.raises(symbiosis.errors.SymbiosisError):
             symbiosis.connect(executor_url, token=KEYS["bob"], timeout=3).stats()
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        finally:
-            if process.poll() is None:
-                process.kill()
+        terminate(process)
     assert process.returncode == 0, process.stderr.read()

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import launch
+from conftest import launch, terminate
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 tinker = pytest.importorskip("tinker")
@@ -76,10 +76,4 @@ def test_a_killed_service_comes_back_with_every_completed_step_and_says_what_it_
         assert training.forward([datum], "cross_entropy").result().metrics["loss:sum"] < after_two
         service.close("success")
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(60)
-            finally:
-                if process.poll() is None:
-                    process.kill()
+        terminate(process)

@@ -29,7 +29,7 @@ import torch
 from symbiosis.errors import SymbiosisError
 from symbiosis.serve.errors import ApiError, not_found
 from symbiosis.serve.jobs.store import JobStore
-from symbiosis.train.data import MAX_FILE_BYTES, DataError, check_lines, tokenize
+from symbiosis.train.data import DataError, check_lines, tokenize
 from symbiosis.train.job import BASE_LEARNING_RATE, HostedBackend, Hyperparameters, JobFailed, JobRunner, SplitBackend
 from symbiosis.train.lora import LoraSpec
 

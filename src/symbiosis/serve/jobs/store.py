@@ -17,7 +17,7 @@ import json
 import time
 import uuid
 
-from symbiosis.serve.state import StateStore
+from symbiosis.serve.state import Tables
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -37,35 +37,9 @@ CREATE TABLE IF NOT EXISTS job_checkpoints (
     checkpoint_id TEXT PRIMARY KEY, job_id TEXT NOT NULL, created_at INTEGER NOT NULL, step INTEGER NOT NULL,
     metrics TEXT NOT NULL, model_name TEXT NOT NULL, path TEXT NOT NULL);
 """
-JSON_COLUMNS = ("method", "peft", "hyperparameters", "error", "data", "metrics")
-
-
-def _rows(cursor) -> list[dict]:
-    names = [d[0] for d in cursor.description]
-    rows = [dict(zip(names, row)) for row in cursor.fetchall()]
-    for row in rows:
-        for column in JSON_COLUMNS:
-            if row.get(column) is not None:
-                row[column] = json.loads(row[column])
-    return rows
-
-
-class JobStore:
-    def __init__(self, state: StateStore):
-        self.state = state
-        state.create(SCHEMA)
-
-    def _query(self, sql: str, parameters: tuple = ()) -> list[dict]:
-        with self.state.transaction() as db:
-            return _rows(db.execute(sql, parameters))
-
-    def _one(self, sql: str, parameters: tuple) -> dict | None:
-        rows = self._query(sql, parameters)
-        return rows[0] if rows else None
-
-    def _change(self, sql: str, parameters: tuple) -> int:
-        with self.state.transaction() as db:
-            return db.execute(sql, parameters).rowcount
+class JobStore(Tables):
+    SCHEMA = SCHEMA
+    JSON_COLUMNS = ("method", "peft", "hyperparameters", "error", "data", "metrics")
 
     # -- files --
 
@@ -93,9 +67,7 @@ class JobStore:
         job_id = "ftjob-" + uuid.uuid4().hex[:24]
         fields = {**fields, "job_id": job_id, "tenant": tenant, "status": "validating_files",
                   "created_at": int(time.time())}
-        for column in JSON_COLUMNS:
-            if column in fields and fields[column] is not None:
-                fields[column] = json.dumps(fields[column])
+        fields = self._encoded(fields)
         names = ", ".join(fields)
         self._change(f"INSERT INTO jobs ({names}) VALUES ({', '.join('?' * len(fields))})", tuple(fields.values()))
         return self.job(tenant, job_id)
@@ -118,9 +90,7 @@ class JobStore:
         return self._query(f"SELECT * FROM jobs WHERE status IN ({marks}) ORDER BY created_at, job_id", statuses)
 
     def update_job(self, job_id: str, **fields) -> None:
-        for column in JSON_COLUMNS:
-            if column in fields and fields[column] is not None:
-                fields[column] = json.dumps(fields[column])
+        fields = self._encoded(fields)
         assignments = ", ".join(f"{name} = ?" for name in fields)
         self._change(f"UPDATE jobs SET {assignments} WHERE job_id = ?", (*fields.values(), job_id))
 

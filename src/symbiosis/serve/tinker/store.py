@@ -19,7 +19,7 @@ import json
 import time
 import uuid
 
-from symbiosis.serve.state import StateStore
+from symbiosis.serve.state import Tables
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS tinker_sessions (
@@ -43,27 +43,8 @@ CREATE TABLE IF NOT EXISTS tinker_samplers (
 KEEP_ANSWERS_S = 24 * 3600  # answered requests are kept this long (a client may poll late), then pruned
 
 
-def _rows(cursor) -> list[dict]:
-    names = [d[0] for d in cursor.description]
-    return [dict(zip(names, row)) for row in cursor.fetchall()]
-
-
-class TinkerStore:
-    def __init__(self, state: StateStore):
-        self.state = state
-        state.create(SCHEMA)
-
-    def _query(self, sql: str, parameters: tuple = ()) -> list[dict]:
-        with self.state.transaction() as db:
-            return _rows(db.execute(sql, parameters))
-
-    def _one(self, sql: str, parameters: tuple) -> dict | None:
-        rows = self._query(sql, parameters)
-        return rows[0] if rows else None
-
-    def _change(self, sql: str, parameters: tuple) -> int:
-        with self.state.transaction() as db:
-            return db.execute(sql, parameters).rowcount
+class TinkerStore(Tables):
+    SCHEMA = SCHEMA
 
     # -- sessions --
 
@@ -138,7 +119,7 @@ class TinkerStore:
     def fail_unanswered(self, error: str) -> list[dict]:
         """At start: every request accepted and not answered before the service stopped fails with `error`."""
         with self.state.transaction() as db:
-            pending = _rows(db.execute("SELECT request_id, owner, seq_id, kind FROM tinker_requests "
+            pending = self._rows(db.execute("SELECT request_id, owner, seq_id, kind FROM tinker_requests "
                                        "WHERE status = 'pending'"))
             db.execute("UPDATE tinker_requests SET status = 'failed', error = ?, category = 'server', finished = ? "
                        "WHERE status = 'pending'", (error, time.time()))
