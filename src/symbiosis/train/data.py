@@ -104,9 +104,10 @@ def check_lines(data: bytes) -> list[dict]:
     return examples
 
 
-def tokenize(records: list[dict], tokenizer, context: int | None) -> list[Example]:
-    """Examples as tokens and weights; DataError naming the line of one too long for `context` tokens, or of a
-    chat the template does not render turn by turn."""
+def tokenize(records: list[dict], tokenizer, context: int | None, vocab: int | None = None) -> list[Example]:
+    """Examples as tokens and weights; DataError naming the line of one too long for `context` tokens, of one with
+    a token id the model's `vocab` lacks (a tokenizer that does not match the model), or of a chat the template does
+    not render turn by turn."""
     examples = []
     for number, record in enumerate(records, 1):
         if "messages" in record:
@@ -121,6 +122,9 @@ def tokenize(records: list[dict], tokenizer, context: int | None) -> list[Exampl
             raise DataError(number, "fewer than two tokens")
         if context is not None and len(example.tokens) > context:
             raise DataError(number, f"{len(example.tokens)} tokens, more than the model's context of {context}")
+        if vocab is not None and max(example.tokens) >= vocab:
+            raise DataError(number, f"token id {max(example.tokens)} is outside the model's vocabulary of {vocab} "
+                                    "(the tokenizer does not match the model)")
         examples.append(example)
     return examples
 

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 import symbiosis
 from symbiosis.train import LoraSpec, Trainer
 from symbiosis.train.data import DataError, check_lines, tokenize
-from symbiosis.train.job import HostedBackend, Hyperparameters, JobRunner, SplitBackend
+from symbiosis.train.job import HostedBackend, Hyperparameters, JobFailed, JobRunner, SplitBackend
 from symbiosis.train.scheduler import TrainingQueue
 
 LINES = [{"prompt": "the cat", "completion": " sat on the mat"}, {"prompt": "a dog", "completion": " ran in the park"},
@@ -60,6 +60,8 @@ def test_a_chat_trains_on_its_assistant_turns_only(base):
                             skip_special_tokens=True).strip() == "sat on the mat"
     with pytest.raises(DataError, match="line 1: .* more than the model's context of 5"):
         tokenize([{"prompt": "the cat sat on the mat again", "completion": " and again"}], tokenizer, 5)
+    with pytest.raises(DataError, match="line 1: token id \\d+ is outside the model's vocabulary of 3"):
+        tokenize([{"prompt": "the", "completion": " cat"}], tokenizer, None, vocab=3)
 
 
 def _run(backend, examples, directory, stop_at=None, crash_at=None, validation=None, multiplier=5.0):
@@ -139,3 +141,17 @@ def test_any_peft_method_runs_as_a_split_client_and_resumes_exactly(base, tmp_pa
     cut = load_file(tmp_path / "cut" / "checkpoints" / "step-9" / "adapter_model.safetensors")
     for name, tensor in whole.items():
         torch.testing.assert_close(cut[name], tensor, rtol=1e-9, atol=1e-12)
+
+
+def test_a_diverging_job_fails_with_the_reason_and_the_queue_trains_on(base, tmp_path):
+    model, executor, _, examples = base
+    trainer = Trainer(model, executor)
+    queue = TrainingQueue(trainer).start()
+    try:
+        with pytest.raises(JobFailed, match="the training loss became (nan|inf) at step") as failed:
+            _run(_hosted(base, trainer, queue, "diverging"), examples, tmp_path / "diverging", multiplier=1e36)
+        assert failed.value.code == "training_diverged"
+        # the other tenants' work goes on in the same queue
+        assert _run(_hosted(base, trainer, queue, "healthy"), examples, tmp_path / "healthy")[0] == "succeeded"
+    finally:
+        queue.stop()

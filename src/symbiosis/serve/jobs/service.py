@@ -191,6 +191,7 @@ class JobService:
     def _examples(self, job: dict):
         """(training, validation) examples of a job; DataError says which file and line."""
         tokenizer, context = self.service.tokenizer, self.service.engine.context_limit
+        vocab = self.service.trainer.vocab
         loaded = []
         for kind in ("training", "validation"):
             file_id = job[f"{kind}_file"]
@@ -202,7 +203,7 @@ class JobService:
                 raise DataError(None, f"the {kind} file {file_id} was deleted")
             try:
                 records = check_lines((self.files_root / row["path"]).read_bytes())
-                loaded.append(tokenize(records, tokenizer, context))
+                loaded.append(tokenize(records, tokenizer, context, vocab))
             except DataError as e:
                 raise DataError(e.line, f"{kind} file {file_id}: {e}") from None
         return loaded
