@@ -153,8 +153,8 @@ class Doorbell:
                                           "(stopped, restarted or overloaded)")
             if self._reply_poll.poll(min(left, CHECK_EVERY) * 1000):
                 if not _drain(self.reply_fd) and self.answered < seq:
-                    raise ExecutorUnavailable("the executor's process is gone (its end of this client's doorbell "
-                                              "closed)")
+                    raise ExecutorUnavailable("the executor closed this client's doorbell (its process is gone, "
+                                              "or it detached this client)")
             elif self.answered < seq:
                 still_attached()
 
