@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
-import threading
 import time
 from pathlib import Path
 
@@ -29,7 +27,7 @@ import torch
 
 from common import CONFIGS, checkpoint, device, dtype, emit, with_tokenizer
 from engine import write_adapters
-from serve import arrivals, run_http, workload
+from serve import arrivals, run_http, serve_on_loopback, workload
 
 WORDS = "the cat sees a dog in garden .".split()
 
@@ -75,9 +73,6 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/symbiosis-bench-jobs")
     args = parser.parse_args()
 
-    import uvicorn
-
-    from symbiosis.serve.app import create_app
     from symbiosis.serve.service import Service
 
     workdir = Path(args.workdir)
@@ -95,17 +90,7 @@ def main() -> None:
                                       "max_lora_rank": 16, "adapter_slots": args.adapters, "max_batch_tokens": 2048},
                       training={"max_pass_tokens": args.max_pass_tokens, "checkpoint_every": args.checkpoint_every,
                                 "max_running_jobs": args.jobs, "max_running_jobs_per_tenant": 1}).start()
-    names = []
-    for i, directory in enumerate(directories):
-        names.append(f"a{i}")
-        service.adapters.load("infer", names[-1], directory.name)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning", access_log=False))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
+    server, url, names = serve_on_loopback(service, "infer", directories)
 
     vocab = CONFIGS[args.model]["vocab_size"]
     common = dict(bench="fine_tuning_jobs", model=args.model, jobs=args.jobs, batch_size=args.batch_size,

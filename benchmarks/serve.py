@@ -115,6 +115,26 @@ def run_http(url: str, key: str, jobs: list[dict], times: list[float], names: li
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def serve_on_loopback(service, tenant: str, directories: list[Path]):
+    """`tenant`'s adapters a0, a1, ... loaded from `directories` (under the service's adapter root), and the
+    service's HTTP app answering on a free loopback port from a thread: (uvicorn server, url, adapter names)."""
+    import uvicorn
+
+    from symbiosis.serve.app import create_app
+
+    names = [f"a{i}" for i in range(len(directories))]
+    for name, directory in zip(names, directories):
+        if service.state.adapter(tenant, name) is None:
+            service.adapters.load(tenant, name, directory.name)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning", access_log=False))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, f"http://127.0.0.1:{sock.getsockname()[1]}", names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
@@ -131,9 +151,6 @@ def main() -> None:
                                                   spec["names"]))))
         return
 
-    import uvicorn
-
-    from symbiosis.serve.app import create_app
     from symbiosis.serve.service import Service
 
     workdir = Path(args.workdir)
@@ -150,18 +167,7 @@ def main() -> None:
                       engine_options={"kv_blocks": kv_tokens // 64, "block_size": 64, "max_running": 96,
                                       "max_lora_rank": args.rank, "adapter_slots": args.adapters,
                                       "max_batch_tokens": 2048}).start()
-    names = []
-    for i, directory in enumerate(directories):
-        names.append(f"a{i}")
-        if service.state.adapter("bench", names[-1]) is None:
-            service.adapters.load("bench", names[-1], directory.name)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning", access_log=False))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
+    server, url, names = serve_on_loopback(service, "bench", directories)
     vocab = CONFIGS[args.model]["vocab_size"]
     common = dict(bench="serve", model=args.model, adapters=args.adapters, rank=args.rank,
                   gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
