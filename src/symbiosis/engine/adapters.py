@@ -1,18 +1,25 @@
-"""Hosted LoRA adapters: read from a PEFT directory on first use, checked against the base, kept on the device in
-slots under an LRU bound; an adapter that a running request uses is never evicted.
+"""Hosted LoRA adapters in three tiers (HMI's design): every adapter is a PEFT directory on disk; those read lately
+stay in host memory (pinned on a GPU engine) under a byte budget; those in use sit in device slots. Each memory
+tier evicts its least recently used adapter when full; an adapter that a running request uses is never evicted
+from its slot. Whichever tier an adapter comes from, the same bytes reach the slot: output does not depend on it.
 
 Reading (`AdapterStore.load`, any thread): safetensors only (no pickle anywhere in the directory), LoRA only (other
 methods run exactly on a split client: `symbiosis.from_pretrained` + PEFT), every tensor named, shaped and finite as
 the base model's layer needs, rank at most the store's `max_rank`, the base model's fingerprint where the directory
-records one (`symbiosis.json`, written by `save_adapter`). The result stays in host memory (pinned on a GPU engine).
+records one (`symbiosis.json`, written by `save_adapter`). The result is one host buffer holding every matrix (one
+pinned allocation on a GPU engine, not one per tensor), kept in the host tier until its budget evicts it.
 
 Placing (`acquire`, the engine's thread): each base layer that some adapter targets has device pools
     a[S, R, in], b[S, out, R], scale[S, 1]    (S slots, R = max_rank; a rank-r adapter fills rows/columns :r,
                                                zero beyond)
 read by the SGMV kernels; the layers of a fused group (q/k/v, gate/up: engine/layers.py) share pools, side by side:
     a[S, G*R, in] (member g's rows g*R ..), b[S, out_1 + .. + out_G, R] (its output rows), scale[S, G].
-The input embedding, when targeted, has a[S, vocab, R] and b[S, R, dim]. Copies run on a side stream; the step that
-first uses a slot waits for its copy, nothing else does.
+The input embedding, when targeted, has a[S, vocab, R] and b[S, R, dim].
+
+Copies run on a side stream, layer after layer in the model's order, each pool's copies followed by an event
+(`Pools.ready`): an eagerly run step waits, at each layer, only for that layer's own copy, so the copy of layer i+1
+runs while layer i computes (layer-wise prefetch). A step replayed from a CUDA graph cannot wait inside the graph:
+it waits for every pending copy first (`wait_all`).
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ class HostAdapter:
     key: tuple
     layers: dict[str, LoRALayer]  # base layer id -> its LoRA
     embedding: LoRALayer | None  # a [r, vocab], b [dim, r]
+    nbytes: int = 0  # of its one host buffer
 
 
 @dataclass
@@ -68,27 +76,45 @@ class Pools:
     a: torch.Tensor | None = None
     b: torch.Tensor | None = None
     scales: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None  # recorded after the latest copy into these pools, until a step waits
+
+    def wait(self, device: torch.device) -> None:
+        """Make `device`'s current stream wait for the latest copy into these pools (once)."""
+        if self.ready is not None:
+            torch.cuda.current_stream(device).wait_event(self.ready)
+            self.ready = None
 
 
 @dataclass
 class Slot:
     adapter: HostAdapter
     users: int = 0
-    ready: object = None  # a CUDA event the first step using the slot waits on
     members: set = field(default_factory=set)  # (pool id, member) that the adapter's layers fill
+
+
+@dataclass
+class TierStats:
+    """Where adapters came from, counted since the store was made."""
+    disk_reads: int = 0  # requests whose adapter was read from disk (first use, or evicted from host memory)
+    host_hits: int = 0  # ... found in host memory
+    device_hits: int = 0  # ... found in a device slot when the request was scheduled
+    placements: int = 0  # copies from host memory into a slot
 
 
 class AdapterStore:
     def __init__(self, modules: dict[str, BaseLayerSpec], embedding: tuple[str, int, int] | None, fingerprint: str,
-                 device: torch.device, dtype: torch.dtype, max_rank: int = 64, slots: int = 8, host_cache: int = 64,
-                 vocabulary_weights: dict[str, torch.Tensor] | None = None, groups: list[tuple[str, ...]] = ()):
-        """`modules`: module name -> base layer spec; `groups`: the layer ids of each fused group, in their order;
-        `embedding`: (module name, vocab, dim) of the input embedding; `vocabulary_weights`: module name -> weight
-        of the input embedding and the output head, which PEFT saves beside an adapter that targets them (accepted
-        when they are the base model's own)."""
+                 device: torch.device, dtype: torch.dtype, max_rank: int = 64, slots: int = 8,
+                 host_bytes: int = 4 << 30, vocabulary_weights: dict[str, torch.Tensor] | None = None,
+                 groups: list[tuple[str, ...]] = ()):
+        """`modules`: module name -> base layer spec (in the model's order); `groups`: the layer ids of each fused
+        group, in their order; `embedding`: (module name, vocab, dim) of the input embedding; `slots`: adapters on
+        the device at once (each slot costs `slot_bytes`); `host_bytes`: the host tier's budget;
+        `vocabulary_weights`: module name -> weight of the input embedding and the output head, which PEFT saves
+        beside an adapter that targets them (accepted when they are the base model's own)."""
         self.vocabulary_weights = vocabulary_weights or {}
-        if not 1 <= max_rank <= 1024 or slots < 1:
-            raise ValueError(f"max_rank must be in 1..1024 and slots >= 1 (got {max_rank}, {slots})")
+        if not 1 <= max_rank <= 1024 or slots < 1 or host_bytes < 0:
+            raise ValueError(f"max_rank must be in 1..1024, slots >= 1 and host_bytes >= 0 (got {max_rank}, {slots}, "
+                             f"{host_bytes})")
         self.modules, self.embedding_module, self.fingerprint = modules, embedding, fingerprint
         self.specs = {spec.layer_id: spec for spec in modules.values()}  # layer id -> spec
         # layer id -> (pool id, member, first output row in the pool); pool id -> (in features, member widths)
@@ -108,10 +134,40 @@ class AdapterStore:
         self.pools_version = 0  # how many pools have been made (a recorded decode graph reads those it saw)
         self._slots: OrderedDict[int, Slot] = OrderedDict()  # least recently used first
         self._by_key: dict[tuple, int] = {}
-        self._host: OrderedDict[tuple, HostAdapter] = OrderedDict()
-        self._host_cache = host_cache
+        self._host: OrderedDict[tuple, HostAdapter] = OrderedDict()  # least recently used first
+        self._host_budget, self.host_bytes = host_bytes, 0
+        self.stats = TierStats()
+        self.embedding_ready: torch.cuda.Event | None = None  # as Pools.ready, for the embedding pool
         self._lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @property
+    def host_budget(self) -> int:
+        return self._host_budget
+
+    @host_budget.setter
+    def host_budget(self, budget: int) -> None:
+        with self._lock:
+            self._host_budget = budget
+            self._trim_host()
+
+    def _trim_host(self) -> None:
+        while self.host_bytes > self._host_budget and self._host:  # the newest too, if it alone is over
+            self.host_bytes -= self._host.popitem(last=False)[1].nbytes
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes of one slot once every pool exists (the embedding's aside): what a slot costs."""
+        r, size = self.max_rank, self.dtype.itemsize
+        return sum((len(widths) * r * in_features + sum(widths) * r) * size + 4 * len(widths)
+                   for in_features, widths in self.pool_shapes.values())
+
+    def tiers(self) -> dict:
+        """Each tier's occupancy and the hit counts (for /metrics and benchmarks)."""
+        with self._lock:
+            host = {"adapters": len(self._host), "bytes": self.host_bytes, "budget_bytes": self._host_budget}
+        return {"device": {"slots": self.num_slots, "used": len(self._slots), "slot_bytes": self.slot_bytes},
+                "host": host, **vars(self.stats)}
 
     # -- reading (any thread) --
 
@@ -123,12 +179,15 @@ class AdapterStore:
         with self._lock:
             if key in self._host:
                 self._host.move_to_end(key)
+                self.stats.host_hits += 1
                 return self._host[key]
         adapter = self._read(name, directory, key)
         with self._lock:
-            self._host[key] = adapter
-            while len(self._host) > self._host_cache:
-                self._host.popitem(last=False)
+            self.stats.disk_reads += 1
+            if key not in self._host:
+                self._host[key] = adapter
+                self.host_bytes += adapter.nbytes
+            self._trim_host()
         return adapter
 
     def _read(self, name: str, directory: Path, key: tuple) -> HostAdapter:
@@ -149,7 +208,7 @@ class AdapterStore:
                 raise UnsupportedAdapter(f"adapter {name!r}: tensor {tensor_name!r} is not a LoRA A or B matrix; "
                                          + SPLIT_CLIENT_HINT)
             pairs.setdefault(module, {})[part] = tensor
-        layers, embedding, pin = {}, None, self.device.type == "cuda"
+        checked = []  # (module, embedded, a, b, scale)
         for module, parts in sorted(pairs.items()):
             embedded = "embedding_A" in parts or "embedding_B" in parts
             a, b = (parts.get("embedding_A"), parts.get("embedding_B")) if embedded else (parts.get("A.weight"), parts.get("B.weight"))
@@ -179,17 +238,26 @@ class AdapterStore:
                 raise AdapterError(f"adapter {name!r}: {module!r} holds NaN or Inf values")
             alpha = config["alpha_pattern"].get(get_pattern_key(config["alpha_pattern"].keys(), module), config["lora_alpha"])
             scale = alpha / math.sqrt(r) if config["use_rslora"] else alpha / r
-            a, b = a.to(self.dtype), b.to(self.dtype)
-            if pin:
-                a, b = a.pin_memory(), b.pin_memory()
-            lora = LoRALayer(a, b, float(scale))
+            checked.append((module, embedded, a, b, float(scale)))
+        if not checked:
+            raise AdapterError(f"adapter {name!r}: adapter_model.safetensors holds no LoRA matrices")
+        # one host buffer for all of them: one (pinned) allocation, so thousands of adapters cost thousands of
+        # allocations, not hundreds of thousands
+        buffer = torch.empty(sum(a.numel() + b.numel() for _, _, a, b, _ in checked), dtype=self.dtype,
+                             pin_memory=self.device.type == "cuda")
+        layers, embedding, at = {}, None, 0
+        for module, embedded, a, b, scale in checked:
+            views = []
+            for tensor in (a, b):
+                views.append(buffer[at:at + tensor.numel()].view(tensor.shape).copy_(tensor))
+                at += tensor.numel()
+            lora = LoRALayer(*views, scale)
             if embedded:
                 embedding = lora
             else:
                 layers[self.modules[module].layer_id] = lora
-        if not layers and embedding is None:
-            raise AdapterError(f"adapter {name!r}: adapter_model.safetensors holds no LoRA matrices")
-        return HostAdapter(name, key, layers, embedding)
+        ordered = {layer_id: layers[layer_id] for layer_id in self.specs if layer_id in layers}  # the model's order
+        return HostAdapter(name, key, ordered, embedding, buffer.numel() * buffer.element_size())
 
     def _check_saved_base(self, name: str, module: str, tensor: torch.Tensor) -> None:
         base = self.vocabulary_weights[module]
@@ -208,6 +276,8 @@ class AdapterStore:
             if slot is None:
                 return None
             self._place(slot, adapter)
+        else:
+            self.stats.device_hits += 1
         entry = self._slots[slot]
         entry.users += 1
         self._slots.move_to_end(slot)
@@ -216,13 +286,16 @@ class AdapterStore:
     def release(self, slot: int) -> None:
         self._slots[slot].users -= 1
 
-    def wait_ready(self, slots) -> None:
-        """Make the current stream wait for the copies of these slots (once each)."""
-        for slot in slots:
-            entry = self._slots[slot]
-            if entry.ready is not None:
-                torch.cuda.current_stream(self.device).wait_event(entry.ready)
-                entry.ready = None
+    def wait_all(self) -> None:
+        """Make the current stream wait for every pending copy (before a step that cannot wait layer by layer)."""
+        for pools in self.pools.values():
+            pools.wait(self.device)
+        self.wait_embedding()
+
+    def wait_embedding(self) -> None:
+        if self.embedding_ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.embedding_ready)
+            self.embedding_ready = None
 
     @property
     def resident(self) -> dict[str, int]:
@@ -256,9 +329,12 @@ class AdapterStore:
         return pools
 
     def _place(self, slot: int, adapter: HostAdapter) -> None:
+        """Copy `adapter` into `slot`'s rows of its pools, layer by layer in the model's order; on a GPU on the
+        copy stream, each pool's copy followed by its `ready` event."""
         stream = self._copy_stream
         if stream is not None:  # steps queued before may still read the slot's old adapter (engine.py overlaps)
             stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.stats.placements += 1
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             members = set()
             for layer_id, lora in adapter.layers.items():
@@ -273,6 +349,9 @@ class AdapterStore:
                 b_rows[:, r:].zero_()
                 pools.scales[slot, member] = lora.scale
                 members.add((pool_id, member))
+                if stream is not None:
+                    pools.ready = torch.cuda.Event()
+                    pools.ready.record(stream)
             if adapter.embedding is not None:
                 if self.embedding_pool is None:
                     _, vocab, dim = self.embedding_module
@@ -287,11 +366,10 @@ class AdapterStore:
                 b_pool[slot, :r].copy_(lora.b.t(), non_blocking=True)
                 b_pool[slot, r:].zero_()
                 scales[slot] = lora.scale
-        ready = None
-        if stream is not None:
-            ready = torch.cuda.Event()
-            ready.record(stream)
-        self._slots[slot] = Slot(adapter, ready=ready, members=members)
+                if stream is not None:
+                    self.embedding_ready = torch.cuda.Event()
+                    self.embedding_ready.record(stream)
+        self._slots[slot] = Slot(adapter, members=members)
         self._by_key[adapter.key] = slot
 
 

@@ -127,9 +127,10 @@ class _InFlight:
 class Engine:
     def __init__(self, model_path, executor, tokenizer=None, *, kv_blocks: int = 512, block_size: int = 64,
                  max_batch_tokens: int = 512, max_running: int = 64, max_lora_rank: int = 64, adapter_slots: int = 8,
-                 decode_graphs: bool | None = None, compile_layers: bool | None = None):
+                 adapter_host_bytes: int = 4 << 30, decode_graphs: bool | None = None, compile_layers: bool | None = None):
         """An engine over `executor` (an in-process `symbiosis.Executor` of `model_path`): its model shares
-        the executor's base weights. KV pool: `kv_blocks` blocks of `block_size` tokens. `decode_graphs`
+        the executor's base weights. KV pool: `kv_blocks` blocks of `block_size` tokens. Adapters: `adapter_slots` on the device, up to
+        `adapter_host_bytes` of them in host memory (engine/adapters.py). `decode_graphs`
         (default: on a GPU) replays decode steps from CUDA graphs; on the CPU it runs them padded, eagerly.
         `compile_layers` (default: with decode graphs on a GPU) runs those steps' decoder layers compiled
         (engine/compiled.py)."""
@@ -147,7 +148,7 @@ class Engine:
                                                                           self.compile_layers)
         self.config = self.model.config.get_text_config()
         self.adapters = AdapterStore(modules, embedding, executor.fingerprint, self.device, self.dtype, max_lora_rank,
-                                     adapter_slots, vocabulary_weights=vocabulary, groups=groups)
+                                     adapter_slots, adapter_host_bytes, vocabulary_weights=vocabulary, groups=groups)
         layers.attach_pools(self.model, self.adapters)
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be positive")
@@ -243,7 +244,6 @@ class Engine:
     def _launch(self, chunks: list) -> int:
         """Queue the step on the device (its sampled tokens become `_in_flight`); returns its token count, 0 if it
         failed (its requests fail with it)."""
-        self.adapters.wait_ready({c.slot for c in chunks if c.slot is not None})
         try:
             with torch.inference_mode():
                 batch, logits = self._forward(chunks)
@@ -271,6 +271,7 @@ class Engine:
         layout = (self.pool.block_size, self.pool.num_blocks, self.max_pages, self.device)
         if self.graphs is not None and self.adapters.embedding_pool is None and \
                 all(len(c.tokens) == 1 and c.sample for c in chunks):
+            self.adapters.wait_all()  # a graph cannot wait layer by layer (adapters.py)
             rows = graphs.bucket(len(chunks))
             batch = StepBatch(chunks, *layout, padded_rows=rows)
             key = (rows, batch.token_segments is not None, self.adapters.pools_version)

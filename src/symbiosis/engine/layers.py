@@ -53,6 +53,8 @@ def _project(base: BaseLayer, pools: Pools, tokens: torch.Tensor, state: StepSta
     segments = None if batch is None else batch.row_segments if is_head else batch.token_segments
     if segments is None or pools.a is None:
         return base.forward(tokens)
+    if pools.ready is not None and not torch.compiler.is_compiling():  # this layer's adapter copy, not the others'
+        pools.wait(tokens.device)
     linear = linear_with_lora_op if torch.compiler.is_compiling() else linear_with_lora
     return linear(tokens, base.weight, base.bias, base.spec.kind == "conv1d", pools.a, pools.b, pools.scales,
                   segments.starts, segments.slots, segments.max_len, list(widths))
@@ -114,6 +116,7 @@ class FusedGroup:
         y = layer.forward(tokens)
         batch, pools = self.state.batch, self.pools
         if batch is not None and batch.token_segments is not None and pools.a is not None:
+            pools.wait(tokens.device)
             rank, first = pools.b.shape[2], sum(self.widths[:member])
             lora_apply(y, tokens, pools.a[:, member * rank:(member + 1) * rank], pools.b[:, first:first + y.shape[1]],
                        pools.scales[:, member:member + 1], batch.token_segments, slices=(y.shape[1],))
@@ -139,6 +142,7 @@ class EngineEmbedding(nn.Module):
         pools = None if batch is None or batch.token_segments is None else self.adapters.embedding_pool
         if pools is None:
             return out
+        self.adapters.wait_embedding()
         a_pool, b_pool, scales = pools
         flat, ids = out.view(-1, out.shape[-1]), input_ids.reshape(-1)
         scale = getattr(self.embedding, "embed_scale", None)

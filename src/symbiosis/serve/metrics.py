@@ -1,7 +1,7 @@
 """Prometheus metrics (prometheus_client, a registry of the service's own), with vLLM's names under the
 `symbiosis:` prefix where vLLM has one. Served at `/metrics` to the admin tenant.
 
-Engine state (running / waiting requests, KV cache use) and the executor's batching (calls, batches, tokens,
+Engine state (running / waiting requests, KV cache use, the adapter tiers) and the executor's batching (calls, batches, tokens,
 queue wait: the split tenants' calls) are read when scraped; request figures are observed as requests end."""
 
 from __future__ import annotations
@@ -26,6 +26,16 @@ class _Live:
                                 value=len(scheduler.waiting))
         yield GaugeMetricFamily("symbiosis:kv_cache_usage_perc", "Fraction of the KV cache's blocks in use (0-1).",
                                 value=1.0 - pool.free / pool.num_blocks)
+        tiers = self.engine.adapters.tiers()
+        yield GaugeMetricFamily("symbiosis:adapter_slots_used", "Device adapter slots holding an adapter.",
+                                value=tiers["device"]["used"])
+        yield GaugeMetricFamily("symbiosis:adapter_host_bytes", "Bytes of adapters held in host memory.",
+                                value=tiers["host"]["bytes"])
+        lookups = CounterMetricFamily("symbiosis:adapter_lookups", "Where requests' adapters were found.",
+                                      labels=["tier"])
+        for tier, key in (("device", "device_hits"), ("host", "host_hits"), ("disk", "disk_reads")):
+            lookups.add_metric([tier], tiers[key])
+        yield lookups
         overall = self.executor.stats_snapshot()["overall"]
         for name, key, text in (("executor_calls", "calls", "Layer calls the executor ran (split tenants)."),
                                 ("executor_batches", "batches", "Batched GEMMs those calls made."),

@@ -225,7 +225,8 @@ def test_metrics_are_the_admins_and_usage_is_counted_per_tenant(loaded):
     for name in ("symbiosis:num_requests_running", "symbiosis:num_requests_waiting", "symbiosis:kv_cache_usage_perc",
                  "symbiosis:time_to_first_token_seconds_bucket", "symbiosis:inter_token_latency_seconds_bucket",
                  "symbiosis:e2e_request_latency_seconds_count", "symbiosis:executor_batches_total",
-                 'symbiosis:generation_tokens_total{model="writer",tenant="bob"}'):
+                 'symbiosis:generation_tokens_total{model="writer",tenant="bob"}', "symbiosis:adapter_slots_used",
+                 "symbiosis:adapter_host_bytes", 'symbiosis:adapter_lookups_total{tier="disk"}'):
         assert name in metrics, name
     usage = httpx.get(loaded.url + "/v1/usage", headers={"Authorization": f"Bearer {KEYS['bob']}"}).json()["data"]
     assert {row["tenant"] for row in usage} == {"bob"} and any(row["model"] == "writer" for row in usage)

@@ -1,0 +1,92 @@
+"""The engine's adapter tiers (engine/adapters.py): an adapter read from disk, placed from host memory or found
+already in a device slot gives the very same tokens and log-probabilities; the host tier keeps to its byte budget,
+least recently used first; on a GPU each layer waits only for its own pool's copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from symbiosis.engine import Engine, SamplingParams
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11]
+PARAMS = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3)
+
+
+def _run(engine, adapters, name):
+    completion = engine.generate([PROMPT], PARAMS, [(name, adapters[name])])[0]
+    return completion.token_ids, [(t.logprob, t.top_logprobs) for t in completion.logprobs]
+
+
+def _tier_walk(engine, adapters):
+    """The same request with `everything_rs` from each tier in turn: disk, device slot, host memory, disk again."""
+    stats = engine.adapters.stats
+    first = _run(engine, adapters, "everything_rs")
+    assert (stats.disk_reads, stats.placements) == (1, 1)
+    assert _run(engine, adapters, "everything_rs") == first and stats.device_hits == 1  # still in its slot
+    _run(engine, adapters, "mlp_r8")  # takes the only slot
+    assert _run(engine, adapters, "everything_rs") == first
+    assert (stats.host_hits, stats.disk_reads, stats.placements) == (2, 2, 3)  # from host memory, not read again
+    engine.adapters.host_budget = 0  # host memory keeps nothing: each use reads the disk
+    _run(engine, adapters, "mlp_r8")
+    assert _run(engine, adapters, "everything_rs") == first and stats.disk_reads == 4
+    assert engine.adapters.tiers()["host"] == {"adapters": 0, "bytes": 0, "budget_bytes": 0}
+
+
+def test_output_is_the_same_whichever_tier_the_adapter_came_from(models):
+    checkpoint, adapters = models("llama")
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, adapter_slots=1)
+    _tier_walk(engine, adapters)
+
+
+def test_the_host_tier_keeps_to_its_byte_budget_least_recently_used_first(models):
+    checkpoint, adapters = models("llama")
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=8, block_size=4)
+    store = engine.adapters
+    sizes = {name: store.load(name, adapters[name]).nbytes for name in ("attn_r2", "mlp_r8", "everything_rs")}
+    lora_bytes = {name: sum(l.a.nbytes + l.b.nbytes for l in store.load(name, adapters[name]).layers.values())
+                  for name in sizes}
+    assert sizes == lora_bytes  # one buffer, exactly the matrices
+    store.host_budget = 0  # empties it
+    assert store.tiers()["host"]["bytes"] == 0
+    store.host_budget = sizes["attn_r2"] + sizes["mlp_r8"] + sizes["everything_rs"] - 1
+    reads = store.stats.disk_reads
+    for name in ("attn_r2", "mlp_r8", "attn_r2", "everything_rs"):  # attn_r2 used again: mlp_r8 is the oldest
+        store.load(name, adapters[name])
+    assert store.stats.disk_reads == reads + 3
+    assert [a.name for a in store._host.values()] == ["attn_r2", "everything_rs"]
+    assert store.host_bytes == sizes["attn_r2"] + sizes["everything_rs"] <= store.host_budget
+
+
+def test_an_adapter_is_one_host_buffer_with_its_layers_in_the_models_order(models):
+    checkpoint, adapters = models("llama")
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=8, block_size=4)
+    adapter = engine.adapters.load("everything_rs", adapters["everything_rs"])
+    tensors = [t for lora in adapter.layers.values() for t in (lora.a, lora.b)]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    model_order = [layer_id for layer_id in engine.adapters.specs if layer_id in adapter.layers]
+    assert list(adapter.layers) == model_order
+    assert engine.adapters.slot_bytes > 0
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_each_layer_waits_for_its_own_copy_and_tiers_agree(models):
+    """float32 on CUDA: after a placement every targeted pool holds a pending copy event; an eager step waits for
+    them layer by layer (none is left pending), and every tier gives the same tokens, eager or graph-replayed."""
+    checkpoint, adapters = models("llama")
+    for decode_graphs in (False, True):
+        engine = Engine.from_pretrained(checkpoint, device="cuda", dtype=torch.float32, kv_blocks=16, block_size=16,
+                                        adapter_slots=1, decode_graphs=decode_graphs)
+        store = engine.adapters
+        store.acquire(store.load("everything_rs", adapters["everything_rs"]))
+        pending = [pool_id for pool_id, pools in store.pools.items() if pools.ready is not None]
+        assert pending and len(pending) == sum(pools.a is not None for pools in store.pools.values())
+        store.release(0)
+        placed_first = _run(engine, adapters, "everything_rs")
+        assert all(pools.ready is None for pools in store.pools.values())
+        _run(engine, adapters, "mlp_r8")  # takes the slot
+        store.host_budget = 0  # nothing in host memory: the walk starts from disk
+        store.host_budget = 4 << 30
+        store.stats.__init__()
+        _tier_walk(engine, adapters)
+        assert _run(engine, adapters, "everything_rs") == placed_first
