@@ -1,0 +1,213 @@
+"""PLOT against the models it stands in for (float64): the cut model is exact; lookups equal the lower layers where
+the sequence is a fragment of the table; aggregation and back-off follow HMI eq. 2-3; domain tables keep the top
+alpha%; a build resumes after a crash; damaged tables and bad corpora fail with clear errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from matrix import make_checkpoint
+from symbiosis.plot import (CorpusTooSmall, LowerLayers, Plot, PlotModel, PlotTable, PlotTableError, UnsupportedModel,
+                            UpperModel, build_table)
+
+LAYERS = {"llama": {"num_hidden_layers": 4}, "gpt2": {"n_layer": 4}, "gemma2": {"num_hidden_layers": 4},
+          "bert": {"num_hidden_layers": 4}}
+CORPUS = [[5, 6, 7], [5, 6, 7, 8, 9, 10], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27], [5, 6, 7, 8]]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            made[arch] = tmp_path_factory.mktemp(f"plot-{arch}")
+            make_checkpoint(arch, made[arch], dtype=torch.float64, **LAYERS[arch])
+        return made[arch]
+
+    return get
+
+
+def _whole(arch, path):
+    auto = AutoModelForSequenceClassification if arch == "bert" else AutoModelForCausalLM
+    return auto.from_pretrained(path, dtype=torch.float64).eval()
+
+
+@pytest.fixture(scope="module")
+def root(checkpoint, tmp_path_factory):
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            lower = LowerLayers(checkpoint(arch), 2, dtype=torch.float64)
+            made[arch] = build_table(lower, CORPUS, tmp_path_factory.mktemp(f"root-{arch}") / "root", dtype="float64")
+        return made[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2", "bert"])
+def test_the_upper_layers_on_the_lower_layers_output_are_the_whole_model(checkpoint, arch):
+    path = checkpoint(arch)
+    ids = torch.tensor([[3, 9, 27, 81, 2, 6, 18, 54, 40, 1]])
+    lower, upper = LowerLayers(path, 2, dtype=torch.float64), UpperModel(path, 2, dtype=torch.float64)
+    expected = _whole(arch, path)(input_ids=ids).logits
+    assert torch.allclose(upper.logits(lower.represent(ids.numpy())), expected, rtol=1e-10, atol=1e-10)
+    assert len(list(upper.model.base_model.modules())) < len(list(_whole(arch, path).base_model.modules()))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+def test_sequences_that_are_fragments_of_the_table_give_the_whole_models_logits(checkpoint, root, arch):
+    path = checkpoint(arch)
+    model = PlotModel(UpperModel(path, 2, dtype=torch.float64), Plot(root(arch)))
+    sequences = [[5, 6, 7], [11, 12]] if arch != "bert" else [[5, 6, 7], [6, 7, 8]]
+    whole = _whole(arch, path)
+    for sequence in sequences:
+        expected = whole(input_ids=torch.tensor([sequence])).logits
+        assert torch.allclose(model.logits([sequence]), expected, rtol=1e-10, atol=1e-10), sequence
+
+
+def test_encoder_tokens_are_the_normalized_sum_of_their_trigrams_with_back_off(checkpoint, root):
+    lower, plot = LowerLayers(checkpoint("bert"), 2, dtype=torch.float64), Plot(root("bert"))
+    sequence = [20, 21, 22, 23, 24]
+    trigrams = lower.represent(np.lib.stride_tricks.sliding_window_view(np.array(sequence), 3))  # [3, 3, d]
+    expected = torch.stack([trigrams[0, 0], (trigrams[0, 1] + trigrams[1, 0]) / 2,
+                            (trigrams[0, 2] + trigrams[1, 1] + trigrams[2, 0]) / 3,
+                            (trigrams[1, 2] + trigrams[2, 1]) / 2, trigrams[2, 2]])
+    assert torch.allclose(torch.from_numpy(plot.represent([sequence])[0]), expected, rtol=1e-12)
+    # [11, 12, 30]: no tri-gram; [11, 12] is a bi-gram of the corpus, 30 only a uni-gram
+    got = torch.from_numpy(plot.represent([[11, 12, 30]])[0])
+    bigram, unigram = lower.represent(np.array([[11, 12]]))[0], lower.represent(np.array([[30]]))[0, 0]
+    assert torch.allclose(got, torch.stack([bigram[0], bigram[1], unigram]), rtol=1e-12)
+
+
+def test_decoder_tokens_take_the_longest_fragment_ending_at_them(checkpoint, root):
+    lower, plot = LowerLayers(checkpoint("llama"), 2, dtype=torch.float64), Plot(root("llama"))
+    sequence = [5, 6, 7, 8, 30, 9]  # [7, 8, 30] and [8, 30] are not in the corpus; [30, 9] neither
+    got = torch.from_numpy(plot.represent([sequence])[0])
+    fragments = [[5], [5, 6], [5, 6, 7], [6, 7, 8], [30], [9]]
+    expected = torch.stack([lower.represent(np.array([f]))[0, -1] for f in fragments])
+    assert torch.allclose(got, expected, rtol=1e-12)
+
+
+def test_generation_looks_up_one_fragment_per_token_and_agrees_with_whole_sequence_lookups(checkpoint, root):
+    model = PlotModel(UpperModel(checkpoint("llama"), 2, dtype=torch.float64), Plot(root("llama")))
+    prompt = [20, 21, 22, 23]
+    tokens = model.generate(prompt, 6)
+    sequence = list(prompt)
+    for token in tokens:  # greedy by recomputing everything from the whole sequence's lookups
+        assert int(model.logits([sequence])[0, -1].argmax()) == token
+        sequence.append(token)
+    batches = [[[5, 6, 7], [20, 21, 22, 23, 24]], [[11, 12]], [[9, 8, 7, 6]]]
+    for got, batch in zip(model.pipelined(batches), batches, strict=True):
+        assert torch.equal(got, model.logits(batch))
+
+
+def test_domain_tables_keep_the_top_alpha_percent_and_fall_back_to_the_root(checkpoint, root, tmp_path):
+    path = checkpoint("llama")
+    domain_lower = LowerLayers(path, 2, dtype=torch.float64)
+    with torch.no_grad():  # the domain's further pre-trained lower layers
+        domain_lower.model.layers[1].mlp.down_proj.weight.mul_(1.5)
+    corpus = [[40, 41, 42, 43]] * 5 + [[50, 51, 52]] * 2 + [[60, 61, 62]]
+    sizes = {}
+    for alpha in (100, 50, 30, 0):
+        table = build_table(domain_lower, corpus, tmp_path / f"alpha{alpha}", alpha=alpha, root=root("llama"),
+                            dtype="float64")
+        sizes[alpha] = table.entries()
+        assert table.entries()[3] == math.ceil(4 * alpha / 100)  # 4 distinct tri-grams
+    assert sizes[0] == {1: 0, 2: 0, 3: 0} and sizes[100][3] == 4
+    domain = PlotTable.open(tmp_path / "alpha50")  # [40,41,42] (5x) and [41,42,43] (5x) kept
+    plot = Plot(root("llama"), domain)
+    mine = torch.from_numpy(plot.represent([[40, 41, 42]])[0][-1])
+    assert torch.allclose(mine, domain_lower.represent(np.array([[40, 41, 42]]))[0, -1], rtol=1e-12)
+    root_lower = LowerLayers(path, 2, dtype=torch.float64)
+    root_only = torch.from_numpy(plot.represent([[5, 6, 7]])[0][-1])  # not the domain's: the root's
+    assert torch.allclose(root_only, root_lower.represent(np.array([[5, 6, 7]]))[0, -1], rtol=1e-12)
+    assert not torch.allclose(mine, root_lower.represent(np.array([[40, 41, 42]]))[0, -1])
+
+
+def test_a_build_resumes_where_it_stopped(checkpoint, tmp_path):
+    lower = LowerLayers(checkpoint("gpt2"), 2, dtype=torch.float64)
+    calls = []
+    represent = lower.represent
+    lower.represent = lambda fragments: calls.append(len(fragments)) or represent(fragments)
+
+    def crash_after_two(done, total):
+        if len(calls) == 2:
+            raise KeyboardInterrupt("the process died")
+
+    with pytest.raises(KeyboardInterrupt):
+        build_table(lower, CORPUS, tmp_path / "t", chunk=5, progress=crash_after_two, dtype="float64")
+    assert not (tmp_path / "t").exists() and (tmp_path / "t.work" / "progress.json").exists()
+    rows = sum(calls)
+    resumed = build_table(lower, CORPUS, tmp_path / "t", chunk=5, dtype="float64")
+    whole = build_table(LowerLayers(checkpoint("gpt2"), 2, dtype=torch.float64), CORPUS, tmp_path / "u", chunk=5,
+                        dtype="float64")  # the same chunks: the same sums, bit for bit
+    assert sum(calls) - rows == sum(whole.entries().values()) - rows  # only what was left
+    for length in (1, 2, 3):
+        assert np.array_equal(resumed.levels[length].keys, whole.levels[length].keys)
+        assert np.array_equal(resumed.levels[length].values, whole.levels[length].values)
+    assert not (tmp_path / "t.work").exists()
+
+
+def test_damaged_tables_and_bad_input_are_refused_with_the_reason(checkpoint, root, tmp_path):
+    import shutil
+
+    source = root("llama").directory
+
+    def copy(name):
+        shutil.copytree(source, tmp_path / name)
+        return tmp_path / name
+
+    flipped = copy("flipped")
+    data = bytearray((flipped / "values-3.npy").read_bytes())
+    data[-1] ^= 0xFF
+    (flipped / "values-3.npy").write_bytes(bytes(data))
+    with pytest.raises(PlotTableError, match="values-3.npy: its SHA-256"):
+        PlotTable.open(flipped)
+    truncated = copy("truncated")
+    (truncated / "keys-2.npy").write_bytes((truncated / "keys-2.npy").read_bytes()[:-8])
+    with pytest.raises(PlotTableError, match="keys-2.npy"):
+        PlotTable.open(truncated)
+    pickled = copy("pickled")
+    np.save(pickled / "keys-1.npy", np.array([{"x": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(PlotTableError, match="keys-1.npy: not a readable"):
+        PlotTable.open(pickled)
+    garbled = copy("garbled")
+    (garbled / "plot.json").write_text("{")
+    with pytest.raises(PlotTableError, match="plot.json: not readable JSON"):
+        PlotTable.open(garbled)
+    meta = json.loads((source / "plot.json").read_text())
+    for field, value in (("n", 40), ("kind", "pickle"), ("levels", {})):
+        bad = copy(f"bad-{field}")
+        (bad / "plot.json").write_text(json.dumps({**meta, field: value}))
+        with pytest.raises(PlotTableError, match="plot.json"):
+            PlotTable.open(bad)
+    with pytest.raises(PlotTableError, match="not a PLOT table"):
+        PlotTable.open(tmp_path)
+    other_root = build_table(LowerLayers(checkpoint("llama"), 2, dtype=torch.float64), [[1, 2, 3, 4]],
+                             tmp_path / "other-root", dtype="float64")
+    domain = build_table(LowerLayers(checkpoint("llama"), 2, dtype=torch.float64), [[1, 2, 3]], tmp_path / "d",
+                         root=other_root, dtype="float64")
+    with pytest.raises(PlotTableError, match="another root"):
+        Plot(root("llama"), domain)
+    with pytest.raises(PlotTableError, match="uni-gram for every token"):
+        Plot(domain)
+    with pytest.raises(CorpusTooSmall, match="holds 7 tokens; a table is built from at least 100"):
+        build_table(LowerLayers(checkpoint("llama"), 2), [[1, 2, 3], [4, 5, 6, 7]], tmp_path / "small", min_tokens=100)
+    with pytest.raises(PlotTableError, match="token ids in 0..127"):
+        Plot(root("llama")).represent([[1, 500]])
+    with pytest.raises(ValueError, match="tables are for the decoder"):
+        PlotModel(UpperModel(checkpoint("bert"), 2, dtype=torch.float64), Plot(root("llama")))
+
+
+def test_an_architecture_that_adds_its_own_positions_is_refused(tmp_path):
+    make_checkpoint("opt", tmp_path, num_hidden_layers=4)
+    with pytest.raises(UnsupportedModel, match="do not give the whole model's logits"):
+        UpperModel(tmp_path, 2)
