@@ -45,7 +45,7 @@ def _cut_config(config, layers: slice):
     return config
 
 
-def _layer_list(model: nn.Module, count: int) -> tuple[nn.Module, str]:
+def layer_list(model: nn.Module, count: int) -> tuple[nn.Module, str]:
     """(parent, attribute) of the model's stack of `count` transformer layers."""
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) == count and name.rsplit(".", 1)[-1] in ("layers", "h", "layer"):
@@ -73,7 +73,7 @@ class LowerLayers:
                                                dtype=dtype).to(device).eval()
         if state_dict is not None:
             self.model.load_state_dict(state_dict, strict=False)
-        parent, attribute = _layer_list(self.model, lower_layers)
+        parent, attribute = layer_list(self.model, lower_layers)
         self._output = None
         getattr(parent, attribute)[-1].register_forward_hook(self._keep)
         self.hidden = config.hidden_size
@@ -126,7 +126,7 @@ class UpperModel:
         model = auto.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         probe_ids = torch.tensor([[1, 2, 3][:min(3, config.vocab_size)]], device=device)
         expected = model(input_ids=probe_ids).logits if probe else None
-        parent, attribute = _layer_list(model, config.num_hidden_layers)
+        parent, attribute = layer_list(model, config.num_hidden_layers)
         setattr(parent, attribute, nn.ModuleList(list(getattr(parent, attribute))[lower_layers:]))
         cut = _cut_config(model.config, slice(lower_layers, None))  # with the attention implementation set
         whole = model.config

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from symbiosis.errors import BadCall
 from symbiosis.train.data import Example, epoch_order
 from symbiosis.train.lora import HostedLora, LoraSpec
+from symbiosis.train.moments import load_moments, save_moments
 from symbiosis.train.scheduler import Operation, TrainingQueue
 from symbiosis.train.trainer import Datum, Trainer, Work
 
@@ -166,29 +166,14 @@ class SplitBackend:
 
         save_adapter(self.model, directory)
         if with_optimizer:
-            tensors, steps = {}, {}
-            for name, parameter in self.parameters.items():
-                state = self.optimizer.state.get(parameter, {})
-                for moment in ("exp_avg", "exp_avg_sq"):
-                    if moment in state:
-                        tensors[f"{name}.{moment}"] = state[moment].detach().contiguous().cpu()
-                if "step" in state:
-                    steps[name] = float(state["step"])
-            save_file(tensors, directory / "optimizer.safetensors")
-            (directory / "optimizer_steps.json").write_text(json.dumps(steps))
+            save_moments(self.optimizer, self.parameters, directory)
 
     def load(self, directory: Path) -> None:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file as read
 
         set_peft_model_state_dict(self.model, read(directory / "adapter_model.safetensors"))
-        moments = load_file(directory / "optimizer.safetensors")
-        steps = json.loads((directory / "optimizer_steps.json").read_text())
-        for name, parameter in self.parameters.items():
-            if f"{name}.exp_avg" in moments:
-                self.optimizer.state[parameter] = {
-                    "step": torch.tensor(steps[name]), "exp_avg": moments[f"{name}.exp_avg"].to(parameter),
-                    "exp_avg_sq": moments[f"{name}.exp_avg_sq"].to(parameter)}
+        load_moments(self.optimizer, self.parameters, directory)
 
     def close(self) -> None:
         session = getattr(self.model.get_base_model(), "symbiosis_session", None)

@@ -211,3 +211,53 @@ def test_an_architecture_that_adds_its_own_positions_is_refused(tmp_path):
     make_checkpoint("opt", tmp_path, num_hidden_layers=4)
     with pytest.raises(UnsupportedModel, match="do not give the whole model's logits"):
         UpperModel(tmp_path, 2)
+
+
+def test_further_pretraining_trains_only_the_lower_layers_and_resumes_exactly(checkpoint, tmp_path):
+    from symbiosis.plot.train import Schedule, Stopped, further_pretrain
+
+    path, corpus = checkpoint("llama"), [list(range(10, 60))] * 3
+    schedule = Schedule(steps=4, learning_rate=1e-2, batch_size=2, window=16, checkpoint_every=2)
+    whole = further_pretrain(path, 2, corpus, tmp_path / "a", schedule, dtype=torch.float64)
+    original = LowerLayers(path, 2, dtype=torch.float64).model.state_dict()
+    assert set(whole) == {n for n in original if n.startswith(("layers.0.", "layers.1."))}
+    assert all(not torch.equal(whole[n], original[n]) for n in whole if n.endswith("proj.weight"))
+    with pytest.raises(Stopped):
+        further_pretrain(path, 2, corpus, tmp_path / "b", schedule, dtype=torch.float64,
+                         stop=lambda: (tmp_path / "b" / "state" / "state.json").exists())  # after the first save
+    resumed = further_pretrain(path, 2, corpus, tmp_path / "b", schedule, dtype=torch.float64)
+    assert all(torch.equal(resumed[n], whole[n]) for n in whole)
+    domain = LowerLayers(path, 2, dtype=torch.float64, state_dict=whole)
+    assert not torch.equal(domain.represent(np.array([[10, 11, 12]])), LowerLayers(path, 2, dtype=torch.float64)
+                           .represent(np.array([[10, 11, 12]])))
+    bert = further_pretrain(checkpoint("bert"), 2, corpus, tmp_path / "c", Schedule(steps=2, window=16),
+                            mask_token_id=3, dtype=torch.float64)
+    assert all(n.startswith("encoder.layer.") for n in bert)
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_a_tenant_adapter_trains_on_the_upper_layers_over_plot(checkpoint, root, arch, tmp_path):
+    import peft
+
+    from symbiosis.plot.train import Schedule, train_adapter
+
+    path, plot = checkpoint(arch), Plot(root(arch))
+    examples = [([5, 6, 7, 8], 1), ([20, 21, 22], 2)] if arch == "bert" else [([5, 6, 7, 8, 9, 10], None)]
+    task = "SEQ_CLS" if arch == "bert" else "CAUSAL_LM"
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type=task)
+
+    def loss_of(model):
+        upper = UpperModel(path, 2, dtype=torch.float64, probe=False)
+        upper.model = model(upper.model)
+        logits = PlotModel(upper, plot).logits([tokens for tokens, _ in examples])
+        if arch == "bert":
+            return torch.nn.functional.cross_entropy(logits, torch.tensor([label for _, label in examples]))
+        return torch.nn.functional.cross_entropy(logits[0, :-1], torch.tensor(examples[0][0][1:]))
+
+    adapter = train_adapter(path, 2, plot, examples, tmp_path, Schedule(steps=30, learning_rate=2e-2, batch_size=2),
+                            config, dtype=torch.float64)
+    before = loss_of(lambda m: m)
+    after = loss_of(lambda m: peft.PeftModel.from_pretrained(m, adapter))
+    assert after < 0.85 * before, (before, after)  # a tiny random head caps how far it can go
+    names = json.loads((adapter / "adapter_config.json").read_text())
+    assert names["peft_type"] == "LORA"
