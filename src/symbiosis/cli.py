@@ -159,7 +159,9 @@ def serve_command(args: argparse.Namespace) -> int:
                               "persist_every": args.persist_every, "max_pass_tokens": args.max_pass_tokens,
                               "tokenizer_id": args.tokenizer_id, "max_running_jobs": args.max_running_jobs,
                               "max_running_jobs_per_tenant": args.max_running_jobs_per_tenant,
-                              "checkpoint_every": args.checkpoint_every})
+                              "checkpoint_every": args.checkpoint_every},
+                          hmi=None if args.plot_root is None else {
+                              "root": args.plot_root, "min_corpus_tokens": args.hmi_min_corpus_tokens})
     except (symbiosis.SymbiosisError, KeyFileError, ValueError, OSError) as e:
         raise SystemExit(f"symbiosis serve: {e}") from None
     signal.signal(signal.SIGHUP, lambda *_: service.reload_keys())
@@ -243,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--persist-every", type=int, default=1, help="write each training model's state to the state "
                        "dir every N optimizer steps (1: every step, before it is answered)")
     serve.add_argument("--max-pass-tokens", type=int, default=16384, help="tokens of one batched training pass")
+    serve.add_argument("--plot-root", help="a PLOT root table (`symbiosis plot build`): enables HMI's domains and "
+                       "models (/v1/hmi, `symbiosis hmi`) over the layers it stands in for")
+    serve.add_argument("--hmi-min-corpus-tokens", type=int, default=10_000, help="the smallest corpus a domain is "
+                       "built from")
     serve.add_argument("--tokenizer-id", help="what the Tinker API tells clients to load as the tokenizer (default: "
                        "the model directory, for clients on this machine; else e.g. the base model's hub name)")
     serve.set_defaults(run=serve_command)
@@ -250,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     from symbiosis.serve.jobs import cli as jobs_cli
 
     jobs_cli.add_parser(commands)
+    from symbiosis.serve.hmi import cli as hmi_cli
+
+    hmi_cli.add_parser(commands)
 
     executor = commands.add_parser("executor", help=executor_command.__doc__)
     executor.add_argument("--model", help="Hugging Face model directory (config.json + safetensors)")

@@ -2,11 +2,11 @@
 making them from a corpus; lookup.py: a domain's lookups and their aggregation; split.py: the model cut at layer k;
 model.py: inference on the upper layers."""
 
-from symbiosis.plot.build import CorpusTooSmall, build_table
+from symbiosis.plot.build import CorpusTooSmall, Stopped, build_table
 from symbiosis.plot.lookup import Plot
 from symbiosis.plot.model import PlotModel
 from symbiosis.plot.split import LowerLayers, UnsupportedModel, UpperModel
 from symbiosis.plot.table import PlotTable, PlotTableError
 
-__all__ = ["CorpusTooSmall", "LowerLayers", "Plot", "PlotModel", "PlotTable", "PlotTableError", "UnsupportedModel",
+__all__ = ["CorpusTooSmall", "LowerLayers", "Plot", "PlotModel", "PlotTable", "PlotTableError", "Stopped", "UnsupportedModel",
            "UpperModel", "build_table"]

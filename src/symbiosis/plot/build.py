@@ -33,6 +33,10 @@ class CorpusTooSmall(SymbiosisError):
     """A corpus below the minimum size a table is built from."""
 
 
+class Stopped(SymbiosisError):
+    """A build or a training asked to stop (deleted, or the service closing); started again, it resumes."""
+
+
 def count_fragments(sequences: list[np.ndarray], length: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
     """The distinct `length`-grams of the corpus, packed (sorted), and how often each occurs."""
     packed = [pack(sliding_window_view(s, length), vocab) for s in sequences if s.size >= length]
@@ -55,9 +59,10 @@ def _corpus(sequences) -> list[np.ndarray]:
 
 def build_table(lower: LowerLayers, sequences, directory: str | os.PathLike, *, n: int = 3, alpha: float = 100.0,
                 root: PlotTable | None = None, dtype: str = "float16", min_tokens: int = 0, chunk: int = 4096,
-                progress: Callable[[int, int], None] | None = None) -> PlotTable:
+                progress: Callable[[int, int], None] | None = None,
+                stop: Callable[[], bool] | None = None) -> PlotTable:
     """Build the table of `lower` over `sequences` (lists of token ids) into `directory`: a root table, or with
-    `root`, a domain table over it keeping the top `alpha`%. `progress(rows done, rows in all)` after each chunk."""
+    `root`, a domain table over it keeping the top `alpha`%. `progress(rows done, rows in all)` after each chunk; `stop()` true ends it (`Stopped`) between chunks."""
     directory = Path(directory)
     corpus = _corpus(sequences)
     tokens = sum(s.size for s in corpus)
@@ -104,6 +109,8 @@ def build_table(lower: LowerLayers, sequences, directory: str | os.PathLike, *, 
     for length in range(1, n + 1):
         values = np.load(work / f"values-{length}.npy", mmap_mode="r+", allow_pickle=False)
         for first in range(done[str(length)], keys[length].size, chunk):
+            if stop is not None and stop():
+                raise Stopped(f"stopped with {sum(done.values())} of {total} rows built; it resumes from there")
             rows = slice(first, min(first + chunk, keys[length].size))
             values[rows] = lower.represent(unpack(keys[length][rows], length, vocab)).cpu().double().numpy()
             values.flush()

@@ -118,12 +118,16 @@ class UpperModel:
     """Layers k..L-1 and the head of `model_dir`: decoders as their causal LM, encoders as their sequence
     classifier. `model` is the Hugging Face module (PEFT adapters wrap it)."""
 
-    def __init__(self, model_dir, lower_layers: int, device="cpu", dtype=None, probe: bool = True):
+    def __init__(self, model_dir, lower_layers: int, device="cpu", dtype=None, probe: bool = True, model=None):
+        """`model`: the whole model of `model_dir`, already built (a split client on the executor's weights, so
+        that no copy of the base is made), else it is loaded."""
         config = AutoConfig.from_pretrained(model_dir)
         check_cut(config, lower_layers)
         self.kind, self.lower_layers = model_kind(config), lower_layers
-        auto = AutoModelForCausalLM if self.kind == "decoder" else AutoModelForSequenceClassification
-        model = auto.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        if model is None:
+            auto = AutoModelForCausalLM if self.kind == "decoder" else AutoModelForSequenceClassification
+            model = auto.from_pretrained(model_dir, dtype=dtype).to(device)
+        model.eval()
         probe_ids = torch.tensor([[1, 2, 3][:min(3, config.vocab_size)]], device=device)
         expected = model(input_ids=probe_ids).logits if probe else None
         parent, attribute = layer_list(model, config.num_hidden_layers)
@@ -142,7 +146,7 @@ class UpperModel:
             base.wpe = _NoPositions(base.wpe.embedding_dim)
         self.model, self.device = model, torch.device(device)
         if probe:
-            lower = LowerLayers(model_dir, lower_layers, device, dtype)
+            lower = LowerLayers(model_dir, lower_layers, device, model.dtype)
             hidden = lower.represent(probe_ids.cpu().numpy())
             got = self.logits(hidden)
             if got.shape != expected.shape or not torch.allclose(got.float(), expected.float(), rtol=1e-3, atol=1e-3):

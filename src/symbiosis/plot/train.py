@@ -29,15 +29,12 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
 from symbiosis.errors import SymbiosisError
+from symbiosis.plot.build import Stopped
 from symbiosis.plot.lookup import Plot
 from symbiosis.plot.split import UpperModel, layer_list, check_cut, model_kind
 from symbiosis.train.moments import load_moments, save_moments
 
 MASK_FRACTION = 0.15  # BERT's: of the chosen tokens 80% become [MASK], 10% a random token, 10% stay
-
-
-class Stopped(SymbiosisError):
-    """A training asked to stop (the service is closing); it resumes from its last checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -151,15 +148,19 @@ def further_pretrain(model_dir, lower_layers: int, corpus, directory, schedule: 
     return {name: p.detach().cpu().clone() for name, p in trained.items()}
 
 
-def train_adapter(model_dir, lower_layers: int, plot: Plot, examples: list[tuple[list[int], int | None]], directory,
-                  schedule: Schedule, peft_config, *, device="cpu", dtype=None, progress=None, stop=None) -> Path:
-    """A PEFT adapter (`peft_config`) on the upper layers of `model_dir`, trained on `plot`'s representations of
-    `examples` ((tokens, label) pairs; label None for a decoder's causal LM). Checkpoints in `directory`/state;
-    the adapter is saved to `directory`/adapter, which is returned."""
+def train_adapter(upper: UpperModel, plot: Plot, examples: list[tuple[list[int], int | None]], directory,
+                  schedule: Schedule, peft_config, *, start=None, progress=None, stop=None) -> Path:
+    """A PEFT adapter (`peft_config`; or the adapter in directory `start`, trained further) on `upper` (a fresh
+    one: PEFT changes it), trained on `plot`'s representations of `examples` ((tokens, label) pairs; label None
+    for a decoder's causal LM). Checkpoints in `directory`/state; the adapter is saved to `directory`/adapter,
+    which is returned."""
     import peft
 
-    upper = UpperModel(model_dir, lower_layers, device, dtype, probe=False)
-    model = peft.get_peft_model(upper.model, peft_config)
+    if start is not None:
+        model = peft.PeftModel.from_pretrained(upper.model, start, is_trainable=True)
+    else:
+        model = peft.get_peft_model(upper.model, peft_config)
+    device = upper.device
     trained = {name: p for name, p in model.named_parameters() if p.requires_grad}
     hidden = [torch.from_numpy(h) for h in plot.represent([tokens for tokens, _ in examples])]
     encoder = plot.kind == "encoder"

@@ -160,5 +160,9 @@ def create_app(service) -> FastAPI:
         from symbiosis.serve.jobs import api as jobs_api
 
         app.include_router(jobs_api.router(service, tenant))
+    if service.hmi is not None:
+        from symbiosis.serve.hmi import api as hmi_api
+
+        app.include_router(hmi_api.router(service.hmi, tenant))
     app.add_middleware(BodyLimit)
     return app

@@ -22,10 +22,12 @@ class Service:
     def __init__(self, model: str | Path, state_dir: str | Path, api_keys: str | Path, *, adapter_root=None,
                  device: str = "cpu", dtype=None, executor_listen: str | None = None, served_name: str | None = None,
                  max_requests: int = 256, max_requests_per_tenant: int = 64, max_chat_tokens: int = 4096,
-                 engine_options: dict | None = None, training: dict | None = None):
+                 engine_options: dict | None = None, training: dict | None = None, hmi: dict | None = None):
         """`training`: hosted training's options (max_pass_tokens: tokens of one batched pass; the Tinker API's
         persist_every and tokenizer_id; the fine-tuning jobs' max_running_jobs, max_running_jobs_per_tenant,
-        checkpoint_every), or None for no hosted training (neither the Tinker API nor fine-tuning jobs)."""
+        checkpoint_every), or None for no hosted training (neither the Tinker API nor fine-tuning jobs). `hmi`: HMI's
+        domains and models (serve/hmi/: root, the PLOT root table's directory; min_corpus_tokens), which need
+        hosted training's files."""
         from transformers import AutoTokenizer
 
         from symbiosis.engine import Engine
@@ -66,17 +68,28 @@ class Service:
             tinker = {key: training.pop(key) for key in ("persist_every", "tokenizer_id") if key in training}
             self.tinker = TinkerService(self, **tinker)
             self.jobs = JobService(self, **training)
+        self.hmi = None
+        if hmi is not None:
+            if self.jobs is None:
+                raise ValueError("HMI's domains and models need hosted training (its files API)")
+            from symbiosis.serve.hmi.service import HmiService
+
+            self.hmi = HmiService(self, **hmi)
 
     def start(self) -> "Service":
         self.engine.start()
         if self.training_queue is not None:
             self.training_queue.start()
             self.jobs.start()
+        if self.hmi is not None:
+            self.hmi.start()
         if self.server is not None:
             self.server.start()
         return self
 
     def close(self) -> None:
+        if self.hmi is not None:
+            self.hmi.close()
         if self.training_queue is not None:
             self.jobs.close()
             self.training_queue.stop()

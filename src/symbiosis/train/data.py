@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
+from typing import Callable
 
 from symbiosis.errors import BadCall
 
@@ -81,8 +82,23 @@ def parse_line(line: str) -> dict:
     raise ValueError('each line must hold "messages", or "prompt" and "completion"')
 
 
-def check_lines(data: bytes) -> list[dict]:
-    """The examples of a JSONL file, or DataError naming the first bad line."""
+def parse_text_line(line: str) -> dict:
+    """One line of a domain corpus or an HMI task's data: {"text": ...}, with an integer "label" (0..1023) for a
+    classifier."""
+    try:
+        record = json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str) or not record["text"].strip():
+        raise ValueError('each line must be an object with a non-empty "text"')
+    label = record.get("label")
+    if label is not None and (not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < 1024):
+        raise ValueError('"label" must be an integer in 0..1023')
+    return {"text": record["text"], "label": label}
+
+
+def check_lines(data: bytes, parse: Callable[[str], dict] = parse_line) -> list[dict]:
+    """The examples of a JSONL file (each line read by `parse`), or DataError naming the first bad line."""
     if len(data) > MAX_FILE_BYTES:
         raise DataError(None, f"the file is over {MAX_FILE_BYTES} bytes")
     try:
@@ -96,7 +112,7 @@ def check_lines(data: bytes) -> list[dict]:
         if len(examples) >= MAX_LINES:
             raise DataError(number, f"more than {MAX_LINES} examples")
         try:
-            examples.append(parse_line(line))
+            examples.append(parse(line))
         except ValueError as e:
             raise DataError(number, str(e)) from None
     if not examples:

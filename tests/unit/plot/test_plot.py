@@ -254,8 +254,8 @@ def test_a_tenant_adapter_trains_on_the_upper_layers_over_plot(checkpoint, root,
             return torch.nn.functional.cross_entropy(logits, torch.tensor([label for _, label in examples]))
         return torch.nn.functional.cross_entropy(logits[0, :-1], torch.tensor(examples[0][0][1:]))
 
-    adapter = train_adapter(path, 2, plot, examples, tmp_path, Schedule(steps=30, learning_rate=2e-2, batch_size=2),
-                            config, dtype=torch.float64)
+    adapter = train_adapter(UpperModel(path, 2, dtype=torch.float64, probe=False), plot, examples, tmp_path,
+                            Schedule(steps=30, learning_rate=2e-2, batch_size=2), config)
     before = loss_of(lambda m: m)
     after = loss_of(lambda m: peft.PeftModel.from_pretrained(m, adapter))
     assert after < 0.85 * before, (before, after)  # a tiny random head caps how far it can go

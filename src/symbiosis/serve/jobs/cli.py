@@ -8,31 +8,16 @@ service's HTTP API (standard library only: nothing heavy is imported).
 from __future__ import annotations
 
 import json
-import os
 import time
-import urllib.error
-import urllib.request
+
+from symbiosis.serve.http_cli import add_connection, call
 
 FINAL = ("succeeded", "failed", "cancelled")
 BAR = 30
 
 
 def _get(args, path: str) -> dict:
-    if not args.api_key:
-        raise SystemExit("symbiosis jobs: give --api-key (or set SYMBIOSIS_API_KEY)")
-    request = urllib.request.Request(args.base_url.rstrip("/") + path,
-                                     headers={"Authorization": f"Bearer {args.api_key}"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        try:
-            message = json.loads(e.read())["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = e.reason
-        raise SystemExit(f"symbiosis jobs: {e.code}: {message}") from None
-    except urllib.error.URLError as e:
-        raise SystemExit(f"symbiosis jobs: cannot reach {args.base_url}: {e.reason}") from None
+    return call(args, path, command="symbiosis jobs")
 
 
 def _line(job: dict) -> str:
@@ -86,8 +71,7 @@ def follow_job(args) -> int:
 
 def add_parser(commands) -> None:
     jobs = commands.add_parser("jobs", help="fine-tuning jobs of a running `symbiosis serve`: list, show, follow")
-    jobs.add_argument("--base-url", default=os.environ.get("SYMBIOSIS_BASE_URL", "http://127.0.0.1:8000/v1"))
-    jobs.add_argument("--api-key", default=os.environ.get("SYMBIOSIS_API_KEY") or os.environ.get("OPENAI_API_KEY"))
+    add_connection(jobs)
     actions = jobs.add_subparsers(dest="action", required=True)
     listing = actions.add_parser("list", help="your jobs, newest first")
     listing.add_argument("--limit", type=int, default=20)

@@ -29,13 +29,16 @@ import torch
 from symbiosis.errors import SymbiosisError
 from symbiosis.serve.errors import ApiError, not_found
 from symbiosis.serve.jobs.store import JobStore
-from symbiosis.train.data import DataError, check_lines, tokenize
+from symbiosis.train.data import DataError, check_lines, parse_line, parse_text_line, tokenize
 from symbiosis.train.job import BASE_LEARNING_RATE, HostedBackend, Hyperparameters, JobFailed, JobRunner, SplitBackend
 from symbiosis.train.lora import LoraSpec
 
 log = logging.getLogger("symbiosis.serve.jobs")
 SUFFIX = re.compile(r"[A-Za-z0-9._-]{1,40}")
 ACTIVE = ("validating_files", "queued", "running")
+# what a file of each purpose holds: fine-tuning examples (chat or prompt/completion); texts (and labels) for HMI's
+# domain corpora and tasks (serve/hmi/)
+PURPOSES = {"fine-tune": parse_line, "hmi": parse_text_line}
 # the keys a LoRA config may hold for the batched trainer; any other (dropout, DoRA, biases, ...) runs on a split client
 HOSTED_LORA_KEYS = {"r", "lora_alpha", "target_modules", "use_rslora", "lora_dropout", "task_type"}
 
@@ -108,14 +111,14 @@ class JobService:
     # -- files --
 
     def upload(self, tenant: str, filename: str, purpose: str, data: bytes) -> dict:
-        if purpose != "fine-tune":
-            raise ApiError(400, f"purpose {purpose!r} is not supported (fine-tune)", "purpose")
+        if purpose not in PURPOSES:
+            raise ApiError(400, f"purpose {purpose!r} is not supported ({', '.join(PURPOSES)})", "purpose")
         if not filename or len(filename) > 255 or "/" in filename or "\\" in filename or "\x00" in filename:
             raise ApiError(400, "a file name of 1-255 characters, without slashes", "file")
         if not filename.endswith(".jsonl"):
             raise ApiError(400, "a training file is a .jsonl file (one JSON example per line)", "file")
         try:
-            examples = check_lines(data)
+            examples = check_lines(data, PURPOSES[purpose])
         except DataError as e:
             raise ApiError(400, f"{filename}: {e}", "file", "invalid_file") from None
         relative = f"{uuid.uuid4().hex}.jsonl"
@@ -129,10 +132,13 @@ class JobService:
                 "filename": row["filename"], "purpose": row["purpose"], "status": "processed", "expires_at": None,
                 "status_details": None}
 
-    def file(self, tenant: str, file_id: str) -> dict:
+    def file(self, tenant: str, file_id: str, purpose: str | None = None, param: str = "file_id") -> dict:
+        """The tenant's file (404 if it has none of that id); 400 unless it was uploaded for `purpose`."""
         row = self.store.file(tenant, file_id)
         if row is None:
-            raise ApiError(404, f"No such File object: {file_id}", "file_id", "file_not_found")
+            raise ApiError(404, f"No such File object: {file_id[:80]}", param, "file_not_found")
+        if purpose is not None and row["purpose"] != purpose:
+            raise ApiError(400, f"file {file_id} was uploaded for {row['purpose']!r}, not {purpose!r}", param)
         return row
 
     def file_content(self, tenant: str, file_id: str) -> bytes:
@@ -149,10 +155,10 @@ class JobService:
         base = self.service.base_name
         if body.get("model") != base:
             raise ApiError(400, f"this service fine-tunes {base!r}, not {str(body.get('model'))[:80]!r}", "model")
-        training = self.file(tenant, str(body.get("training_file")))
+        training = self.file(tenant, str(body.get("training_file")), "fine-tune", "training_file")
         validation = body.get("validation_file")
         if validation is not None:
-            self.file(tenant, str(validation))
+            self.file(tenant, str(validation), "fine-tune", "validation_file")
         suffix = body.get("suffix")
         if suffix is not None and not SUFFIX.fullmatch(str(suffix)):
             raise ApiError(400, "suffix must be 1-40 of [A-Za-z0-9._-]", "suffix")

@@ -1,0 +1,185 @@
+"""HMI's lifecycle on the real service (uvicorn on loopback, float64 on the CPU): domains (further pre-training,
+then a top-alpha% table over the root) and tenant models (an adapter on the upper layers over PLOT) through the
+`symbiosis hmi` CLI and the HTTP API; generation equal to the library's; tenants kept apart; bad input refused
+with its reason; a domain build stopped by a restart resumes to the very result an uninterrupted build gives."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+
+import numpy as np
+import openai
+import peft
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from conftest import KEYS, start
+
+try:
+    import httpx2 as httpx
+except ImportError:
+    import httpx
+
+ROOT_TEXTS = [f"the cat sat on the mat number {i} and the dog ran in the park" for i in range(12)]
+BIO_TEXTS = [f"the cell splits and the protein folds in sample {i}" for i in range(10)]
+TASK_TEXTS = ["the cell splits fast", "the protein folds slowly"]
+OPTIONS = {"steps": 3, "batch_size": 2, "window": 16, "learning_rate": 1e-3}
+
+
+@pytest.fixture(scope="module")
+def hmi_files(served_files, tmp_path_factory):
+    from symbiosis.plot import LowerLayers, build_table
+
+    root = tmp_path_factory.mktemp("hmi") / "plot-root"
+    tokenizer = AutoTokenizer.from_pretrained(served_files["model"])
+    build_table(LowerLayers(served_files["model"], 2, dtype=torch.float64), tokenizer(ROOT_TEXTS)["input_ids"], root,
+                dtype="float64")
+    return {**served_files, "plot_root": root}
+
+
+def _start(files, state):
+    return start(files, state, training={}, hmi={"root": files["plot_root"], "min_corpus_tokens": 40})
+
+
+@pytest.fixture(scope="module")
+def hmi_server(hmi_files, tmp_path_factory):
+    running = _start(hmi_files, tmp_path_factory.mktemp("hmi-state"))
+    yield running
+    running.stop()
+
+
+def _upload(server, tenant, lines, purpose="hmi") -> str:
+    data = io.BytesIO("\n".join(json.dumps(line) for line in lines).encode())
+    data.name = "data.jsonl"
+    return server.client(tenant).files.create(file=data, purpose=purpose).id
+
+
+def _api(server, tenant, method, path, body=None):
+    return httpx.request(method, server.url + "/v1/hmi" + path, json=body, timeout=60,
+                         headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+
+
+def _wait(server, tenant, path, timeout=300) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        row = _api(server, tenant, "GET", path).json()
+        if row["status"] in ("ready", "failed"):
+            return row
+        assert time.monotonic() < deadline, row
+        time.sleep(0.1)
+
+
+def _cli(server, tenant, *args, tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": t}) for t in BIO_TEXTS))
+    args = [a if a != "CORPUS" else str(corpus) for a in args]
+    env = {**os.environ, "SYMBIOSIS_API_KEY": KEYS[tenant], "SYMBIOSIS_BASE_URL": server.url + "/v1"}
+    return subprocess.run([sys.executable, "-m", "symbiosis.cli", "hmi", *args], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_domains_and_models_through_the_cli_and_the_api(hmi_server, hmi_files, tmp_path):
+    done = _cli(hmi_server, "alice", "domain", "create", "bio", "--corpus", "CORPUS", "--alpha", "50", "--steps", "3",
+                "--follow", "--interval", "0.1", tmp_path=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "bio" in done.stdout and "ready" in done.stdout
+    bio = _api(hmi_server, "alice", "GET", "/domains/bio").json()
+    tokenizer = AutoTokenizer.from_pretrained(hmi_files["model"])
+    ids = tokenizer(BIO_TEXTS)["input_ids"]
+    distinct = len({tuple(s[i:i + 3]) for s in ids for i in range(len(s) - 2)})
+    assert bio["status"] == "ready" and bio["entries"]["3"] == math.ceil(distinct * 0.5) and bio["table_bytes"] > 0
+    again = _cli(hmi_server, "alice", "domain", "update", "bio", "--corpus", "CORPUS", "--follow", "--interval", "0.1",
+                 tmp_path=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert [v["version"] for v in _api(hmi_server, "alice", "GET", "/domains/bio").json()["versions"]] == [2, 1]
+
+    assert _api(hmi_server, "bob", "GET", "/domains/bio").status_code == 404  # alice's alone
+    task = _upload(hmi_server, "alice", [{"text": t} for t in TASK_TEXTS])
+    refused = _api(hmi_server, "bob", "POST", "/models", {"name": "m", "domain": "bio", "training_file": task})
+    assert refused.status_code == 404  # neither alice's domain nor alice's file
+    made = _api(hmi_server, "alice", "POST", "/models", {"name": "triage", "domain": "bio", "training_file": task,
+                                                         "steps": 4, "learning_rate": 1e-2, "rank": 4})
+    assert made.status_code == 200, made.text
+    model = _wait(hmi_server, "alice", "/models/triage")
+    assert model["status"] == "ready", model["error"]
+    assert model["domain"] == {"name": "bio", "version": 2}
+    answer = _api(hmi_server, "alice", "POST", "/models/triage/generate", {"prompt": "the cell", "max_tokens": 5})
+    assert answer.status_code == 200, answer.text
+
+    # the library's answer: PLOT of (root, bio v2) and the adapter on plain transformers' upper layers
+    from symbiosis.plot import Plot, PlotModel, PlotTable, UpperModel
+
+    state = hmi_server.service.state.directory / "hmi"
+    upper = UpperModel(hmi_files["model"], 2, dtype=torch.float64)
+    upper.model = peft.PeftModel.from_pretrained(upper.model, state / "models" / model["id"] / "adapter")
+    bio2 = PlotTable.open(state / "domains" / _api(hmi_server, "alice", "GET", "/domains/bio").json()["id"] / "table")
+    expected = PlotModel(upper, Plot(PlotTable.open(hmi_files["plot_root"]), bio2)).generate(
+        tokenizer("the cell")["input_ids"], 5)
+    assert answer.json()["tokens"] == expected
+    assert _api(hmi_server, "bob", "POST", "/models/triage/generate", {"prompt": "x"}).status_code == 404
+
+    assert _cli(hmi_server, "alice", "domain", "delete", "bio", tmp_path=tmp_path).returncode == 0
+    orphan = _api(hmi_server, "alice", "POST", "/models/triage/generate", {"prompt": "the cell"})
+    assert orphan.status_code == 409 and "deleted" in orphan.json()["error"]["message"]
+    assert _api(hmi_server, "alice", "GET", "/models/triage").json()["domain"] == "deleted"
+    assert _cli(hmi_server, "alice", "model", "delete", "triage", tmp_path=tmp_path).returncode == 0
+    assert not (state / "models" / model["id"]).exists()
+
+
+def test_bad_input_is_refused_with_its_reason(hmi_server):
+    small = _upload(hmi_server, "bob", [{"text": "too few words"}])
+    answer = _api(hmi_server, "bob", "POST", "/domains", {"name": "tiny", "corpus_file": small})
+    assert answer.status_code == 400 and "a domain is built from at least 40" in answer.json()["error"]["message"]
+    chat = _upload(hmi_server, "bob", [{"prompt": "a", "completion": "b"}], purpose="fine-tune")
+    answer = _api(hmi_server, "bob", "POST", "/domains", {"name": "chat", "corpus_file": chat})
+    assert answer.status_code == 400 and "uploaded for 'fine-tune'" in answer.json()["error"]["message"]
+    corpus = _upload(hmi_server, "bob", [{"text": t} for t in BIO_TEXTS])
+    for body, field in (({"name": "../up", "corpus_file": corpus}, "name"),
+                        ({"name": "a", "corpus_file": corpus, "alpha": 150}, "alpha"),
+                        ({"name": "a", "corpus_file": corpus, "steps": "many"}, "steps")):
+        answer = _api(hmi_server, "bob", "POST", "/domains", body)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
+    with pytest.raises(openai.BadRequestError, match="text"):
+        _upload(hmi_server, "bob", [{"txt": "no text field"}])
+    assert _api(hmi_server, "bob", "POST", "/models", {"name": "m", "domain": "nowhere",
+                                                       "training_file": corpus}).status_code == 404
+    assert _api(hmi_server, "bob", "POST", "/models/nothing/generate", {"prompt": "x"}).status_code == 404
+
+
+def test_a_domain_build_stopped_by_a_restart_resumes_to_the_uninterrupted_result(hmi_files, tmp_path):
+    from safetensors.torch import load_file
+
+    state = tmp_path / "state"
+    first = _start(hmi_files, state)
+    corpus = _upload(first, "alice", [{"text": t} for t in BIO_TEXTS])
+    options = {**OPTIONS, "steps": 200, "alpha": 100}
+    interrupted = _api(first, "alice", "POST", "/domains", {"name": "a", "corpus_file": corpus, **options}).json()
+    deadline = time.monotonic() + 120
+    while _api(first, "alice", "GET", "/domains/a").json()["progress"]["done"] < 25:  # past a checkpoint (every 20)
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    first.stop()  # mid-way: the step stops where it is
+    with sqlite3.connect(state / "symbiosis.db") as db:
+        assert db.execute("SELECT status FROM hmi_domains").fetchall() == [("running",)]
+    second = _start(hmi_files, state)
+    try:
+        resumed = _wait(second, "alice", "/domains/a")
+        assert resumed["status"] == "ready", resumed["error"]
+        _api(second, "alice", "POST", "/domains", {"name": "b", "corpus_file": corpus, **options})
+        whole = _wait(second, "alice", "/domains/b")
+        domains = state / "hmi" / "domains"
+        a, b = (load_file(domains / row["id"] / "lower.safetensors") for row in (interrupted, whole))
+        assert all(torch.equal(a[name], b[name]) for name in b)
+        for length in (1, 2, 3):
+            assert np.array_equal(np.load(domains / interrupted["id"] / "table" / f"values-{length}.npy"),
+                                  np.load(domains / whole["id"] / "table" / f"values-{length}.npy"))
+    finally:
+        second.stop()
