@@ -60,6 +60,16 @@ class LoRALayer:
 
 
 @dataclass
+class BottleneckLayer:
+    down: torch.Tensor  # [r, out]
+    down_bias: torch.Tensor  # [r]
+    up: torch.Tensor  # [out, r]
+    up_bias: torch.Tensor  # [out]
+    scale: float
+    act: int  # index in kernels.bottleneck.ACTIVATIONS
+
+
+@dataclass
 class HostAdapter:
     """One adapter, checked, in host memory. `key` changes when its files change."""
     name: str
@@ -67,15 +77,11 @@ class HostAdapter:
     layers: dict[str, LoRALayer]  # base layer id -> its LoRA
     embedding: LoRALayer | None  # a [r, vocab], b [dim, r]
     nbytes: int = 0  # of its one host buffer
+    bottlenecks: dict[str, BottleneckLayer] = field(default_factory=dict)  # base layer id -> its bottleneck
 
 
-@dataclass
-class Pools:
-    """One layer's (or fused group's) device pools, made when a first adapter targets it: a [S, G*R, in],
-    b [S, out, R], scales float32 [S, G]. The engine's layers hold this object, so a pool made later is seen."""
-    a: torch.Tensor | None = None
-    b: torch.Tensor | None = None
-    scales: torch.Tensor | None = None
+class _Copied:
+    """Device pools that adapter copies write on the side stream."""
     ready: torch.cuda.Event | None = None  # recorded after the latest copy into these pools, until a step waits
 
     def wait(self, device: torch.device) -> None:
@@ -83,6 +89,29 @@ class Pools:
         if self.ready is not None:
             torch.cuda.current_stream(device).wait_event(self.ready)
             self.ready = None
+
+
+@dataclass
+class Pools(_Copied):
+    """One layer's (or fused group's) LoRA pools, made when a first adapter targets it: a [S, G*R, in],
+    b [S, out, R], scales float32 [S, G]. The engine's layers hold this object, so a pool made later is seen."""
+    a: torch.Tensor | None = None
+    b: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+
+
+@dataclass
+class BottleneckPools(_Copied):
+    """One layer's bottleneck pools (kernels/bottleneck.py): down [S, R, out], down_bias [S, R], up [S, out, R],
+    up_bias [S, out], scales float32 [S], acts int32 [S]."""
+    down: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    up: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+    acts: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
 
 
 @dataclass
@@ -130,6 +159,8 @@ class AdapterStore:
                                          tuple(self.specs[layer_id].out_features for layer_id in group))
         self.device, self.dtype, self.max_rank, self.num_slots = device, dtype, max_rank, slots
         self.pools = {pool_id: Pools() for pool_id in self.pool_shapes}
+        # bottlenecks go on the outputs of layers that share no input with a sibling (o_proj, down_proj)
+        self.bottleneck_pools = {layer_id: BottleneckPools() for layer_id in self.specs if layer_id in self.pools}
         self.embedding_pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.pools_version = 0  # how many pools have been made (a recorded decode graph reads those it saw)
         self._slots: OrderedDict[int, Slot] = OrderedDict()  # least recently used first
@@ -197,6 +228,8 @@ class AdapterStore:
             tensors = load_file(directory / "adapter_model.safetensors")
         except (SafetensorError, OSError, ValueError) as e:
             raise AdapterError(f"adapter {name!r}: adapter_model.safetensors is not a readable safetensors file ({e})") from e
+        if config["peft_type"] == "BOTTLENECK":
+            return self._pack(name, key, [], self._bottlenecks(name, tensors, config))
         pairs: dict[str, dict[str, torch.Tensor]] = {}
         for tensor_name, tensor in tensors.items():
             module = tensor_name.removeprefix(PREFIX).removesuffix(".base_layer.weight")
@@ -241,23 +274,69 @@ class AdapterStore:
             checked.append((module, embedded, a, b, float(scale)))
         if not checked:
             raise AdapterError(f"adapter {name!r}: adapter_model.safetensors holds no LoRA matrices")
-        # one host buffer for all of them: one (pinned) allocation, so thousands of adapters cost thousands of
-        # allocations, not hundreds of thousands
-        buffer = torch.empty(sum(a.numel() + b.numel() for _, _, a, b, _ in checked), dtype=self.dtype,
-                             pin_memory=self.device.type == "cuda")
-        layers, embedding, at = {}, None, 0
-        for module, embedded, a, b, scale in checked:
-            views = []
-            for tensor in (a, b):
-                views.append(buffer[at:at + tensor.numel()].view(tensor.shape).copy_(tensor))
-                at += tensor.numel()
-            lora = LoRALayer(*views, scale)
+        return self._pack(name, key, checked, {})
+
+    def _pack(self, name: str, key: tuple, loras: list[tuple], bottlenecks: dict[str, tuple]) -> HostAdapter:
+        """One host buffer for all of an adapter's tensors: one (pinned) allocation, so thousands of adapters
+        cost thousands of allocations, not hundreds of thousands. `loras`: (module, embedded, a, b, scale);
+        `bottlenecks`: layer id -> (down, down_bias, up, up_bias, scale, act)."""
+        tensors = [t for _, _, a, b, _ in loras for t in (a, b)] + [t for b in bottlenecks.values() for t in b[:4]]
+        buffer = torch.empty(sum(t.numel() for t in tensors), dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        views, at = [], 0
+        for tensor in tensors:
+            views.append(buffer[at:at + tensor.numel()].view(tensor.shape).copy_(tensor))
+            at += tensor.numel()
+        views = iter(views)
+        layers, embedding = {}, None
+        for module, embedded, _, _, scale in loras:
+            lora = LoRALayer(next(views), next(views), scale)
             if embedded:
                 embedding = lora
             else:
                 layers[self.modules[module].layer_id] = lora
-        ordered = {layer_id: layers[layer_id] for layer_id in self.specs if layer_id in layers}  # the model's order
-        return HostAdapter(name, key, ordered, embedding, buffer.numel() * buffer.element_size())
+        placed = {layer_id: BottleneckLayer(next(views), next(views), next(views), next(views), *b[4:])
+                  for layer_id, b in bottlenecks.items()}
+        in_order = lambda found: {i: found[i] for i in self.specs if i in found}  # noqa: E731 -- the model's order
+        return HostAdapter(name, key, in_order(layers), embedding, buffer.numel() * buffer.element_size(),
+                           in_order(placed))
+
+    def _bottlenecks(self, name: str, tensors: dict[str, torch.Tensor], config: dict) -> dict[str, tuple]:
+        """layer id -> (down [r, out], down_bias [r], up [out, r], up_bias [out], scale, act), checked."""
+        from symbiosis.client.bottleneck import PARTS
+
+        parts: dict[str, dict[str, torch.Tensor]] = {}
+        for tensor_name, tensor in tensors.items():
+            module, _, part = tensor_name.removeprefix(PREFIX).rpartition(".bottleneck.")
+            if not tensor_name.startswith(PREFIX) or part not in PARTS:
+                raise AdapterError(f"adapter {name!r}: tensor {tensor_name!r} is not a bottleneck's down or up "
+                                   "weight or bias")
+            parts.setdefault(module, {})[part] = tensor
+        checked = {}
+        for module, found in sorted(parts.items()):
+            spec = self.modules.get(module)
+            if spec is None:
+                raise AdapterError(f"adapter {name!r}: {module!r} is not a linear layer of this base model")
+            if spec.layer_id not in self.bottleneck_pools:
+                raise AdapterError(f"adapter {name!r}: {module!r} shares its input with sibling layers, which run "
+                                   "fused; a bottleneck goes on a layer's output that no sibling shares (the "
+                                   "attention's output projection, the MLP's)")
+            if set(found) != set(PARTS):
+                raise AdapterError(f"adapter {name!r}: {module!r} lacks its bottleneck's {sorted(set(PARTS) - set(found))}")
+            r, out = found["down.weight"].shape[0], spec.out_features
+            shapes = {"down.weight": [r, out], "down.bias": [r], "up.weight": [out, r], "up.bias": [out]}
+            if any(list(found[p].shape) != shapes[p] for p in PARTS):
+                raise AdapterError(f"adapter {name!r}: {module!r}'s bottleneck tensors have shapes "
+                                   f"{[list(found[p].shape) for p in PARTS]}; this base model needs "
+                                   f"{[shapes[p] for p in PARTS]}")
+            if r > self.max_rank:
+                raise AdapterError(f"adapter {name!r}: {module!r} has a bottleneck of {r}, above this engine's limit "
+                                   f"of {self.max_rank} (--max-lora-rank)")
+            if not all(torch.isfinite(found[p]).all() for p in PARTS):
+                raise AdapterError(f"adapter {name!r}: {module!r} holds NaN or Inf values")
+            checked[spec.layer_id] = (*(found[p].to(self.dtype) for p in PARTS), config["scaling"], config["act"])
+        if not checked:
+            raise AdapterError(f"adapter {name!r}: adapter_model.safetensors holds no bottleneck")
+        return checked
 
     def _check_saved_base(self, name: str, module: str, tensor: torch.Tensor) -> None:
         base = self.vocabulary_weights[module]
@@ -288,7 +367,7 @@ class AdapterStore:
 
     def wait_all(self) -> None:
         """Make the current stream wait for every pending copy (before a step that cannot wait layer by layer)."""
-        for pools in self.pools.values():
+        for pools in (*self.pools.values(), *self.bottleneck_pools.values()):
             pools.wait(self.device)
         self.wait_embedding()
 
@@ -314,7 +393,10 @@ class AdapterStore:
         entry = self._slots.pop(slot)
         del self._by_key[entry.adapter.key]
         for pool_id, member in entry.members:  # a later adapter may not target this layer: it must add zero
-            self.pools[pool_id].scales[slot, member] = 0.0
+            if member == "bottleneck":
+                self.bottleneck_pools[pool_id].scales[slot] = 0.0
+            else:
+                self.pools[pool_id].scales[slot, member] = 0.0
         if entry.adapter.embedding is not None:
             self.embedding_pool[2][slot] = 0.0
 
@@ -325,6 +407,17 @@ class AdapterStore:
             pools.a = torch.zeros(s, len(widths) * r, in_features, device=self.device, dtype=self.dtype)
             pools.b = torch.zeros(s, sum(widths), r, device=self.device, dtype=self.dtype)
             pools.scales = torch.zeros(s, len(widths), device=self.device, dtype=torch.float32)
+            self.pools_version += 1
+        return pools
+
+    def _bottleneck_pool(self, layer_id: str) -> BottleneckPools:
+        pools = self.bottleneck_pools[layer_id]
+        if pools.down is None:
+            s, r, out = self.num_slots, self.max_rank, self.specs[layer_id].out_features
+            zeros = lambda *shape, dtype=self.dtype: torch.zeros(*shape, device=self.device, dtype=dtype)  # noqa: E731
+            pools.down, pools.down_bias, pools.up, pools.up_bias = zeros(s, r, out), zeros(s, r), zeros(s, out, r), \
+                zeros(s, out)
+            pools.scales, pools.acts = zeros(s, dtype=torch.float32), zeros(s, dtype=torch.int32)
             self.pools_version += 1
         return pools
 
@@ -349,6 +442,19 @@ class AdapterStore:
                 b_rows[:, r:].zero_()
                 pools.scales[slot, member] = lora.scale
                 members.add((pool_id, member))
+                if stream is not None:
+                    pools.ready = torch.cuda.Event()
+                    pools.ready.record(stream)
+            for layer_id, layer in adapter.bottlenecks.items():
+                pools, r = self._bottleneck_pool(layer_id), layer.down.shape[0]
+                for pool, tensor in ((pools.down[slot], layer.down), (pools.down_bias[slot], layer.down_bias)):
+                    pool[:r].copy_(tensor, non_blocking=True)
+                    pool[r:].zero_()
+                pools.up[slot, :, :r].copy_(layer.up, non_blocking=True)
+                pools.up[slot, :, r:].zero_()
+                pools.up_bias[slot].copy_(layer.up_bias, non_blocking=True)
+                pools.scales[slot], pools.acts[slot] = layer.scale, layer.act
+                members.add((layer_id, "bottleneck"))
                 if stream is not None:
                     pools.ready = torch.cuda.Event()
                     pools.ready.record(stream)
@@ -381,6 +487,8 @@ def _read_config(path: Path) -> dict:
     if not isinstance(config, dict):
         raise AdapterError(f"{path}: not a JSON object")
     method = config.get("peft_type")
+    if method == "BOTTLENECK":
+        return _read_bottleneck_config(path, config)
     if method != "LORA":
         raise UnsupportedAdapter(f"{path}: a {method} adapter; " + SPLIT_CLIENT_HINT)
     for option in REFUSED_OPTIONS:
@@ -394,4 +502,17 @@ def _read_config(path: Path) -> dict:
         alpha_pattern = {str(k): float(v) for k, v in patterns.items()}
     except (TypeError, ValueError) as e:
         raise AdapterError(f"{path}: lora_alpha / alpha_pattern are not numbers ({e})") from e
-    return {"lora_alpha": alpha, "alpha_pattern": alpha_pattern, "use_rslora": bool(config.get("use_rslora", False))}
+    return {"peft_type": "LORA", "lora_alpha": alpha, "alpha_pattern": alpha_pattern,
+            "use_rslora": bool(config.get("use_rslora", False))}
+
+
+def _read_bottleneck_config(path: Path, config: dict) -> dict:
+    """client/bottleneck.py's format: the activation (an index into ACTIVATIONS) and the scaling."""
+    from symbiosis.kernels.bottleneck import ACTIVATIONS
+
+    act, scaling = config.get("non_linearity", "relu"), config.get("scaling", 1.0)
+    if act not in ACTIVATIONS:
+        raise AdapterError(f"{path}: non_linearity {str(act)[:40]!r} is not one of {', '.join(ACTIVATIONS)}")
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
+        raise AdapterError(f"{path}: scaling must be a finite number")
+    return {"peft_type": "BOTTLENECK", "act": ACTIVATIONS.index(act), "scaling": float(scaling)}

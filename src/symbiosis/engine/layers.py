@@ -19,11 +19,12 @@ import torch
 from torch import nn
 
 from symbiosis.engine import attention
-from symbiosis.engine.adapters import AdapterStore, Pools
+from symbiosis.engine.adapters import AdapterStore, BottleneckPools, Pools
 from symbiosis.engine.batch import StepBatch
 from symbiosis.engine.compiled import compile_decoder_layers
 from symbiosis.engine.kv import PagedKV
 from symbiosis.executor.store import BaseLayer
+from symbiosis.kernels.bottleneck import bottleneck_apply
 from symbiosis.kernels.sgmv import MAX_SLICES, linear_with_lora, linear_with_lora_op, lora_apply
 from symbiosis.model.partition import GROUP_SEPARATOR, BaseLayerSpec
 
@@ -62,14 +63,15 @@ def _project(base: BaseLayer, pools: Pools, tokens: torch.Tensor, state: StepSta
 
 class EngineLinear(nn.Module):
     """y = x W^T + b with the executor's W and b, plus, for the tokens of each adapter's segment,
-    scale_i * (x A_i^T) B_i^T. The output head sees only the sampled rows (`row_segments`). A member of a
-    `FusedGroup` leaves its call to the group."""
+    scale_i * (x A_i^T) B_i^T, or its bottleneck of y (kernels/bottleneck.py). The output head sees only the
+    sampled rows (`row_segments`). A member of a `FusedGroup` leaves its call to the group."""
 
     def __init__(self, base: BaseLayer, state: StepState, is_head: bool):
         super().__init__()
         self.base, self.state, self.is_head = base, state, is_head
         self.layer_id = base.spec.layer_id
         self.pools = Pools()  # AdapterStore's, once there is one (attach_pools)
+        self.bottleneck = BottleneckPools()
         self.group: FusedGroup | None = None
         self.member = 0
 
@@ -78,6 +80,14 @@ class EngineLinear(nn.Module):
             return self.group.member_output(self.member, x)
         tokens = x.reshape(-1, x.shape[-1])  # [T, in]
         y = _project(self.base, self.pools, tokens, self.state, self.is_head, (self.base.spec.out_features,))
+        pools, batch = self.bottleneck, self.state.batch
+        if pools.down is not None and batch is not None:
+            segments = batch.row_segments if self.is_head else batch.token_segments
+            if segments is not None:
+                if pools.ready is not None and not torch.compiler.is_compiling():
+                    pools.wait(tokens.device)
+                bottleneck_apply(y, pools.down, pools.down_bias, pools.up, pools.up_bias, pools.scales, pools.acts,
+                                 segments)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -228,5 +238,6 @@ def attach_pools(model, store: AdapterStore) -> None:
         if isinstance(module, EngineLinear):
             owner = module if module.group is None else module.group
             owner.pools = store.pools[owner.layer_id]
+            module.bottleneck = store.bottleneck_pools.get(module.layer_id, module.bottleneck)
         elif isinstance(module, EngineEmbedding):
             module.adapters = store

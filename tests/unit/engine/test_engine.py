@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import symbiosis
+from symbiosis.client.bottleneck import attach_bottleneck, random_bottleneck, save_bottleneck
 from symbiosis.engine import Engine, GenerationError, SamplingParams, attention, layers
 from symbiosis.engine import compiled as compiled_layers
 from symbiosis.errors import AdapterError, BadCall, UnsupportedAdapter
@@ -23,7 +24,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 39)), [100, 7, 9, 12,
 def _alone(checkpoint, adapter, prompt, max_tokens, dtype=torch.float64):
     """(tokens, log-probabilities of every step's logits) of plain transformers (+ PEFT), this request alone."""
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
-    if adapter is not None:
+    if adapter is not None and json.loads((adapter / "adapter_config.json").read_text())["peft_type"] == "BOTTLENECK":
+        attach_bottleneck(model, adapter)  # hooks: a bottleneck on each targeted layer's output
+    elif adapter is not None:
         model = peft.PeftModel.from_pretrained(model, adapter)
     model.generation_config.eos_token_id = None
     sequence = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
@@ -320,3 +323,48 @@ def test_on_the_gpu_the_triton_kernels_give_plain_peft_tokens(models, decode_gra
     for completion, prompt, name in zip(completions, PROMPTS, names):
         _check(completion, _alone(checkpoint, adapters.get(name), prompt, 8, torch.float32), prompt, rtol=1e-3)
     assert bool(engine.graphs and engine.graphs.recorded) == decode_graphs
+
+
+BOTTLENECK_TARGETS = {"llama": ("self_attn.o_proj", "mlp.down_proj"), "gpt2": ("attn.c_proj", "mlp.c_proj")}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("decode_graphs", [False, True])
+def test_bottleneck_adapters_batch_with_lora_and_none_and_equal_plain_hooks(models, arch, decode_graphs, tmp_path):
+    """Houlsby adapters (HMI eq. 1) of two ranks and activations, a LoRA and no adapter in one batch: each request
+    makes the tokens and log-probabilities plain transformers with the bottleneck hooked on makes alone."""
+    checkpoint, adapters = models(arch)
+    base = AutoModelForCausalLM.from_pretrained(checkpoint)
+    targets = BOTTLENECK_TARGETS[arch]
+    houlsby = save_bottleneck(tmp_path / "houlsby", random_bottleneck(base, targets, 4, seed=1))
+    attention_only = save_bottleneck(tmp_path / "gelu", random_bottleneck(base, targets[:1], 8, seed=2),
+                                     non_linearity="gelu", scaling=0.5)
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, max_lora_rank=8,
+                                    decode_graphs=decode_graphs)
+    requests = [("houlsby", houlsby), ("gelu", attention_only), ("mlp_r8", adapters["mlp_r8"]), None]
+    completions = engine.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3), requests)
+    for completion, prompt, request in zip(completions, PROMPTS, requests):
+        _check(completion, _alone(checkpoint, None if request is None else request[1], prompt, 6), prompt)
+    targeted = len(random_bottleneck(base, targets, 1, 0))  # every layer's attention and MLP outputs
+    assert sum(pools.down is not None for pools in engine.adapters.bottleneck_pools.values()) == targeted
+
+
+def test_bad_bottleneck_adapters_are_refused_with_the_reason(models, tmp_path):
+    checkpoint, _ = models("llama")
+    base = AutoModelForCausalLM.from_pretrained(checkpoint)
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=8, block_size=4, max_lora_rank=8)
+    fused = save_bottleneck(tmp_path / "fused", random_bottleneck(base, ("self_attn.q_proj",), 4, 0))
+    with pytest.raises(AdapterError, match="shares its input with sibling layers"):
+        engine.submit(PROMPTS[0], adapter=("fused", fused))
+    wide = save_bottleneck(tmp_path / "wide", random_bottleneck(base, ("mlp.down_proj",), 16, 0))
+    with pytest.raises(AdapterError, match="bottleneck of 16, above this engine's limit of 8"):
+        engine.submit(PROMPTS[0], adapter=("wide", wide))
+    weights = random_bottleneck(base, ("mlp.down_proj",), 4, 0)
+    next(iter(weights.values()))["up.bias"] = torch.zeros(3)
+    with pytest.raises(AdapterError, match="bottleneck tensors have shapes"):
+        engine.submit(PROMPTS[0], adapter=("short", save_bottleneck(tmp_path / "short", weights)))
+    odd = save_bottleneck(tmp_path / "odd", random_bottleneck(base, ("mlp.down_proj",), 4, 0))
+    config = json.loads((odd / "adapter_config.json").read_text())
+    (odd / "adapter_config.json").write_text(json.dumps({**config, "non_linearity": "tanh"}))
+    with pytest.raises(AdapterError, match="non_linearity 'tanh' is not one of relu, gelu, silu"):
+        engine.submit(PROMPTS[0], adapter=("odd", odd))
