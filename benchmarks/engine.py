@@ -40,8 +40,8 @@ from symbiosis.executor.executor import Executor
 PROJECTIONS = {"self_attn": ["q_proj", "k_proj", "v_proj", "o_proj"], "mlp": ["gate_proj", "up_proj", "down_proj"]}
 
 
-def write_adapters(model: str, count: int, rank: int, root: Path) -> list[Path]:
-    """`count` random rank-`rank` LoRA adapters on every projection, as PEFT writes them."""
+def write_adapters(model: str, count: int, rank: int, root: Path, targets: tuple[str, ...] | None = None) -> list[Path]:
+    """`count` random rank-`rank` LoRA adapters on every projection (or on `targets`), as PEFT writes them."""
     config = CONFIGS[model]
     hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim", hidden // heads)
@@ -51,7 +51,7 @@ def write_adapters(model: str, count: int, rank: int, root: Path) -> list[Path]:
               "down_proj": (inter, hidden)}
     directories = []
     for i in range(count):
-        directory = root / f"{model}-r{rank}-{i}"
+        directory = root / (f"{model}-r{rank}-{i}" if targets is None else f"{model}-r{rank}-{'-'.join(targets)}-{i}")
         directories.append(directory)
         if (directory / "adapter_model.safetensors").is_file():
             continue
@@ -61,6 +61,8 @@ def write_adapters(model: str, count: int, rank: int, root: Path) -> list[Path]:
         for layer in range(config["num_hidden_layers"]):
             for block, names in PROJECTIONS.items():
                 for name in names:
+                    if targets is not None and name not in targets:
+                        continue
                     fan_in, fan_out = shapes[name]
                     key = f"base_model.model.model.layers.{layer}.{block}.{name}"
                     tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=generator) / math.sqrt(fan_in)).bfloat16()
@@ -68,7 +70,8 @@ def write_adapters(model: str, count: int, rank: int, root: Path) -> list[Path]:
         save_file(tensors, directory / "adapter_model.safetensors")
         (directory / "adapter_config.json").write_text(json.dumps({
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
-            "target_modules": [n for names in PROJECTIONS.values() for n in names], "base_model_name_or_path": model}))
+            "target_modules": list(targets) if targets else [n for names in PROJECTIONS.values() for n in names],
+            "base_model_name_or_path": model}))
     return directories
 
 

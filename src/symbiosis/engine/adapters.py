@@ -168,6 +168,7 @@ class AdapterStore:
         self._host: OrderedDict[tuple, HostAdapter] = OrderedDict()  # least recently used first
         self._host_budget, self.host_bytes = host_bytes, 0
         self.stats = TierStats()
+        self.layerwise = True  # False: a step waits for every pending copy before it starts (to measure prefetch)
         self.embedding_ready: torch.cuda.Event | None = None  # as Pools.ready, for the embedding pool
         self._lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None

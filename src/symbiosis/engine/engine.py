@@ -276,6 +276,8 @@ class Engine:
             batch = StepBatch(chunks, *layout, padded_rows=rows)
             key = (rows, batch.token_segments is not None, self.adapters.pools_version)
             return batch, self.graphs.run(key, batch)[:len(chunks)]
+        if not self.adapters.layerwise:
+            self.adapters.wait_all()
         batch = StepBatch(chunks, *layout)
         return batch, self._logits(batch)
 

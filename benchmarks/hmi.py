@@ -1,0 +1,199 @@
+"""Ten thousand tenants on one GPU (HMI §6, §7.8): the engine's tiered adapters under a burst of concurrent clients,
+against one hot tenant, against loading adapters on demand (no host tier, no layer-wise prefetch), and against one
+model copy per tenant; and how much of an adapter's copy time layer-wise prefetch hides.
+
+    python benchmarks/hmi.py --model llama-3.2-1b --tenants 10000 --clients 250 --requests 12500
+
+Tenants: `--distinct` random LoRA adapters (rank `--rank` on `--targets`, q and v by default, as PEFT writes them) and
+`--tenants` adapter directories hard-linked to them in turn, so every tenant is a directory the engine reads,
+checks and caches on its own (the disk holds `--distinct` adapters' bytes, the page cache serves the reads).
+Each client sends its requests one after another (a `--prompt`-token prompt, `--output` greedy tokens) for a
+random tenant; lines report throughput, p50/p99 latency (submit to last token), GPU memory and the host tier.
+
+Phases: `hot` (every request for one tenant), `tiered` (random tenants, every adapter in the host tier first,
+layer-wise prefetch), `on_demand` (random tenants, host tier off: each placement reads the disk, and each step
+waits for all of its copies before it starts), `copies` (how many whole model copies the GPU holds: computed
+from the free memory and the model's bytes, not run), `prefetch` (copy time of one adapter alone, against the
+latency a new adapter adds to a prefill step with and without layer-wise waits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import CONFIGS, checkpoint, device, dtype, emit  # noqa: E402
+from engine import write_adapters  # noqa: E402
+
+from symbiosis.engine import Engine, SamplingParams  # noqa: E402
+
+
+def tenant_directories(distinct: list[Path], tenants: int, root: Path) -> list[Path]:
+    directories = []
+    for i in range(tenants):
+        directory = root / f"tenant-{i}"
+        directories.append(directory)
+        if (directory / "adapter_model.safetensors").exists():
+            continue
+        directory.mkdir(parents=True, exist_ok=True)
+        for name in ("adapter_model.safetensors", "adapter_config.json"):
+            os.link(distinct[i % len(distinct)] / name, directory / name)
+    return directories
+
+
+def host_rss_gib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def burst(engine: Engine, directories: list[Path], clients: int, requests: int, prompt: int, output: int,
+          vocab: int, pick, seed: int) -> dict:
+    """`clients` threads, each sending its share of `requests` one after another; latencies in ms."""
+    latencies, lock = [], threading.Lock()
+    params = SamplingParams(max_tokens=output, ignore_eos=True)
+
+    def client(index: int, count: int):
+        rng = random.Random(seed * 100_003 + index)
+        for _ in range(count):
+            tenant = pick(rng)
+            ids = [rng.randrange(vocab) for _ in range(prompt)]
+            started = time.perf_counter()
+            engine.submit(ids, params, (f"t{tenant}", directories[tenant])).result()
+            with lock:
+                latencies.append((time.perf_counter() - started) * 1000)
+
+    shares = [requests // clients + (i < requests % clients) for i in range(clients)]
+    threads = [threading.Thread(target=client, args=(i, n)) for i, n in enumerate(shares)]
+    torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - started
+    return {"requests": requests, "seconds": elapsed, "requests_per_s": requests / elapsed,
+            "tokens_per_s": requests * output / elapsed, "p50_ms": float(np.percentile(latencies, 50)),
+            "p99_ms": float(np.percentile(latencies, 99)),
+            "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+            "host_rss_gib": host_rss_gib(), "tiers": engine.adapters.tiers()}
+
+
+def prefill_ms(engine: Engine, directory: Path, name: str, prompt: list[int]) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    started = time.perf_counter()
+    engine.generate([prompt], SamplingParams(max_tokens=1), [(name, directory)])
+    sync()
+    return (time.perf_counter() - started) * 1000
+
+
+def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: int, samples: int) -> dict:
+    """Copy time alone (host tier -> a slot, synchronized) against what a new adapter adds to a prefill."""
+    store, rng = engine.adapters, random.Random(7)
+    prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+    fresh = iter(range(len(directories) - 1, -1, -1))  # tenants the bursts are least likely to have left resident
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    copies = []
+    for _ in range(samples):
+        i = next(fresh)
+        adapter = store.load(f"t{i}", directories[i])  # into the host tier first: copies alone are timed
+        sync()
+        started = time.perf_counter()
+        slot = store.acquire(adapter)
+        store.wait_all()
+        sync()
+        copies.append((time.perf_counter() - started) * 1000)
+        store.release(slot)
+    result = {"copy_ms": float(np.median(copies))}
+    for layerwise in (True, False):
+        store.layerwise = layerwise
+        resident, new = [], []
+        for _ in range(samples):
+            i = next(fresh)
+            store.load(f"t{i}", directories[i])
+            resident.append(prefill_ms(engine, directories[0], "t0", prompt))  # t0 stays in its slot
+            new.append(prefill_ms(engine, directories[i], f"t{i}", prompt))
+        added = float(np.median(new) - np.median(resident))
+        key = "layerwise" if layerwise else "whole_step"
+        result.update({f"{key}_resident_ms": float(np.median(resident)), f"{key}_new_ms": float(np.median(new)),
+                       f"{key}_added_ms": added, f"{key}_hidden": 1 - added / result["copy_ms"]})
+    store.layerwise = True
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama-3.2-1b", choices=sorted(CONFIGS))
+    parser.add_argument("--tenants", type=int, default=10_000)
+    parser.add_argument("--distinct", type=int, default=100)
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--targets", default="q_proj,v_proj", help="the projections each adapter has LoRA on")
+    parser.add_argument("--clients", type=int, default=250)
+    parser.add_argument("--requests", type=int, default=12_500)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--output", type=int, default=16)
+    parser.add_argument("--slots", type=int, default=128)
+    parser.add_argument("--phases", default="hot,tiered,on_demand,copies,prefetch")
+    parser.add_argument("--workdir", default="/tmp/symbiosis-bench-hmi")
+    args = parser.parse_args()
+
+    workdir = Path(args.workdir)
+    model_dir = checkpoint(args.model)
+    distinct = write_adapters(args.model, args.distinct, args.rank, workdir / "distinct", tuple(args.targets.split(",")))
+    directories = tenant_directories(distinct, args.tenants, workdir / "tenants")
+    vocab = CONFIGS[args.model]["vocab_size"]
+    engine = Engine.from_pretrained(model_dir, device=device(), dtype=dtype(), kv_blocks=args.clients * 2 + 64,
+                                    block_size=64, max_running=args.clients, max_lora_rank=args.rank,
+                                    adapter_slots=args.slots, max_batch_tokens=4096, adapter_host_bytes=256 << 30)
+    engine.start()
+    common = dict(bench="hmi", model=args.model, tenants=args.tenants, distinct=args.distinct, rank=args.rank,
+                  targets=args.targets,
+                  clients=args.clients, prompt=args.prompt, output=args.output, slots=args.slots,
+                  gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    phases = args.phases.split(",")
+    run = dict(clients=args.clients, prompt=args.prompt, output=args.output, vocab=vocab)
+    try:
+        burst(engine, directories, **{**run, "clients": min(args.clients, 32)}, requests=min(256, args.requests),
+              pick=lambda rng: rng.randrange(args.slots), seed=99)  # warm: graphs, kernels, the first slots
+        if "hot" in phases:
+            emit(**common, phase="hot", **burst(engine, directories, **run, requests=args.requests,
+                                                 pick=lambda rng: 0, seed=1))
+        if "tiered" in phases:
+            started = time.perf_counter()
+            for i, directory in enumerate(directories):  # registration: every tenant's adapter read and checked
+                engine.adapters.load(f"t{i}", directory)
+            registered = time.perf_counter() - started
+            emit(**common, phase="tiered", register_s=registered,
+                 **burst(engine, directories, **run, requests=args.requests,
+                         pick=lambda rng: rng.randrange(args.tenants), seed=2))
+        if "on_demand" in phases:
+            engine.adapters.host_budget, engine.adapters.layerwise = 0, False
+            emit(**common, phase="on_demand", **burst(engine, directories, **run, requests=args.requests,
+                                                       pick=lambda rng: rng.randrange(args.tenants), seed=2))
+            engine.adapters.host_budget, engine.adapters.layerwise = 256 << 30, True
+        if "copies" in phases and torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            model_bytes = sum(layer.weight.numel() * layer.weight.element_size()
+                              for layer in engine.model.modules() if hasattr(layer, "base")) + \
+                sum(p.numel() * p.element_size() for p in engine.model.parameters())
+            emit(**common, phase="copies", model_gib=model_bytes / 2**30, gpu_total_gib=total / 2**30,
+                 copies_that_fit=int(total * 0.95 // model_bytes), computed=True)
+        if "prefetch" in phases:
+            emit(**common, phase="prefetch", prompt_tokens=1024, **prefetch(engine, directories, vocab, 1024, 20))
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()
