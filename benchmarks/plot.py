@@ -81,15 +81,18 @@ def accuracy(logits_of, examples, batch: int = 64) -> float:
     return right / len(examples)
 
 
+def padded(sequences, device) -> dict:
+    """input_ids and attention_mask of token lists, right-padded."""
+    longest = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, s in enumerate(sequences):
+        ids[row, :len(s)], mask[row, :len(s)] = torch.tensor(s), 1
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+
+
 def whole_logits(model, device):
-    def run(sequences):
-        longest = max(len(s) for s in sequences)
-        ids = torch.zeros(len(sequences), longest, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, s in enumerate(sequences):
-            ids[row, :len(s)], mask[row, :len(s)] = torch.tensor(s), 1
-        return model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
-    return run
+    return lambda sequences: model(**padded(sequences, device)).logits
 
 
 def lora_config(layers: list[int] | None):
@@ -166,13 +169,8 @@ def main() -> None:
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
     def computed(batch):
-        longest = max(len(s) for s in batch)
-        ids = torch.zeros(len(batch), longest, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, s in enumerate(batch):
-            ids[row, :len(s)], mask[row, :len(s)] = torch.tensor(s), 1
         with torch.no_grad():
-            lower.model(input_ids=ids.to(args.device), attention_mask=mask.to(args.device))
+            lower.model(**padded(batch, args.device))
         return lower._output
 
     upper = UpperModel(path, LOWER, args.device)

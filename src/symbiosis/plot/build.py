@@ -104,10 +104,11 @@ def build_table(lower: LowerLayers, sequences, directory: str | os.PathLike, *, 
         _write_json(work / "progress.json", {str(length): 0 for length in range(1, n + 1)})
         _write_json(plan_file, {"id": plan_id})
     done = json.loads((work / "progress.json").read_text())
-    keys = {length: np.load(work / f"keys-{length}.npy", allow_pickle=False) for length in range(1, n + 1)}
+    keys = {length: np.array(np.lib.format.open_memmap(work / f"keys-{length}.npy", mode="r"))
+            for length in range(1, n + 1)}
     total = sum(k.size for k in keys.values())
     for length in range(1, n + 1):
-        values = np.load(work / f"values-{length}.npy", mmap_mode="r+", allow_pickle=False)
+        values = np.lib.format.open_memmap(work / f"values-{length}.npy", mode="r+")
         for first in range(done[str(length)], keys[length].size, chunk):
             if stop is not None and stop():
                 raise Stopped(f"stopped with {sum(done.values())} of {total} rows built; it resumes from there")

@@ -2,18 +2,19 @@
 
 A table is a directory:
 
-    plot.json        {"format": "symbiosis-plot/1", "kind": "decoder" | "encoder", "n": 3, "lower_layers": k,
-                      "hidden": d, "vocab": V, "dtype": "float16", "model": the lower layers' fingerprint,
-                      "levels": {"3": {"entries": N3, "sha256": {...}}, "2": ..., "1": ...}, ...}
+    plot.json        {"format": "symbiosis-plot/1", "id": the build's digest, "kind": "decoder" | "encoder",
+                      "n": 3, "lower_layers": k, "hidden": d, "vocab": V, "dtype": "float16", "alpha": 100,
+                      "root": a domain table's root's id (null for a root), "corpus_tokens": ...,
+                      "levels": {"3": {"entries": N3, "sha256": {"keys", "values"}}, "2": ..., "1": ...}}
     keys-G.npy       int64 [N_G], strictly increasing: each G-gram packed as sum(token_j * V**(G-1-j))
     values-G.npy     [N_G, G, d]: the lower layers' output at each of the fragment's G positions, the fragment run
                      alone (positions 0..G-1)
 
-for each level G = n, n-1, .., 1 (tri-, bi-, uni-grams by default). Both files are plain .npy (read with
-allow_pickle=False: a file that needs pickle is refused) and memory-mapped: a table larger than host memory is
-paged in as lookups touch it. Opening checks everything a lookup relies on: the JSON, the arrays' dtypes and shapes
-against it, each file's SHA-256 (so a truncated or altered file is found at open, not as a wrong answer later), and
-the keys' order and range. A damaged table raises `PlotTableError` naming the file and the problem.
+for each level G = n, n-1, .., 1 (tri-, bi-, uni-grams by default). Both files are plain .npy, memory-mapped with
+numpy's open_memmap, which refuses an array of Python objects (nothing is ever unpickled): a table larger than host
+memory is paged in as lookups touch it. Opening checks everything a lookup relies on: the JSON, the arrays' dtypes
+and shapes against it, each file's SHA-256 (so a truncated or altered file is found at open, not as a wrong answer
+later), and the keys' order and range. A damaged table raises `PlotTableError` naming the file and the problem.
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ def _read_meta(directory: Path) -> dict:
 
 def _load(path: Path, dtype, shape: tuple, sha256: str) -> np.ndarray:
     try:
-        array = np.load(path, mmap_mode="r", allow_pickle=False)
+        array = np.lib.format.open_memmap(path, mode="r")  # reads no object arrays: nothing is ever unpickled
     except FileNotFoundError:
         raise PlotTableError(f"{path}: missing") from None
     except (OSError, ValueError) as e:

@@ -31,3 +31,14 @@ def not_found(model: str) -> ApiError:
     """The same answer for a model that does not exist and one that is another tenant's (no existence leak)."""
     return ApiError(404, f"The model `{model}` does not exist or you do not have access to it.", "model",
                     "model_not_found")
+
+
+async def json_object(request, error=ApiError) -> dict:
+    """The request's body as a JSON object, or `error(400, why)`."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise error(400, "the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise error(400, "the body is not a JSON object")
+    return body

@@ -128,7 +128,7 @@ def test_domains_and_models_through_the_cli_and_the_api(hmi_server, hmi_files, t
 
     assert _cli(hmi_server, "alice", "domain", "delete", "bio", tmp_path=tmp_path).returncode == 0
     orphan = _api(hmi_server, "alice", "POST", "/models/triage/generate", {"prompt": "the cell"})
-    assert orphan.status_code == 409 and "deleted" in orphan.json()["error"]["message"]
+    assert orphan.status_code == 400 and "deleted" in orphan.json()["error"]["message"]
     assert _api(hmi_server, "alice", "GET", "/models/triage").json()["domain"] == "deleted"
     assert _cli(hmi_server, "alice", "model", "delete", "triage", tmp_path=tmp_path).returncode == 0
     assert not (state / "models" / model["id"]).exists()

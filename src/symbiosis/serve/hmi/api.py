@@ -18,7 +18,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 
-from symbiosis.serve.errors import ApiError
+from symbiosis.serve.errors import json_object
 from symbiosis.serve.hmi.store import DOMAINS_TABLE, MODELS_TABLE
 
 
@@ -26,21 +26,12 @@ def router(hmi, tenant_dependency) -> APIRouter:
     api = APIRouter(prefix="/v1/hmi")
     caller = Depends(tenant_dependency)
 
-    async def body_of(request: Request) -> dict:
-        try:
-            body = await request.json()
-        except ValueError:
-            raise ApiError(400, "the body is not JSON") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body is not a JSON object")
-        return body
-
     def routes(table: str, kind: str, create) -> None:  # a closure each: FastAPI reads defaults as parameters
         async def new(request: Request, tenant: str = caller):
-            return await run_in_threadpool(create, tenant, await body_of(request))  # tokenizes the file
+            return await run_in_threadpool(create, tenant, await json_object(request))  # tokenizes the file
 
         async def new_version(name: str, request: Request, tenant: str = caller):
-            return await run_in_threadpool(create, tenant, await body_of(request), name)
+            return await run_in_threadpool(create, tenant, await json_object(request), name)
 
         def listing(tenant: str = caller):
             return {"object": "list", "data": hmi.listing(table, tenant)}
@@ -62,6 +53,6 @@ def router(hmi, tenant_dependency) -> APIRouter:
 
     @api.post("/models/{name}/generate")
     async def generate(name: str, request: Request, tenant: str = caller):
-        return await run_in_threadpool(hmi.generate, tenant, name, await body_of(request))
+        return await run_in_threadpool(hmi.generate, tenant, name, await json_object(request))
 
     return api

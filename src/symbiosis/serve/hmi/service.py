@@ -121,7 +121,7 @@ class HmiService:
         if name is None:
             name = self._name(body)
             if self.store.versions(DOMAINS_TABLE, tenant, name):
-                raise ApiError(409, f"you have a domain {name!r} already; add a version to it", "name")
+                raise ApiError(400, f"you have a domain {name!r} already; add a version to it", "name")
         elif not self.store.versions(DOMAINS_TABLE, tenant, name):
             raise ApiError(404, f"you have no domain {name[:80]!r}", "name", "domain_not_found")
         corpus = self._texts(tenant, body.get("corpus_file"), "corpus_file")
@@ -153,7 +153,7 @@ class HmiService:
         if name is None:
             name = self._name(body)
             if self.store.versions(MODELS_TABLE, tenant, name):
-                raise ApiError(409, f"you have a model {name!r} already; add a version to it", "name")
+                raise ApiError(400, f"you have a model {name!r} already; add a version to it", "name")
             domain = body.get("domain")
             domain_id = None if domain is None else self._domain_version(
                 tenant, str(domain), body.get("domain_version"))["domain_id"]
@@ -228,7 +228,7 @@ class HmiService:
             return Plot(self.root)
         domain = self.store.get(DOMAINS_TABLE, domain_id)
         if domain is None:
-            raise ApiError(409, f"model {row['name']!r} version {row['version']} was built on a domain version that "
+            raise ApiError(400, f"model {row['name']!r} version {row['version']} was built on a domain version that "
                                 "has been deleted; train a new model on another domain", "model", "domain_deleted")
         if domain_id not in self._tables:
             self._tables[domain_id] = PlotTable.open(self._dir(DOMAINS_TABLE, domain_id) / "table")

@@ -16,7 +16,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 from fastapi.responses import Response
 
-from symbiosis.serve.errors import ApiError
+from symbiosis.serve.errors import ApiError, json_object
 from symbiosis.train.data import MAX_FILE_BYTES
 
 
@@ -57,13 +57,7 @@ def router(service, tenant_dependency) -> APIRouter:
 
     @api.post("/fine_tuning/jobs")
     async def create_job(request: Request, tenant: str = caller):
-        try:
-            body = await request.json()
-        except ValueError:
-            raise ApiError(400, "the body is not JSON") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body is not a JSON object")
-        return jobs.create(tenant, body)
+        return jobs.create(tenant, await json_object(request))
 
     @api.get("/fine_tuning/jobs")
     def list_jobs(after: str | None = None, limit: int = 20, tenant: str = caller):

@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from symbiosis.errors import BadCall, SymbiosisError
+from symbiosis.serve.errors import json_object
 from symbiosis.serve.tinker import wire
 from symbiosis.serve.tinker.paths import TinkerPath, check_name
 from symbiosis.serve.tinker.service import TinkerService, UserError
@@ -77,12 +78,7 @@ def router(service, tinker: TinkerService) -> APIRouter:
 
     async def body(request: Request) -> tuple[str, dict]:
         tenant = tenant_of(request)
-        try:
-            parsed = await request.json()
-        except ValueError:
-            raise Refused(400, "the body is not JSON") from None
-        if not isinstance(parsed, dict):
-            raise Refused(400, "the body is not a JSON object")
+        parsed = await json_object(request, Refused)
         waiters.loop = asyncio.get_running_loop()
         return tenant, parsed
 
