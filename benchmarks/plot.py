@@ -132,6 +132,9 @@ def main() -> None:
     parser.add_argument("--per-class", type=int, default=260)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--root-corpus", choices=["held-out", "all"], default="held-out",
+                        help="build the root table without the test texts (default), or from every fortune: the "
+                             "coverage a corpus holding the task's text gives (no labels are used)")
     parser.add_argument("--workdir", default=tempfile.gettempdir() + "/symbiosis-bench-plot")
     args = parser.parse_args()
     from transformers import AutoConfig, AutoTokenizer
@@ -146,14 +149,15 @@ def main() -> None:
     train, test = split(args.per_class, 0.25, args.seed)
     train_ids = list(zip(tokenize(tokenizer, [t for t, _ in train]), [y for _, y in train]))
     test_ids = list(zip(tokenize(tokenizer, [t for t, _ in test]), [y for _, y in test]))
-    held_out = {t for t, _ in test}
+    held_out = {t for t, _ in test} if args.root_corpus == "held-out" else set()
     corpus = [t for name in sorted(p.name for p in FORTUNES.iterdir() if "." not in p.name and (FORTUNES / p.name).is_file())
               for t in fortunes(name) if t not in held_out]
     common = dict(bench="plot", model="all-MiniLM-L6-v2", lower_layers=LOWER, device=args.device,
+                  root_corpus=args.root_corpus,
                   gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu")
 
     lower = LowerLayers(path, LOWER, args.device)
-    root_dir = workdir / f"root-{args.per_class}-{args.seed}"  # its corpus leaves out this split's test texts
+    root_dir = workdir / f"root-{args.per_class}-{args.seed}-{args.root_corpus}"
     started = time.perf_counter()
     cached = (root_dir / "plot.json").exists()
     if cached:  # built by an earlier run over the same corpus and split

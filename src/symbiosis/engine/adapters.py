@@ -170,6 +170,7 @@ class AdapterStore:
         self.stats = TierStats()
         self.layerwise = True  # False: a step waits for every pending copy before it starts (to measure prefetch)
         self.embedding_ready: torch.cuda.Event | None = None  # as Pools.ready, for the embedding pool
+        self._pending: list[_Copied] = []  # pools with a copy event since the last wait_all
         self._lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -368,8 +369,9 @@ class AdapterStore:
 
     def wait_all(self) -> None:
         """Make the current stream wait for every pending copy (before a step that cannot wait layer by layer)."""
-        for pools in (*self.pools.values(), *self.bottleneck_pools.values()):
+        for pools in self._pending:  # those a layer already waited on are no-ops
             pools.wait(self.device)
+        self._pending.clear()
         self.wait_embedding()
 
     def wait_embedding(self) -> None:
@@ -429,6 +431,7 @@ class AdapterStore:
         if stream is not None:  # steps queued before may still read the slot's old adapter (engine.py overlaps)
             stream.wait_stream(torch.cuda.current_stream(self.device))
         self.stats.placements += 1
+        self._pending = [pools for pools in self._pending if pools.ready is not None]  # eager steps waited on some
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             members = set()
             for layer_id, lora in adapter.layers.items():
@@ -446,6 +449,7 @@ class AdapterStore:
                 if stream is not None:
                     pools.ready = torch.cuda.Event()
                     pools.ready.record(stream)
+                    self._pending.append(pools)
             for layer_id, layer in adapter.bottlenecks.items():
                 pools, r = self._bottleneck_pool(layer_id), layer.down.shape[0]
                 for pool, tensor in ((pools.down[slot], layer.down), (pools.down_bias[slot], layer.down_bias)):
@@ -459,6 +463,7 @@ class AdapterStore:
                 if stream is not None:
                     pools.ready = torch.cuda.Event()
                     pools.ready.record(stream)
+                    self._pending.append(pools)
             if adapter.embedding is not None:
                 if self.embedding_pool is None:
                     _, vocab, dim = self.embedding_module

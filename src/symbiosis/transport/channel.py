@@ -33,6 +33,8 @@ class Channel:
     def _open(self) -> None:
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        # a DEALER with no peer (not connected yet, or its handshake refused) blocks a send: for `timeout` at most
+        self.socket.setsockopt(zmq.SNDTIMEO, max(1, int(self.timeout * 1000)))
         self.socket.setsockopt(zmq.IDENTITY, secrets.token_bytes(12))
         auth.secure_client(self.socket, self.token)
         self._monitor = self.socket.get_monitor_socket(HANDSHAKE_REFUSED)
@@ -48,19 +50,34 @@ class Channel:
 
     def send(self, header: dict, *tensors: torch.Tensor) -> None:
         with self._lock:
-            wire.send(self.socket, wire.encode(header, *tensors))
+            self._send(wire.encode(header, *tensors), header)
+
+    def _send(self, frames: list, header: dict) -> None:
+        """Queue the frames; a socket that could not take them within the timeout has no executor to talk to."""
+        try:
+            wire.send(self.socket, frames)
+        except zmq.Again:
+            if self._monitor.poll(0):
+                self._refused()
+            self.close()  # nothing half-sent stays queued for a later executor
+            self._open()
+            raise ExecutorUnavailable(f"executor at {self.url} took no {header.get('op')!r} within {self.timeout:g}s "
+                                      "(not reachable, stopped or overloaded)") from None
+
+    def _refused(self):
+        self._monitor.recv_multipart()
+        raise Unauthorized("executor refused the client: missing or wrong token (ZeroMQ's handshake "
+                           "failed: an executor with tokens needs one, one without takes none)")
 
     def request(self, header: dict, *tensors: torch.Tensor) -> tuple[dict, list]:
         with self._lock:
             header = {**header, "id": next(self._ids)}
-            wire.send(self.socket, wire.encode(header, *tensors))
+            self._send(wire.encode(header, *tensors), header)
             deadline = time.monotonic() + self.timeout
             while (left := deadline - time.monotonic()) > 0:
                 events = dict(self._poller.poll(int(left * 1000) + 1))
                 if self._monitor in events:
-                    self._monitor.recv_multipart()
-                    raise Unauthorized("executor refused the client: missing or wrong token (ZeroMQ's handshake "
-                                       "failed: an executor with tokens needs one, one without takes none)")
+                    self._refused()
                 if self.socket not in events:
                     continue
                 frames = self.socket.recv_multipart(copy=False)

@@ -206,7 +206,12 @@ def _heartbeat(session_ref: weakref.ref, client_id: str, stop: threading.Event) 
                               "this client)")
                 return
             if not session.pipelined:
-                channel.send({"op": "heartbeat", "client": client_id})
+                try:
+                    channel.send({"op": "heartbeat", "client": client_id})
+                except SymbiosisError as e:  # the executor took nothing for a whole timeout: it is gone
+                    if not stop.is_set():
+                        session._lost(f"the executor at {url} stopped taking messages ({e})")
+                    return
                 del session
                 continue
             try:
