@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from conftest import KEYS, start
+from conftest import KEYS, launch, start, terminate
 
 try:
     import httpx2 as httpx
@@ -183,3 +183,22 @@ def test_a_domain_build_stopped_by_a_restart_resumes_to_the_uninterrupted_result
                                   np.load(domains / whole["id"] / "table" / f"values-{length}.npy"))
     finally:
         second.stop()
+
+
+def test_the_serve_command_turns_hmi_on_with_plot_root(hmi_files, tmp_path):
+
+    keys = tmp_path / "keys"
+    keys.write_text(f"alice {KEYS['alice']}\n")
+    process, url = launch(hmi_files["model"], tmp_path / "state", keys, "--plot-root", str(hmi_files["plot_root"]),
+                          "--hmi-min-corpus-tokens", "40")
+    try:
+        answer = httpx.get(url + "/v1/hmi/domains", headers={"Authorization": f"Bearer {KEYS['alice']}"})
+        assert answer.status_code == 200 and answer.json() == {"object": "list", "data": []}
+    finally:
+        terminate(process)
+    process, url = launch(hmi_files["model"], tmp_path / "state2", keys)  # without it: no such routes
+    try:
+        assert httpx.get(url + "/v1/hmi/domains",
+                         headers={"Authorization": f"Bearer {KEYS['alice']}"}).status_code == 404
+    finally:
+        terminate(process)
