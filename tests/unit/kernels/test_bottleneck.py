@@ -37,7 +37,7 @@ def _loop(y, pools, bounds, slots):
 @pytest.mark.parametrize("device, dtype, tolerance", [
     ("cpu", torch.float64, 1e-12),
     pytest.param("cuda", torch.float32, 1e-4, marks=pytest.mark.gpu),
-    pytest.param("cuda", torch.bfloat16, 3e-2, marks=pytest.mark.gpu)])
+    pytest.param("cuda", torch.bfloat16, 8e-2, marks=pytest.mark.gpu)])
 def test_each_segment_gets_its_own_bottleneck(device, dtype, tolerance):
     assert len(ACTIVATIONS) == 3
     pools = _pools(4, 8, 16, [8, 3, 5, 8], dtype, device)

@@ -270,9 +270,7 @@ class HmiService:
             try:
                 (self._build_domain if table == DOMAINS_TABLE else self._train_model)(row)
             except Stopped:
-                if self.store.get(table, row_id) is None:  # deleted while it ran
-                    shutil.rmtree(self._dir(table, row_id), ignore_errors=True)
-                continue  # closing: queued again at the next start
+                continue  # deleted (cleaned up below), or closing: queued again at the next start
             except Exception as e:  # noqa: BLE001 -- this step fails alone; the others go on
                 log.exception("HMI %s %s failed", table, row_id)
                 if self.store.get(table, row_id) is not None:
@@ -280,6 +278,8 @@ class HmiService:
                                       finished_at=int(time.time()))
             finally:
                 self._stopping.discard(row_id)
+                if self.store.get(table, row_id) is None:  # deleted while it ran: nothing of it stays
+                    shutil.rmtree(self._dir(table, row_id), ignore_errors=True)
 
     def _reporter(self, table: str, row_id: str, stage: str):
         self.store.update(table, row_id, stage=stage, done=0, total=0)
