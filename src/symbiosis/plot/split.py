@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers.utils import logging as transformers_logging
 
 from symbiosis.errors import SymbiosisError
 
@@ -69,8 +70,13 @@ class LowerLayers:
         config = AutoConfig.from_pretrained(model_dir)
         check_cut(config, lower_layers)
         self.kind, self.lower_layers, self.vocab = model_kind(config), lower_layers, config.vocab_size
-        self.model = AutoModel.from_pretrained(model_dir, config=_cut_config(config, slice(0, lower_layers)),
-                                               dtype=dtype).to(device).eval()
+        verbosity = transformers_logging.get_verbosity()
+        transformers_logging.set_verbosity_error()  # the upper layers' weights go unread on purpose: no report
+        try:
+            self.model = AutoModel.from_pretrained(model_dir, config=_cut_config(config, slice(0, lower_layers)),
+                                                   dtype=dtype).to(device).eval()
+        finally:
+            transformers_logging.set_verbosity(verbosity)
         if state_dict is not None:
             self.model.load_state_dict(state_dict, strict=False)
         parent, attribute = layer_list(self.model, lower_layers)
