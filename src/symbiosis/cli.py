@@ -154,7 +154,9 @@ def serve_command(args: argparse.Namespace) -> int:
                           max_requests_per_tenant=args.max_requests_per_tenant,
                           engine_options={"kv_blocks": args.kv_blocks, "block_size": args.block_size,
                                           "max_lora_rank": args.max_lora_rank, "adapter_slots": args.adapter_slots,
-                                          "adapter_host_bytes": args.adapter_host_mib << 20},
+                                          "adapter_host_bytes": args.adapter_host_mib << 20,
+                                          "adapter_device_bytes": None if args.adapter_gpu_mib is None else
+                                          args.adapter_gpu_mib << 20},
                           training=None if args.no_training else {
                               "persist_every": args.persist_every, "max_pass_tokens": args.max_pass_tokens,
                               "tokenizer_id": args.tokenizer_id, "max_running_jobs": args.max_running_jobs,
@@ -234,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     serve.add_argument("--max-lora-rank", type=int, default=64)
     serve.add_argument("--adapter-slots", type=int, default=8, help="adapters on the device at once")
+    serve.add_argument("--adapter-gpu-mib", type=int, help="device memory for adapter slots (MiB; instead of "
+                       "--adapter-slots: as many slots as it holds)")
     serve.add_argument("--adapter-host-mib", type=int, default=4096, help="host memory for adapters read lately "
                        "(MiB; least recently used evicted; every adapter stays on disk)")
     serve.add_argument("--no-training", action="store_true", help="no hosted training (neither the Tinker API nor "

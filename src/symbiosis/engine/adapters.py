@@ -134,16 +134,16 @@ class AdapterStore:
     def __init__(self, modules: dict[str, BaseLayerSpec], embedding: tuple[str, int, int] | None, fingerprint: str,
                  device: torch.device, dtype: torch.dtype, max_rank: int = 64, slots: int = 8,
                  host_bytes: int = 4 << 30, vocabulary_weights: dict[str, torch.Tensor] | None = None,
-                 groups: list[tuple[str, ...]] = ()):
+                 groups: list[tuple[str, ...]] = (), device_bytes: int | None = None):
         """`modules`: module name -> base layer spec (in the model's order); `groups`: the layer ids of each fused
         group, in their order; `embedding`: (module name, vocab, dim) of the input embedding; `slots`: adapters on
-        the device at once (each slot costs `slot_bytes`); `host_bytes`: the host tier's budget;
-        `vocabulary_weights`: module name -> weight of the input embedding and the output head, which PEFT saves
-        beside an adapter that targets them (accepted when they are the base model's own)."""
+        the device at once, or as many as `device_bytes` holds when given (each slot costs `slot_bytes`);
+        `host_bytes`: the host tier's budget; `vocabulary_weights`: module name -> weight of the input embedding and
+        the output head, which PEFT saves beside an adapter that targets them (accepted when they are the base
+        model's own)."""
         self.vocabulary_weights = vocabulary_weights or {}
-        if not 1 <= max_rank <= 1024 or slots < 1 or host_bytes < 0:
-            raise ValueError(f"max_rank must be in 1..1024, slots >= 1 and host_bytes >= 0 (got {max_rank}, {slots}, "
-                             f"{host_bytes})")
+        if not 1 <= max_rank <= 1024 or host_bytes < 0:
+            raise ValueError(f"max_rank must be in 1..1024 and host_bytes >= 0 (got {max_rank}, {host_bytes})")
         self.modules, self.embedding_module, self.fingerprint = modules, embedding, fingerprint
         self.specs = {spec.layer_id: spec for spec in modules.values()}  # layer id -> spec
         # layer id -> (pool id, member, first output row in the pool); pool id -> (in features, member widths)
@@ -161,6 +161,11 @@ class AdapterStore:
         self.pools = {pool_id: Pools() for pool_id in self.pool_shapes}
         # bottlenecks go on the outputs of layers that share no input with a sibling (o_proj, down_proj)
         self.bottleneck_pools = {layer_id: BottleneckPools() for layer_id in self.specs if layer_id in self.pools}
+        if device_bytes is not None:
+            self.num_slots = slots = device_bytes // self.slot_bytes
+        if slots < 1:
+            raise ValueError(f"no adapter slot: {slots} slots" if device_bytes is None else
+                             f"{device_bytes} bytes hold no adapter slot of {self.slot_bytes} bytes")
         self.embedding_pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.pools_version = 0  # how many pools have been made (a recorded decode graph reads those it saw)
         self._slots: OrderedDict[int, Slot] = OrderedDict()  # least recently used first
@@ -190,10 +195,14 @@ class AdapterStore:
 
     @property
     def slot_bytes(self) -> int:
-        """Device bytes of one slot once every pool exists (the embedding's aside): what a slot costs."""
+        """Device bytes of one slot once every LoRA and bottleneck pool exists (the input embedding's aside, made
+        only for adapters that have embedding LoRA): what a slot costs at most."""
         r, size = self.max_rank, self.dtype.itemsize
-        return sum((len(widths) * r * in_features + sum(widths) * r) * size + 4 * len(widths)
+        lora = sum((len(widths) * r * in_features + sum(widths) * r) * size + 4 * len(widths)
                    for in_features, widths in self.pool_shapes.values())
+        bottleneck = sum((2 * r * out + r + out) * size + 8 for out in
+                         (self.specs[layer_id].out_features for layer_id in self.bottleneck_pools))
+        return lora + bottleneck
 
     def tiers(self) -> dict:
         """Each tier's occupancy and the hit counts (for /metrics and benchmarks)."""

@@ -127,10 +127,10 @@ class _InFlight:
 class Engine:
     def __init__(self, model_path, executor, tokenizer=None, *, kv_blocks: int = 512, block_size: int = 64,
                  max_batch_tokens: int = 512, max_running: int = 64, max_lora_rank: int = 64, adapter_slots: int = 8,
-                 adapter_host_bytes: int = 4 << 30, decode_graphs: bool | None = None, compile_layers: bool | None = None):
+                 adapter_host_bytes: int = 4 << 30, adapter_device_bytes: int | None = None, decode_graphs: bool | None = None, compile_layers: bool | None = None):
         """An engine over `executor` (an in-process `symbiosis.Executor` of `model_path`): its model shares
-        the executor's base weights. KV pool: `kv_blocks` blocks of `block_size` tokens. Adapters: `adapter_slots` on the device, up to
-        `adapter_host_bytes` of them in host memory (engine/adapters.py). `decode_graphs`
+        the executor's base weights. KV pool: `kv_blocks` blocks of `block_size` tokens. Adapters: `adapter_slots` on the device (or as many as
+        `adapter_device_bytes` holds), up to `adapter_host_bytes` of them in host memory (engine/adapters.py). `decode_graphs`
         (default: on a GPU) replays decode steps from CUDA graphs; on the CPU it runs them padded, eagerly.
         `compile_layers` (default: with decode graphs on a GPU) runs those steps' decoder layers compiled
         (engine/compiled.py)."""
@@ -148,7 +148,8 @@ class Engine:
                                                                           self.compile_layers)
         self.config = self.model.config.get_text_config()
         self.adapters = AdapterStore(modules, embedding, executor.fingerprint, self.device, self.dtype, max_lora_rank,
-                                     adapter_slots, adapter_host_bytes, vocabulary_weights=vocabulary, groups=groups)
+                                     adapter_slots, adapter_host_bytes, vocabulary_weights=vocabulary, groups=groups,
+                                     device_bytes=adapter_device_bytes)
         layers.attach_pools(self.model, self.adapters)
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be positive")

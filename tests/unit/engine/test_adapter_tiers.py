@@ -58,7 +58,7 @@ def test_the_host_tier_keeps_to_its_byte_budget_least_recently_used_first(models
     assert store.host_bytes == sizes["attn_r2"] + sizes["everything_rs"] <= store.host_budget
 
 
-def test_an_adapter_is_one_host_buffer_with_its_layers_in_the_models_order(models):
+def test_an_adapter_is_one_host_buffer_in_model_order_and_a_slot_costs_slot_bytes(models):
     checkpoint, adapters = models("llama")
     engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=8, block_size=4)
     adapter = engine.adapters.load("everything_rs", adapters["everything_rs"])
@@ -66,7 +66,18 @@ def test_an_adapter_is_one_host_buffer_with_its_layers_in_the_models_order(model
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
     model_order = [layer_id for layer_id in engine.adapters.specs if layer_id in adapter.layers]
     assert list(adapter.layers) == model_order
-    assert engine.adapters.slot_bytes > 0
+    store = engine.adapters
+    lora = sum(p.a.numel() + p.b.numel() for p in [store._pool(i) for i in store.pool_shapes]) * 8 + \
+        sum(p.scales.numel() * 4 for p in store.pools.values())
+    bottleneck = sum(sum(t.numel() for t in (p.down, p.down_bias, p.up, p.up_bias)) * 8 + 8 * p.scales.numel()
+                     for p in [store._bottleneck_pool(i) for i in store.bottleneck_pools])
+    assert store.slot_bytes * store.num_slots == lora + bottleneck  # every pool made: what the slots cost
+    budgeted = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=8, block_size=4,
+                                      adapter_device_bytes=3 * store.slot_bytes + 1)
+    assert budgeted.adapters.num_slots == 3
+    with pytest.raises(ValueError, match="hold no adapter slot"):
+        Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=8, block_size=4,
+                               adapter_device_bytes=store.slot_bytes - 1)
 
 
 @pytest.mark.gpu
