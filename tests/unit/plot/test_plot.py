@@ -227,6 +227,10 @@ def test_further_pretraining_trains_only_the_lower_layers_and_resumes_exactly(ch
                          stop=lambda: (tmp_path / "b" / "state" / "state.json").exists())  # after the first save
     resumed = further_pretrain(path, 2, corpus, tmp_path / "b", schedule, dtype=torch.float64)
     assert all(torch.equal(resumed[n], whole[n]) for n in whole)
+    other = [list(range(70, 120))] * 3  # another corpus in the same directory: no resuming the old checkpoint
+    assert all(torch.equal(a, b) for a, b in zip(
+        further_pretrain(path, 2, other, tmp_path / "b", schedule, dtype=torch.float64).values(),
+        further_pretrain(path, 2, other, tmp_path / "fresh", schedule, dtype=torch.float64).values()))
     domain = LowerLayers(path, 2, dtype=torch.float64, state_dict=whole)
     assert not torch.equal(domain.represent(np.array([[10, 11, 12]])), LowerLayers(path, 2, dtype=torch.float64)
                            .represent(np.array([[10, 11, 12]])))
