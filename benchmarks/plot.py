@@ -113,6 +113,7 @@ def train_whole(path: Path, examples, schedule: Schedule, device):
     import peft
     from transformers import AutoModelForSequenceClassification
 
+    torch.manual_seed(schedule.seed)  # the pooler's and the classifier's random start, as the PLOT run's
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=len(CLASSES)).to(device)
     model = peft.get_peft_model(model, lora_config(list(range(LOWER, 6))))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=schedule.learning_rate)
@@ -207,6 +208,7 @@ def main() -> None:
     # those very adapters, with PLOT for the lower layers: the upper layers of the trained model
     trained_upper = UpperModel(path, LOWER, args.device, probe=False, model=whole.base_model.model)
     acc_same = accuracy(PlotModel(trained_upper, plot).logits, test_ids)
+    torch.manual_seed(schedule.seed)
     adapter = train_adapter(UpperModel(path, LOWER, args.device, probe=False), plot, train_ids, workdir / "plot-adapter",
                             schedule, lora_config(None))
     import peft
