@@ -145,3 +145,19 @@ class Tables:
     def _change(self, sql: str, parameters: tuple) -> int:
         with self.state.transaction() as db:
             return db.execute(sql, parameters).rowcount
+
+    def _update(self, table: str, key_column: str, key: str, fields: dict) -> None:
+        """Set `fields` (column -> value, JSON columns encoded) of the row whose `key_column` is `key`; the table
+        and column names are the code's, never a caller's."""
+        fields = self._encoded(fields)
+        self._change(f"UPDATE {table} SET {', '.join(f'{name} = ?' for name in fields)} WHERE {key_column} = ?",
+                     (*fields.values(), key))
+
+    @staticmethod
+    def _page(rows: list[dict], id_column: str, after: str | None, limit: int) -> list[dict]:
+        """OpenAI's cursor: the rows after the one whose `id_column` is `after` (none if it is not there), up to
+        limit + 1 of them (the caller's has_more)."""
+        if after is not None:
+            ids = [row[id_column] for row in rows]
+            rows = rows[ids.index(after) + 1:] if after in ids else []
+        return rows[:limit + 1]

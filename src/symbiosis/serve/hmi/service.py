@@ -31,7 +31,7 @@ from symbiosis.plot import LowerLayers, Plot, PlotModel, PlotTable, UpperModel, 
 from symbiosis.plot.build import Stopped
 from symbiosis.plot.train import Schedule, further_pretrain, train_adapter
 from symbiosis.serve.errors import ApiError
-from symbiosis.serve.hmi.store import DOMAINS_TABLE, MODELS_TABLE, HmiStore
+from symbiosis.serve.hmi.store import DOMAINS_TABLE, KEY, MODELS_TABLE, HmiStore
 
 log = logging.getLogger("symbiosis.serve.hmi")
 NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -87,7 +87,7 @@ class HmiService:
 
     @staticmethod
     def _id(table: str, row: dict) -> str:
-        return row["domain_id"] if table == DOMAINS_TABLE else row["model_id"]
+        return row[KEY[table]]
 
     def start(self) -> None:
         self._thread.start()

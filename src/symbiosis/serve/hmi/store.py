@@ -34,6 +34,7 @@ CREATE TABLE IF NOT EXISTS hmi_models (
 """
 UNFINISHED = ("queued", "running")
 DOMAINS_TABLE, MODELS_TABLE = "hmi_domains", "hmi_models"
+KEY = {DOMAINS_TABLE: "domain_id", MODELS_TABLE: "model_id"}  # each table's id column
 
 
 class HmiStore(Tables):
@@ -42,8 +43,8 @@ class HmiStore(Tables):
 
     def add(self, table: str, tenant: str, name: str, **fields) -> dict:
         """A new version (1 + the latest) of the tenant's domain or model `name`, queued."""
-        key = "domain_id" if table == "hmi_domains" else "model_id"
-        row_id = ("dom-" if table == "hmi_domains" else "hmi-") + uuid.uuid4().hex[:20]
+        key = KEY[table]
+        row_id = ("dom-" if table == DOMAINS_TABLE else "hmi-") + uuid.uuid4().hex[:20]
         fields = self._encoded(fields)
         with self.state.transaction() as db:
             latest = db.execute(f"SELECT MAX(version) FROM {table} WHERE tenant = ? AND name = ?",
@@ -55,8 +56,7 @@ class HmiStore(Tables):
         return self.get(table, row_id)
 
     def get(self, table: str, row_id: str) -> dict | None:
-        key = "domain_id" if table == "hmi_domains" else "model_id"
-        return self._one(f"SELECT * FROM {table} WHERE {key} = ?", (row_id,))
+        return self._one(f"SELECT * FROM {table} WHERE {KEY[table]} = ?", (row_id,))
 
     def versions(self, table: str, tenant: str, name: str) -> list[dict]:
         """Every version of the tenant's `name`, newest first."""
@@ -69,10 +69,7 @@ class HmiStore(Tables):
                            f"FROM {table} WHERE tenant = t.tenant AND name = t.name) ORDER BY tenant, name", tenants)
 
     def update(self, table: str, row_id: str, **fields) -> None:
-        key = "domain_id" if table == "hmi_domains" else "model_id"
-        fields = self._encoded(fields)
-        self._change(f"UPDATE {table} SET {', '.join(f'{c} = ?' for c in fields)} WHERE {key} = ?",
-                     (*fields.values(), row_id))
+        self._update(table, KEY[table], row_id, fields)
 
     def delete(self, table: str, tenant: str, name: str) -> list[dict]:
         """Remove every version of the tenant's `name`; returns the rows removed."""

@@ -80,19 +80,14 @@ class JobStore(Tables):
     def jobs(self, tenant: str, after: str | None, limit: int) -> list[dict]:
         """The tenant's jobs, newest first, after the job `after` (OpenAI's cursor)."""
         rows = self._query("SELECT * FROM jobs WHERE tenant = ? ORDER BY created_at DESC, job_id DESC", (tenant,))
-        if after is not None:
-            ids = [row["job_id"] for row in rows]
-            rows = rows[ids.index(after) + 1:] if after in ids else []
-        return rows[:limit + 1]
+        return self._page(rows, "job_id", after, limit)
 
     def jobs_in(self, *statuses: str) -> list[dict]:
         marks = ", ".join("?" * len(statuses))
         return self._query(f"SELECT * FROM jobs WHERE status IN ({marks}) ORDER BY created_at, job_id", statuses)
 
     def update_job(self, job_id: str, **fields) -> None:
-        fields = self._encoded(fields)
-        assignments = ", ".join(f"{name} = ?" for name in fields)
-        self._change(f"UPDATE jobs SET {assignments} WHERE job_id = ?", (*fields.values(), job_id))
+        self._update("jobs", "job_id", job_id, fields)
 
     # -- events and checkpoints --
 
@@ -107,10 +102,7 @@ class JobStore(Tables):
     def events(self, job_id: str, after: str | None, limit: int) -> list[dict]:
         """Newest first (OpenAI's order), after the event `after`."""
         rows = self._query("SELECT * FROM job_events WHERE job_id = ? ORDER BY seq DESC", (job_id,))
-        if after is not None:
-            ids = [row["event_id"] for row in rows]
-            rows = rows[ids.index(after) + 1:] if after in ids else []
-        return rows[:limit + 1]
+        return self._page(rows, "event_id", after, limit)
 
     def add_checkpoint(self, job_id: str, step: int, metrics: dict, model_name: str, path: str) -> None:
         self._change("INSERT INTO job_checkpoints VALUES (?, ?, ?, ?, ?, ?, ?)",
