@@ -33,6 +33,49 @@ def _tokens(vocab: int, length: int, generator: torch.Generator) -> list[int]:
     return torch.randint(3, vocab, (length + 1,), generator=generator).tolist()
 
 
+def drive(tenants: int, start_tenant, length: int, duration: float, on_start=lambda: None) -> tuple[int, float]:
+    """Each tenant a thread: `start_tenant(index)` sets it up and returns (step, finish); after one warm-up step
+    each, every tenant steps until the window of `duration` seconds closes. Returns the tokens trained inside the
+    window and its length in seconds. A tenant that fails breaks the barrier, so nobody waits for it for ever."""
+    trained = [0] * tenants
+    stop_at = [None]
+
+    def open_window() -> None:  # run by the barrier once every tenant is there, before any is released
+        on_start()
+        stop_at[0] = time.perf_counter() + duration
+
+    ready = threading.Barrier(tenants + 1, action=open_window)
+
+    def tenant(index: int) -> None:
+        try:
+            step, finish = start_tenant(index)
+            step()  # warm-up
+            ready.wait()
+            while time.perf_counter() < stop_at[0]:
+                step()
+                if time.perf_counter() < stop_at[0]:
+                    trained[index] += length
+            finish()
+        except BaseException:
+            ready.abort()
+            raise
+
+    threads = [threading.Thread(target=tenant, args=(i,)) for i in range(tenants)]
+    for thread in threads:
+        thread.start()
+    try:
+        ready.wait()
+    except threading.BrokenBarrierError:
+        for thread in threads:
+            thread.join()
+        raise RuntimeError("a tenant failed before the window opened (its traceback is above)") from None
+    start = stop_at[0] - duration
+    for thread in threads:
+        thread.join()
+    sync()
+    return sum(trained), time.perf_counter() - start
+
+
 def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: float, vocab: int) -> dict:
     """Every tenant a thread submitting forward_backward then optim_step to one TrainingQueue."""
     from symbiosis.executor.executor import Executor
@@ -44,11 +87,8 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
     executor = Executor.from_pretrained(model_dir, device=device(), dtype=dtype())
     trainer = Trainer(model_dir, executor)
     queue = TrainingQueue(trainer, max_pass_tokens=tenants * length).start()
-    trained = [0] * tenants
-    stop_at = [None]
-    ready = threading.Barrier(tenants + 1)
 
-    def tenant(index: int) -> None:
+    def start_tenant(index: int):
         generator = torch.Generator().manual_seed(index)
         lora = HostedLora(LoraSpec(rank=rank, seed=index, **PARTS), trainer.targets, trainer.device, trainer.dtype)
         key = f"tenant-{index}"
@@ -73,24 +113,11 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
             run(work=Work(lora, [datum], "cross_entropy"))
             run(call=lambda: lora.step(1e-4))
 
-        step()  # warm-up
-        ready.wait()
-        while stop_at[0] is None or time.perf_counter() < stop_at[0]:
-            step()
-            if stop_at[0] is not None and time.perf_counter() < stop_at[0]:
-                trained[index] += length
+        return step, lambda: None
 
-    threads = [threading.Thread(target=tenant, args=(i,)) for i in range(tenants)]
-    for thread in threads:
-        thread.start()
-    ready.wait()
-    passes, start = queue.passes, time.perf_counter()
-    stop_at[0] = start + duration
-    for thread in threads:
-        thread.join()
-    sync()
-    wall = time.perf_counter() - start
-    result = {"tokens_per_s": sum(trained) / wall, "passes_per_s": (queue.passes - passes) / wall,
+    passes = []
+    trained, wall = drive(tenants, start_tenant, length, duration, on_start=lambda: passes.append(queue.passes))
+    result = {"tokens_per_s": trained / wall, "passes_per_s": (queue.passes - passes[0]) / wall,
               "peak_gib": peak_gib()}
     queue.stop()
     del trainer, executor, queue
@@ -123,11 +150,8 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
     while not server.started:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    trained = [0] * tenants
-    stop_at = [None]
-    ready = threading.Barrier(tenants + 1)
 
-    def tenant(index: int) -> None:
+    def start_tenant(index: int):
         generator = torch.Generator().manual_seed(index)
         client = tinker.ServiceClient(base_url=url, api_key=f"tml-tenant-{index:04d}-0123456789")
         training = client.create_lora_training_client(base_model="base", rank=rank, seed=index, **PARTS).result()
@@ -141,24 +165,10 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
             backward.result()
             update.result()
 
-        step()
-        ready.wait()
-        while stop_at[0] is None or time.perf_counter() < stop_at[0]:
-            step()
-            if stop_at[0] is not None and time.perf_counter() < stop_at[0]:
-                trained[index] += length
-        client.close("success")
+        return step, lambda: client.close("success")
 
-    threads = [threading.Thread(target=tenant, args=(i,)) for i in range(tenants)]
-    for t in threads:
-        t.start()
-    ready.wait()
-    start = time.perf_counter()
-    stop_at[0] = start + duration
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
-    result = {"tokens_per_s": sum(trained) / wall, "peak_gib": peak_gib()}
+    trained, wall = drive(tenants, start_tenant, length, duration)
+    result = {"tokens_per_s": trained / wall, "peak_gib": peak_gib()}
     server.should_exit = True
     thread.join(30)
     service.close()

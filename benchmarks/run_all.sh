@@ -56,8 +56,9 @@ declare -A COMMAND=(
   [paged_attention]="$PY benchmarks/paged_attention.py"
   [engine]="$PY benchmarks/engine.py --batches 1,8,32,64"
   [hosted_training]="$PY benchmarks/hosted_training.py --model llama-3.2-1b --tenants 8,16,32"
-  # these two need the service's dependencies (FastAPI, uvicorn, python-multipart, protobuf, ...): on a machine
-  # without them, `pip install --no-index --find-links .whl fastapi uvicorn python-multipart protobuf ...` first
+  # these need the service's dependencies (pyzmq, FastAPI, uvicorn, python-multipart, protobuf, ...; hosted_training
+  # also the tinker SDK and its own: h2 for HTTP/2, orjson, pyqwest, rich, zstandard, distro): on a machine without
+  # them, install wheels of them first (`pip install --no-index --no-deps --target DIR .whl/*.whl`)
   [serve]="$PY benchmarks/serve.py --model llama-3-8b --adapters 64 --rates 4,16,64 --requests 128"
   [fine_tuning_jobs]="$PY benchmarks/fine_tuning_jobs.py --model llama-3.2-1b --jobs 8 --rate 8 --requests 128"
   [hmi_tiered]="$PY benchmarks/hmi.py --model llama-3.2-1b --tenants 10000 --clients 250 --requests 12500 --phases hot,tiered"

@@ -31,6 +31,7 @@ from transformers import AttentionInterface
 
 NAME = "symbiosis_paged"
 PROBE = "symbiosis_probe"  # one token, as the model is built (probe_attention)
+PREFILL_BLOCK_M = 64  # query rows per prefill kernel tile (divides the block mask's QUERY_BLOCK of 128)
 RECOMPILE_LIMIT = 128  # one compiled kernel per (rows bucket, window, dtype) for decodes, also per queries bucket
 #                       for prefill steps (StepBatch lays them out in powers of two)
 
@@ -44,8 +45,12 @@ def _decode_kernel(options: dict):
 
 def _prefill_kernel(options: dict):  # its own code object: its own compile cache
     def prefill(q, k, v, block_mask, score_mod, scale):
+        # Queries are tiled by BLOCK_M, at most the chunk's (bucketed) length: with torch's H100 default of 128 rows
+        # a chunk of 64 or fewer queries found no kernel configuration (torch 2.11, bf16, head_dim 64 and 128).
+        # q.shape is static here (compiled per bucket), so this is a constant of each compiled kernel.
+        tiles = options if PREFILL_BLOCK_M is None else {**options, "BLOCK_M": min(PREFILL_BLOCK_M, q.shape[-2])}
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True,
-                              kernel_options=options)
+                              kernel_options=tiles)
     return prefill
 
 
