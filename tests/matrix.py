@@ -56,6 +56,18 @@ ARCHITECTURES = {
     "qwen3": (transformers.Qwen3Config, dict(hidden_size=64, intermediate_size=112, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16), transformers.Qwen3ForCausalLM,
               transformers.AutoModelForCausalLM),
+    # Mixtures of experts: transformers 5's fused experts (3-D parameters), a router that is not an nn.Linear.
+    "mixtral": (transformers.MixtralConfig, dict(hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                output_router_logits=True), transformers.MixtralForCausalLM, transformers.AutoModelForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(hidden_size=64, intermediate_size=112, moe_intermediate_size=48,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                  num_experts_per_tok=2, output_router_logits=True), transformers.Qwen3MoeForCausalLM,
+                  transformers.AutoModelForCausalLM),
+    "olmoe": (transformers.OlmoeConfig, dict(hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+              output_router_logits=True, eos_token_id=1, pad_token_id=0), transformers.OlmoeForCausalLM,
+              transformers.AutoModelForCausalLM),
     "opt": (transformers.OPTConfig, dict(hidden_size=64, ffn_dim=112, num_hidden_layers=2, num_attention_heads=4,
             word_embed_proj_dim=64), transformers.OPTForCausalLM, transformers.AutoModelForCausalLM),
     "bert": (transformers.BertConfig, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -82,14 +94,29 @@ SEQ_CLS = {"bert"}
 ATTENTION = {"gpt_neox": ["query_key_value"], "llama": ["q_proj", "v_proj"], "gemma2": ["q_proj", "v_proj"],
              "granite": ["q_proj", "v_proj"], "qwen2": ["q_proj", "v_proj"], "qwen3": ["q_proj", "v_proj"],
              "mistral": ["q_proj", "v_proj"], "opt": ["q_proj", "v_proj"],
-             "gpt2": ["c_attn"], "gpt_bigcode": ["c_attn"], "bert": ["query", "value"]}
+             "gpt2": ["c_attn"], "gpt_bigcode": ["c_attn"], "bert": ["query", "value"],
+             **{arch: ["q_proj", "v_proj"] for arch in ("mixtral", "qwen3_moe", "olmoe")}}
 FEEDFORWARD = {"gpt_neox": "dense_4h_to_h", "llama": "down_proj", "gemma2": "down_proj", "granite": "down_proj",
                "qwen2": "down_proj", "qwen3": "down_proj", "mistral": "down_proj", "opt": "fc2", "gpt2": "mlp.c_proj", "gpt_bigcode": "mlp.c_proj",
                "bert": "output.dense"}
 NORMS = {"llama": ["input_layernorm", "post_attention_layernorm"], "opt": ["self_attn_layer_norm", "final_layer_norm"],
          "gpt2": ["ln_1", "ln_2"]}
 ENGINE_ONLY = {"mistral", "qwen3"}
-ARCHS = [arch for arch in ARCHITECTURES if arch not in ENGINE_ONLY]
+# The MoE models run the methods that fit a model without dense MLP layers, and LoRA on the router
+# (tests/unit/client/test_experts.py); the loss they train includes the router's auxiliary loss. "all-linear" on
+# them is refused: PEFT makes it LoRA on the fused experts too (test_experts checks the refusal).
+MOE = ("mixtral", "qwen3_moe", "olmoe")
+MOE_METHODS = ("lora", "dora", "adalora", "prompt", "ptuning", "loha", "lokr", "lora_router")
+MOE_NOT_RUN = {  # core method -> why the MoE models do not run it (the README's table says so)
+    "rslora_all_linear": "refused: PEFT's all-linear on a MoE model adds LoRA on the fused experts, which a split model "
+                         "does not run yet (tested)",
+    "dora_rslora_dropout_bias": "refused: PEFT's all-linear on a MoE model adds LoRA on the fused experts, which a "
+                                "split model does not run yet (tested)",
+    "lora_attn_mlp": "no dense MLP layer: the experts are fused parameters",
+    "ia3": "no dense MLP layer: the experts are fused parameters",
+    "prefix": "PEFT: n/a: transformers' router auxiliary loss fails on prefix tuning's virtual tokens, plain model too",
+}
+ARCHS = [arch for arch in ARCHITECTURES if arch not in ENGINE_ONLY and arch not in MOE]
 
 
 def task(arch: str) -> str:
@@ -97,7 +124,7 @@ def task(arch: str) -> str:
 
 
 def _core(arch: str, method: str):
-    t, attn, ff = task(arch), ATTENTION[arch], FEEDFORWARD[arch]
+    t, attn, ff = task(arch), ATTENTION[arch], FEEDFORWARD.get(arch)
     return {
         "lora": lambda: peft.LoraConfig(task_type=t, r=4, lora_alpha=8, target_modules=attn, init_lora_weights=False),
         "rslora_all_linear": lambda: peft.LoraConfig(task_type=t, r=4, lora_alpha=8, use_rslora=True,
@@ -116,6 +143,9 @@ def _core(arch: str, method: str):
         "prompt": lambda: peft.PromptTuningConfig(task_type=t, num_virtual_tokens=4),
         "ptuning": lambda: peft.PromptEncoderConfig(task_type=t, num_virtual_tokens=4, encoder_hidden_size=32),
         "loha": lambda: peft.LoHaConfig(task_type=t, r=4, target_modules=attn, init_weights=False),
+        # a MoE router's weight is a plain parameter (not an nn.Linear): PEFT reaches it by target_parameters
+        "lora_router": lambda: peft.LoraConfig(task_type=t, r=4, lora_alpha=8, target_modules=attn,
+                                               target_parameters=["mlp.gate.weight"], init_lora_weights=False),
         "lokr": lambda: peft.LoKrConfig(task_type=t, r=4, target_modules=attn, init_weights=False),
     }[method]()
 
@@ -127,6 +157,7 @@ CORE_METHODS = {
     "adalora": "AdaLoRA (with rank reallocation)", "prefix": "prefix", "prompt": "prompt", "ptuning": "P-tuning",
     "loha": "LoHa", "lokr": "LoKr",
 }
+MOE_ONLY_METHODS = {"lora_router": "LoRA on q and v, and on the router weight by target_parameters"}
 
 
 def core_config(arch: str, method: str):
@@ -327,7 +358,8 @@ REFUSED_CASES: dict[str, tuple[str, dict]] = {
     "LoRA init_lora_weights='lora_ga'": ("LORA", dict(r=4, init_lora_weights="lora_ga")),
     "LoRA init_lora_weights='mica'": ("LORA", dict(r=4, init_lora_weights="mica")),
     "LoRA kasa_config (KaSA)": ("LORA", dict(r=4, kasa_config=peft.KasaConfig())),
-    "LoRA target_parameters": ("LORA", dict(r=4, target_modules=None, target_parameters=["q_proj.weight"])),
+    "LoRA target_parameters on a base weight (a linear layer's, a MoE layer's fused experts)": (
+        "LORA", dict(r=4, target_modules=None, target_parameters=["q_proj.weight"])),
     "MiSS init_weights='bat'": ("MISS", dict(r=8, init_weights="bat")),
     "DEFT init_weights=True without para (its default)": ("DEFT", dict(r=4)),
 }

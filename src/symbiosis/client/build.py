@@ -21,13 +21,14 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from symbiosis.client import peft_support
 from symbiosis.client.adapter_files import check_adapter_directory
+from symbiosis.client.experts import make_virtual_experts
 from symbiosis.client.privacy import MaskedSession, NoiseMasking
 from symbiosis.client.grouping import CallGrouper
 from symbiosis.client.virtual import call_executor, make_virtual
 from symbiosis.errors import CheckpointError, VirtualWeightAccess
 from symbiosis.model.checkpoint import Checkpoint
 from symbiosis.model.layout import Layout
-from symbiosis.model.partition import build_skeleton, check_complete, load_config, plan_base_layers
+from symbiosis.model.partition import build_skeleton, check_complete, load_config, plan_base_layers, plan_expert_layers
 from symbiosis.torch_dtypes import resolve_dtype
 
 peft_support.install()  # PEFT's entry points check split models' configs and adapter files
@@ -119,19 +120,23 @@ def from_pretrained(path: str | os.PathLike, executor, auto_class=AutoModelForCa
     layout = Layout(model, checkpoint)
     check_complete(model, layout)
     plan = plan_base_layers(model, layout)
-    for spec in plan.values():
+    experts = plan_expert_layers(model, layout)
+    expert_specs = [s for projections in experts.values() for specs in projections.values() for s in specs]
+    for spec in list(plan.values()) + expert_specs:
         served = session.layer_specs.get(spec.layer_id)
         if served != spec:
             raise CheckpointError(f"the executor does not serve base layer {spec.layer_id!r} as this model needs it "
                                   f"(executor: {served}, client: {spec})")
     if privacy is not None:
-        session = MaskedSession(session, privacy, sorted({s.layer_id for s in plan.values()}), device, dtype)
+        session = MaskedSession(session, privacy, sorted({s.layer_id for s in list(plan.values()) + expert_specs}), device, dtype)
     grouper = CallGrouper(session, functools.partial(call_executor, session))
     for module_name, spec in plan.items():
         virtual = make_virtual(spec, session, grouper, device, dtype)
         virtual._is_hf_initialized = True
         virtual.weight._is_hf_initialized = True  # its bias is loaded with the client's tensors
         model.set_submodule(module_name, virtual)
+    for module_name, projections in experts.items():
+        make_virtual_experts(model.get_submodule(module_name), projections, session, device, dtype)
 
     model.to_empty(device=device)
     _load_client_tensors(model, layout, device, session)

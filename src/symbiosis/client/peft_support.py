@@ -19,6 +19,7 @@ first asks whether the model it is given is a split one.
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import warnings
@@ -35,7 +36,7 @@ from peft.tuners.tuners_utils import BaseTuner
 from symbiosis.client.adapter_files import check_adapter_directory
 from symbiosis.client.dora import SplitDoraLinearVariant
 from symbiosis.client.rewrites import REWRITES
-from symbiosis.client.virtual import VirtualConv1D, VirtualLinear
+from symbiosis.client.virtual import VirtualConv1D, VirtualLinear, VirtualWeight
 from symbiosis.errors import UnsupportedAdapter
 
 # Tuner types that run exactly on a split model: their layers call the base layer and add terms of their own,
@@ -77,7 +78,8 @@ class RefusedOption:
     """A setting of a tuner that is otherwise exact, refused on a split model."""
 
     setting: str  # how errors and the README name it
-    applies: Callable[[Any], bool]  # config -> whether it has this setting
+    applies: Callable[[Any, Any], Any]  # (config, the split model or None) -> whether it has this setting (truthy;
+    #                                     a list names where)
     why: str
 
 
@@ -87,46 +89,70 @@ def _init(config, field: str = "init_lora_weights") -> str:
 
 
 REFUSED_OPTIONS = [
-    RefusedOption("LoRA init_lora_weights='pissa' / 'pissa_niter_k'", lambda c: _init(c).startswith("pissa"),
+    RefusedOption("LoRA init_lora_weights='pissa' / 'pissa_niter_k'", lambda c, m: _init(c).startswith("pissa"),
                   _needs_w("initialises from an SVD of the base weight, and subtracts its principal part from it")),
-    RefusedOption("LoRA init_lora_weights='olora'", lambda c: _init(c) == "olora",
+    RefusedOption("LoRA init_lora_weights='olora'", lambda c, m: _init(c) == "olora",
                   _needs_w("initialises from a QR decomposition of the base weight, and subtracts it")),
-    RefusedOption("LoRA init_lora_weights='corda'", lambda c: _init(c) == "corda",
+    RefusedOption("LoRA init_lora_weights='corda'", lambda c, m: _init(c) == "corda",
                   _needs_w("initialises from an SVD of the base weight times its inputs' covariance")),
-    RefusedOption("LoRA init_lora_weights='loftq'", lambda c: _init(c) == "loftq",
+    RefusedOption("LoRA init_lora_weights='loftq'", lambda c, m: _init(c) == "loftq",
                   _needs_w("quantises the base weight and initialises from the residual")),
-    RefusedOption("LoRA init_lora_weights='lora_ga'", lambda c: _init(c) == "lora_ga",
+    RefusedOption("LoRA init_lora_weights='lora_ga'", lambda c, m: _init(c) == "lora_ga",
                   _needs_w("initialises from the base weight's gradient, which the executor never computes")),
-    RefusedOption("LoRA init_lora_weights='mica'", lambda c: _init(c) == "mica",
+    RefusedOption("LoRA init_lora_weights='mica'", lambda c, m: _init(c) == "mica",
                   _needs_w("sets B to singular vectors of the base weight")),
-    RefusedOption("LoRA kasa_config (KaSA)", lambda c: getattr(c, "kasa_config", None) is not None,
+    RefusedOption("LoRA kasa_config (KaSA)", lambda c, m: getattr(c, "kasa_config", None) is not None,
                   _needs_w("truncates the base weight's SVD and trains its singular values")),
-    RefusedOption("LoRA target_parameters", lambda c: bool(getattr(c, "target_parameters", None)),
-                  _needs_w("adds its update to base weight tensors themselves")),
-    RefusedOption("MiSS init_weights='bat'", lambda c: _kind(c) == "MISS" and getattr(c, "init_weights", None) == "bat",
+    RefusedOption("LoRA target_parameters on a base weight (a linear layer's, a MoE layer's fused experts)",
+                  lambda c, m: m is not None and _base_weights_targeted(c, m),
+                  _needs_w("adds its update to that weight tensor itself") + "; on the client's own weights (a "
+                  "MoE router's: target_parameters=['mlp.gate.weight']) it runs exactly"),
+    RefusedOption("MiSS init_weights='bat'", lambda c, m: _kind(c) == "MISS" and getattr(c, "init_weights", None) == "bat",
                   "its update multiplies blocks of the base weight: exact with executor calls only at one extra "
                   "full-size call per output block every forward"),
     RefusedOption("DEFT init_weights=True without para (its default)",
-                  lambda c: _kind(c) == "DEFT" and c.init_weights is True and not c.para,
+                  lambda c, m: _kind(c) == "DEFT" and c.init_weights is True and not c.para,
                   _needs_w("initialises its update from the base weight projected on its subspace") +
                   "; init_weights=False or para=True run exactly"),
 ]
+
+
+def _base_weights_targeted(config, model) -> list[str]:
+    """The executor-held parameters a LoRA config's `target_parameters` names (PEFT matches them by name suffix),
+    after PEFT's own rewriting of MoE targets for transformers 5 (which turns "all-linear" on a MoE model into
+    LoRA on its fused experts too), run here on a copy before PEFT runs it."""
+    if getattr(config, "target_parameters", None) is None and not hasattr(config, "target_modules"):
+        return []
+    config = copy.deepcopy(config)
+    try:
+        from peft.utils.transformers_weight_conversion import (
+            convert_peft_config_for_transformers,
+            get_model_conversion_mapping,
+        )
+        convert_peft_config_for_transformers(config, model=model, conversions=get_model_conversion_mapping(model))
+    except (ImportError, AttributeError, TypeError, ValueError):
+        pass  # another PEFT or model: the targets as given
+    targets = getattr(config, "target_parameters", None) or []
+    return [name for name, parameter in model.named_parameters(remove_duplicate=False)
+            if isinstance(parameter, VirtualWeight) and any(name == t or name.endswith("." + t) for t in targets)]
 
 
 def _kind(config) -> str:
     return getattr(config.peft_type, "value", config.peft_type)
 
 
-def check_config(config) -> None:
+def check_config(config, model=None) -> None:
     """Refuse a PEFT config that cannot run exactly on a split model (`UnsupportedAdapter`, before anything is
-    built); warn about a tuner type no test covers."""
+    built); warn about a tuner type no test covers. `model`: the split model it is for, where known."""
     kind = _kind(config)
     if kind in REFUSED:
         raise UnsupportedAdapter(f"PEFT method {kind} cannot run on a split model: {REFUSED[kind]}. Use it on a "
                                  "plain model (transformers + PEFT), or another method (README: PEFT methods)")
     for option in REFUSED_OPTIONS:
-        if option.applies(config):
-            raise UnsupportedAdapter(f"{option.setting} cannot run on a split model: {option.why}. Use it on a plain "
+        found = option.applies(config, model)
+        if found:
+            where = f" ({', '.join(map(repr, found[:4]))}{', ...' if len(found) > 4 else ''})" if isinstance(found, list) else ""
+            raise UnsupportedAdapter(f"{option.setting}{where} cannot run on a split model: {option.why}. Use it on a plain "
                                      "model (transformers + PEFT), or another setting (README: PEFT methods)")
     if kind not in EXACT:
         warnings.warn(f"PEFT method {kind} is not tested on split models by this symbiosis release; a read of a base "
@@ -149,7 +175,7 @@ def _checked_inject(inject):
     def wrapper(self, model, adapter_name, *args, **kwargs):
         if not is_split(model):
             return inject(self, model, adapter_name, *args, **kwargs)
-        check_config(self.peft_config[adapter_name])
+        check_config(self.peft_config[adapter_name], model)
         result = inject(self, model, adapter_name, *args, **kwargs)
         for module in model.modules():
             rewrite = REWRITES.get(type(module))
@@ -164,7 +190,7 @@ def _checked_tuner(init):
     @functools.wraps(init)
     def wrapper(self, model, peft_config, adapter_name, *args, **kwargs):
         if is_split(model):
-            check_config(peft_config[adapter_name] if isinstance(peft_config, dict) else peft_config)
+            check_config(peft_config[adapter_name] if isinstance(peft_config, dict) else peft_config, model)
         return init(self, model, peft_config, adapter_name, *args, **kwargs)
     return wrapper
 

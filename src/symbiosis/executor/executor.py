@@ -27,7 +27,7 @@ from symbiosis.model.partition import (
     build_skeleton,
     check_complete,
     load_config,
-    plan_base_layers,
+    all_base_layers,
 )
 from symbiosis.model.layout import Layout
 from symbiosis.protocol import DEFAULT_MAX_CALL_TOKENS, OPS, check_call
@@ -80,7 +80,7 @@ class Executor:
         skeleton = build_skeleton(config, auto_class or architecture_class(config), dtype)
         layout = Layout(skeleton, checkpoint)
         check_complete(skeleton, layout)  # the whole checkpoint, client tensors too: refused before any compute
-        specs = list(plan_base_layers(skeleton, layout).values())
+        specs = all_base_layers(skeleton, layout)
         fingerprint = checkpoint.fingerprint()
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:

@@ -61,7 +61,9 @@ class BaseWeights:
     def __init__(self, layout: Layout, specs: list[BaseLayerSpec], device: torch.device, dtype: torch.dtype):
         names = {s.weight_name for s in specs} | {s.bias_name for s in specs if s.bias_name}
         loaded = layout.read(dict.fromkeys(sorted(names), dtype), device)  # a tied tensor once
-        self.layers = {s.layer_id: BaseLayer(s, loaded[s.weight_name], loaded[s.bias_name] if s.bias_name else None)
+        expert = lambda tensor, spec: tensor if spec.expert is None else tensor[spec.expert]  # noqa: E731 -- a view
+        self.layers = {s.layer_id: BaseLayer(s, expert(loaded[s.weight_name], s),
+                                             expert(loaded[s.bias_name], s) if s.bias_name else None)
                        for s in specs}
         for name, tensor in loaded.items():  # served to every tenant: a NaN or Inf would spoil all their results
             if not bool(torch.isfinite(tensor).all()):
@@ -80,7 +82,8 @@ class BaseWeights:
 
     def tensor(self, name: str) -> torch.Tensor | None:
         """The weight read as tensor `name`, if a layer holds one (a tied lm_head: the embedding)."""
-        return next((layer.weight for layer in self.layers.values() if layer.spec.weight_name == name), None)
+        return next((layer.weight for layer in self.layers.values()
+                     if layer.spec.weight_name == name and layer.spec.expert is None), None)
 
     def get(self, layer_id: str) -> BaseLayer | MemberLayers | None:
         """A layer or group by id; None if there is no such layer or group."""
@@ -101,8 +104,8 @@ class BaseWeights:
         grows); a later group of members of one fused group, in its order, is a view of that group's weight;
         any other is served member by member. So a client can grow no weight on the executor."""
         members = [self.layers.get(i) for i in ids]
-        if len(set(ids)) < 2 or len(set(ids)) != len(ids) or any(m is None for m in members):
-            return None
+        if len(set(ids)) < 2 or len(set(ids)) != len(ids) or any(m is None or m.spec.expert is not None for m in members):
+            return None  # experts take different inputs; and fusing them would copy a view of the fused tensor
         first = members[0].spec
         if any(i.rpartition(".")[0] != ids[0].rpartition(".")[0] or m.spec.kind != first.kind
                or m.spec.in_features != first.in_features or (m.bias is None) != (members[0].bias is None)

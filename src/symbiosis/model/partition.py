@@ -11,6 +11,13 @@ Layer ids are the module names written the way the checkpoint names tensors afte
 head class (say `AutoModelForSequenceClassification` on a causal-LM checkpoint, whose modules are prefixed
 differently) and the executor still agree on every id.
 
+Experts of a mixture-of-experts model (transformers 5: one module per layer holding fused 3-D parameters,
+`gate_up_proj` [experts, 2 x intermediate, hidden] or `up_proj`, and `down_proj`; transposed in gpt-oss) are
+base layers too: each expert's projection is one base layer, `<tensor name>.<expert>`, whose weight is a view of
+the fused tensor (`BaseLayerSpec.expert`), so the executor holds every expert once and a client none. The router
+(not an `nn.Linear` in transformers 5) stays the client's, as do the routing and the activation between the
+projections (client/experts.py).
+
 Tied weights: when `lm_head.weight` is tied to the input embedding (`tie_word_embeddings`), the checkpoint
 stores the matrix once, under the embedding's name. The executor reads it as lm_head's weight, the client
 reads it as its embedding table: the one tensor is read by both sides, and held once on each.
@@ -51,6 +58,7 @@ class BaseLayerSpec:
     out_features: int
     weight_name: str  # the tensors' names in the checkpoint (layout.Layout): what the executor reads
     bias_name: str | None
+    expert: int | None = None  # an expert's projection: its index in the fused [experts, ...] tensors named above
 
 
 def group_spec(specs: dict[str, BaseLayerSpec], layer_id: str) -> BaseLayerSpec | None:
@@ -131,6 +139,55 @@ def plan_base_layers(model: PreTrainedModel, layout: Layout) -> dict[str, BaseLa
             if spec is not None:
                 plan[module_name] = spec
     return plan
+
+
+EXPERT_PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")  # transformers 5's fused expert parameters
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """transformers 5's experts of a MoE layer (made by `use_experts_implementation`): fused 3-D parameters."""
+    down = getattr(module, "down_proj", None)
+    return hasattr(module, "has_gate") and hasattr(module, "is_transposed") and isinstance(down, nn.Parameter) \
+        and down.dim() == 3
+
+
+def _expert_specs(module_name: str, module: nn.Module, projection: str, layout: Layout) -> list[BaseLayerSpec]:
+    weight = getattr(module, projection)
+    weight_name = layout.names.get(f"{module_name}.{projection}")
+    if weight_name is None:
+        return []  # missing (check_complete says)
+    bias_name = layout.names.get(f"{module_name}.{projection}_bias") if getattr(module, "has_bias", False) else None
+    if getattr(module, "has_bias", False) and bias_name is None:
+        raise CheckpointError(f"{layout.checkpoint.listing}: experts {module_name!r} have a {projection} bias but the "
+                              "checkpoint holds none")
+    experts, rows, cols = weight.shape
+    found = layout.shape(weight_name)
+    if found is not None and tuple(found) != (experts, rows, cols):
+        raise CheckpointError(f"{layout.checkpoint.listing}: tensor {layout.keys(weight_name)[0]!r} has shape "
+                              f"{list(found)}, the config implies {[experts, rows, cols]}")
+    # per expert: [out, in] (a linear's W) or, transposed (gpt-oss), [in, out] (a Conv1D's W)
+    kind, (in_features, out_features) = ("conv1d", (rows, cols)) if module.is_transposed else ("linear", (cols, rows))
+    return [BaseLayerSpec(f"{weight_name}.{e}", kind, in_features, out_features, weight_name, bias_name, e)
+            for e in range(experts)]
+
+
+def plan_expert_layers(model: PreTrainedModel, layout: Layout) -> dict[str, dict[str, list[BaseLayerSpec]]]:
+    """Experts module name in `model` -> its fused projection's parameter name -> one spec per expert."""
+    plan = {}
+    for module_name, module in model.named_modules():
+        if is_experts_module(module):
+            projections = {p: _expert_specs(module_name, module, p, layout) for p in EXPERT_PROJECTIONS
+                           if isinstance(getattr(module, p, None), nn.Parameter)}
+            if all(projections.values()):
+                plan[module_name] = projections
+    return plan
+
+
+def all_base_layers(model: PreTrainedModel, layout: Layout) -> list[BaseLayerSpec]:
+    """Every base layer of `model`: its linear layers, and each expert's projections."""
+    experts = [s for projections in plan_expert_layers(model, layout).values() for specs in projections.values()
+               for s in specs]
+    return list(plan_base_layers(model, layout).values()) + experts
 
 
 def _in_base_model(model: PreTrainedModel, key: str) -> bool:
