@@ -140,8 +140,14 @@ class Engine:
                              f"key tiles divide it), not {block_size}")
         self.pool = BlockPool(kv_blocks, block_size)
         self.kv = PagedKV(self.pool, self.device, self.dtype)
+        # A MoE model's experts run one executor call per expert its tokens chose (client/experts.py): how many
+        # tokens each expert gets is known only on the host, per step, which a recorded graph cannot replay.
+        experts = any(layer.spec.expert is not None for layer in executor.weights.layers.values())
+        if decode_graphs and experts:
+            raise ValueError("decode graphs cannot replay a mixture-of-experts model's routing (each step's tokens "
+                             "per expert is data-dependent); use decode_graphs=False")
         if decode_graphs is None:
-            decode_graphs = self.device.type == "cuda"
+            decode_graphs = self.device.type == "cuda" and not experts
         self.compile_layers = decode_graphs and (self.device.type == "cuda" if compile_layers is None else compile_layers)
         self.state = layers.StepState()
         self.model, modules, groups, embedding, vocabulary = layers.build(model_path, executor, self.state, self.kv,

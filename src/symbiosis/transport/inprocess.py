@@ -39,6 +39,8 @@ class InProcessSession(Session):
         if not alone or x.device != executor.device or x.dtype != self.dtype:
             return None
         layer = self._layers.get(layer_id)
+        if layer is not None and not getattr(layer, "local", True):
+            return None  # on a shard of a sharded executor: a round trip autograd cannot see through
         if layer is not None and not torch.compiler.is_compiling():
             executor.stats.count_direct((layer_id, "forward"), x.shape[0], self.client_id)
         return layer

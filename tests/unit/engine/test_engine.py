@@ -23,7 +23,8 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 39)), [100, 7, 9, 12,
 
 def _alone(checkpoint, adapter, prompt, max_tokens, dtype=torch.float64):
     """(tokens, log-probabilities of every step's logits) of plain transformers (+ PEFT), this request alone."""
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
+    # transformers' default experts kernel (grouped_mm) has no float64: MoE models run their eager loop
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, experts_implementation="eager")
     if adapter is not None and json.loads((adapter / "adapter_config.json").read_text())["peft_type"] == "BOTTLENECK":
         attach_bottleneck(model, adapter)  # hooks: a bottleneck on each targeted layer's output
     elif adapter is not None:
@@ -368,3 +369,37 @@ def test_bad_bottleneck_adapters_are_refused_with_the_reason(models, tmp_path):
     (odd / "adapter_config.json").write_text(json.dumps({**config, "non_linearity": "tanh"}))
     with pytest.raises(AdapterError, match="non_linearity 'tanh' is not one of relu, gelu, silu"):
         engine.submit(PROMPTS[0], adapter=("odd", odd))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "olmoe"])
+def test_moe_models_serve_each_request_as_plain_peft(arch, tmp_path):
+    """A MoE base in the engine: the experts are the executor's (one call per chosen expert), attention adapters
+    are the engine's (SGMV); a mixed batch of adapters and none makes each request's own tokens and log-probs."""
+    from matrix import make_checkpoint
+
+    make_checkpoint(arch, tmp_path / "base", output_router_logits=False)
+    adapters = {}
+    for i, (name, targets) in enumerate({"attn_r2": ["q_proj", "v_proj"], "all_attn_r4": ["q_proj", "k_proj",
+                                                                                          "v_proj", "o_proj"]}.items()):
+        torch.manual_seed(20 + i)
+        model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float64),
+                                    peft.LoraConfig(r=2 + 2 * i, lora_alpha=8, target_modules=targets,
+                                                    init_lora_weights=False))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.normal_(0, 0.3)
+        model.save_pretrained(tmp_path / name)
+        adapters[name] = tmp_path / name
+    engine = Engine.from_pretrained(tmp_path / "base", dtype=torch.float64, kv_blocks=64, block_size=4,
+                                    max_batch_tokens=8)
+    names = [None, *adapters]
+    jobs = [(prompt, names[i % len(names)]) for i, prompt in enumerate(PROMPTS)]
+    params = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=3)
+    handles = [engine.submit(prompt, params, None if name is None else (name, adapters[name])) for prompt, name in jobs]
+    while engine.has_work():
+        engine.step()
+    for handle, (prompt, name) in zip(handles, jobs):
+        _check(handle.result(), _alone(tmp_path / "base", adapters.get(name), prompt, 5), prompt)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        Engine.from_pretrained(tmp_path / "base", dtype=torch.float64, kv_blocks=8, block_size=4, decode_graphs=True)

@@ -22,7 +22,7 @@ LONG_RUNNING = "my sister finds a red ball"  # the tiny random model's greedy an
 
 def plain_generate(files, adapter: str | None, ids: list[int], new_tokens: int):
     """(new token ids, their log-probabilities) from transformers (+ PEFT), greedy, float64."""
-    model = AutoModelForCausalLM.from_pretrained(files["model"], dtype=torch.float64)
+    model = AutoModelForCausalLM.from_pretrained(files["model"], dtype=torch.float64, experts_implementation="eager")
     if adapter is not None:
         model = peft.PeftModel.from_pretrained(model, files["adapters"] / adapter)
     sequence = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
@@ -341,3 +341,40 @@ def _many_streams(loaded):
         thread.join()
     assert not errors
     assert results == [alone[job] for job in jobs]
+
+
+def test_a_mixture_of_experts_base_is_served_as_plain_transformers_and_peft(served_files, tmp_path):
+    """`symbiosis serve` over a Mixtral base (the demo's tokenizer, random weights): its experts in the executor,
+    an attention adapter in the engine; completions equal plain transformers (eager experts) + PEFT."""
+    import shutil
+
+    import transformers
+
+    from conftest import write_lora
+
+    tokenizer = AutoTokenizer.from_pretrained(served_files["model"])
+    config = transformers.MixtralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=48,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+                                        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                                        eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(7)
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "moe")
+    tokenizer.save_pretrained(tmp_path / "moe")
+    adapters = tmp_path / "adapters"
+    write_lora(tmp_path / "moe", adapters / "alice" / "moe-lora", 5, ["q_proj", "v_proj"])
+    files = {**served_files, "model": tmp_path / "moe", "adapters": adapters}
+    running = start(files, tmp_path / "state")
+    try:
+        assert load(running, "alice", "moe-lora", "alice/moe-lora").status_code == 200
+        for model, adapter in (("tiny-llama", None), ("moe-lora", "alice/moe-lora")):
+            result = running.client("alice").completions.create(model=model, prompt=PROMPTS[:2], max_tokens=6,
+                                                                temperature=0, logprobs=1)
+            for prompt, choice in zip(PROMPTS, result.choices):
+                ids = tokenizer(prompt)["input_ids"]
+                expected, logprobs = plain_generate(files, adapter, ids, 6)
+                assert choice.text == tokenizer.decode(expected, skip_special_tokens=True)
+                assert choice.logprobs.token_logprobs == pytest.approx(logprobs, rel=1e-9, abs=1e-9)
+    finally:
+        running.stop()
+    shutil.rmtree(tmp_path / "state", ignore_errors=True)

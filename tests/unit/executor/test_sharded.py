@@ -1,0 +1,117 @@
+"""The sharded executor on the CPU (gloo, float64): 2 and 4 processes give exactly the single executor's numbers,
+for every layer's calls and for a split model's training step, in process and over tcp://; a shard killed mid-way
+fails its layers' calls clearly (no hang) while the rest keep serving; close() stops every shard."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import torch
+from peft import get_peft_model
+
+import symbiosis
+from helpers import assert_close, batch
+from matrix import make_checkpoint, peft_config
+from symbiosis.errors import ExecutorUnavailable
+from symbiosis.executor.sharded import launch_sharded, place
+
+
+def test_placement_keeps_decoder_layers_whole_and_balances_bytes(checkpoints):
+    path, _ = checkpoints("llama")
+    single = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
+    specs = [layer.spec for layer in single.weights.layers.values()]
+    placement = place(specs, 2)
+    for spec in specs:  # every layer of one decoder block on one rank; the head on rank 0
+        block = spec.layer_id.split(".layers.")[1].split(".")[0] if ".layers." in spec.layer_id else None
+        siblings = {placement[s.layer_id] for s in specs if block is not None and f".layers.{block}." in s.layer_id}
+        assert block is None and placement[spec.layer_id] == 0 or len(siblings) == 1
+    assert {placement[s.layer_id] for s in specs if ".layers.0." in s.layer_id} == {0}
+    assert {placement[s.layer_id] for s in specs if ".layers.1." in s.layer_id} == {1}
+    single.close()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_equals_single_executor(world, checkpoints, tmp_path):
+    path, auto_class = checkpoints("llama")
+    if world == 4:  # a decoder layer per rank
+        auto_class = make_checkpoint("llama", tmp_path, num_hidden_layers=4)
+        path = tmp_path
+    single = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
+    sharded = launch_sharded(path, ["cpu"] * world, dtype=torch.float64)
+    try:
+        assert set(sharded.placement.values()) == set(range(world))
+        assert sharded.layer_specs == single.layer_specs
+        ours, theirs = sharded.attach(sharded.fingerprint, "a"), single.attach(single.fingerprint, "a")
+        torch.manual_seed(0)
+        for layer_id, spec in single.layer_specs.items():  # every layer's calls, wherever it lives
+            x, g = torch.randn(5, spec.in_features, dtype=torch.float64), torch.randn(5, spec.out_features,
+                                                                                     dtype=torch.float64)
+            assert torch.equal(ours.forward(layer_id, x), theirs.forward(layer_id, x))
+            assert torch.equal(ours.forward_nobias(layer_id, x), theirs.forward_nobias(layer_id, x))
+            assert torch.equal(ours.backward(layer_id, g), theirs.backward(layer_id, g))
+            assert torch.equal(ours.fetch(layer_id)[0], theirs.fetch(layer_id)[0])
+            assert torch.equal(ours.weight_norms(layer_id), theirs.weight_norms(layer_id))
+        # a split model's training step (its q/k/v and gate/up calls grouped on their shard)
+        results = []
+        for executor in (single, sharded):
+            model = symbiosis.from_pretrained(path, executor, auto_class=auto_class, dtype=torch.float64)
+            torch.manual_seed(1234)
+            model = get_peft_model(model, peft_config("rslora_all_linear", "llama"))
+            model.train()
+            out = model(**batch("llama"))
+            out.loss.backward()
+            results.append((out, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+        (ref, ref_grads), (out, grads) = results
+        assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)
+        for name, grad in ref_grads.items():
+            assert torch.equal(grads[name], grad), name
+    finally:
+        sharded.close()
+        single.close()
+    assert all(p.returncode == 0 for p in sharded.shards), "every shard stopped cleanly"
+
+
+def test_clients_over_tcp_attach_to_a_sharded_executor(checkpoints):
+    from symbiosis.transport.server import ExecutorServer
+
+    path, auto_class = checkpoints("llama")
+    single = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
+    sharded = launch_sharded(path, ["cpu", "cpu"], dtype=torch.float64)
+    server = ExecutorServer(sharded, "tcp://127.0.0.1:0").start()
+    try:
+        remote = symbiosis.connect(server.url, timeout=30)
+        split = symbiosis.from_pretrained(path, remote, auto_class=auto_class, dtype=torch.float64)
+        plain = symbiosis.from_pretrained(path, single, auto_class=auto_class, dtype=torch.float64)
+        inputs = {k: v for k, v in batch("llama").items() if k != "labels"}
+        with torch.no_grad():
+            assert_close(split(**inputs).logits, plain(**inputs).logits, "logits over tcp", rtol=0)
+        split.symbiosis_session.close()
+    finally:
+        server.stop()
+        sharded.close()
+        single.close()
+
+
+def test_a_killed_shard_fails_its_layers_clearly_and_the_rest_keep_serving(checkpoints):
+    path, _ = checkpoints("llama")
+    sharded = launch_sharded(path, ["cpu", "cpu"], dtype=torch.float64, timeout_s=20)
+    try:
+        session = sharded.attach(sharded.fingerprint, "a")
+        on_shard = next(i for i, rank in sharded.placement.items() if rank == 1)
+        at_front = next(i for i, rank in sharded.placement.items() if rank == 0)
+        spec, front_spec = sharded.layer_specs[on_shard], sharded.layer_specs[at_front]
+        session.forward(on_shard, torch.ones(2, spec.in_features, dtype=torch.float64))
+        sharded.shards[0].send_signal(signal.SIGKILL)
+        sharded.shards[0].wait(10)
+        started = time.monotonic()
+        with pytest.raises(ExecutorUnavailable, match="shard rank 1 .* is gone"):
+            session.forward(on_shard, torch.ones(2, spec.in_features, dtype=torch.float64))
+        with pytest.raises(ExecutorUnavailable, match="shard rank 1"):  # and at once from then on
+            session.backward(on_shard, torch.ones(2, spec.out_features, dtype=torch.float64))
+        assert time.monotonic() - started < 15, "no hang"
+        out = session.forward(at_front, torch.ones(2, front_spec.in_features, dtype=torch.float64))
+        assert out.shape == (2, front_spec.out_features)
+    finally:
+        sharded.close()
