@@ -49,10 +49,22 @@ def executor_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="[executor] %(message)s", stream=sys.stderr)
     sys.setswitchinterval(5e-4)  # hand the GIL between the I/O and batching threads within 0.5 ms, not 5
     policy = make_policy(args.policy, None if args.max_wait_ms is None else args.max_wait_ms / 1e3)
+    options = dict(policy=policy, max_call_tokens=args.max_call_tokens)
+    if args.devices and "RANK" in os.environ and int(os.environ["RANK"]) > 0:  # a shard under torchrun
+        from symbiosis.executor.sharded import serve_shard
+
+        serve_shard(int(os.environ["RANK"]), args.model, args.devices.split(","), args.dtype)
+        return 0
     try:
-        device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
-        executor = symbiosis.Executor.from_pretrained(args.model, device=device, dtype=args.dtype,
-                                                      policy=policy, max_call_tokens=args.max_call_tokens)
+        if args.devices:  # sharded: under torchrun this is rank 0; else this process launches the shards
+            from symbiosis.executor.sharded import front, launch_sharded
+
+            devices = args.devices.split(",")
+            executor = front(args.model, devices, args.dtype, **options) if "RANK" in os.environ else \
+                launch_sharded(args.model, devices, args.dtype, **options)
+        else:
+            device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+            executor = symbiosis.Executor.from_pretrained(args.model, device=device, dtype=args.dtype, **options)
         server = ExecutorServer(executor, args.listen, tenants, client_timeout=args.client_timeout,
                                 max_attaches=args.max_attaches, max_attaches_per_tenant=args.max_attaches_per_tenant)
     except (symbiosis.SymbiosisError, ValueError) as e:
@@ -64,8 +76,9 @@ def executor_command(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     server.start()
     mib = executor.weights.nbytes / 2**20
+    where = f"{executor.device}" if not args.devices else f"sharded over {args.devices}, {mib:.1f} MiB on rank 0"
     print(f"[executor] serving {len(executor.weights.layers)} base layers ({mib:.1f} MiB) of {args.model} on "
-          f"{server.url} ({executor.device}, {executor.dtype}, policy {policy.name})", file=sys.stderr, flush=True)
+          f"{server.url} ({where}, {executor.dtype}, policy {policy.name})", file=sys.stderr, flush=True)
     stop.wait()
     server.stop()
     executor.close()
@@ -268,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     executor.add_argument("--model", help="Hugging Face model directory (config.json + safetensors)")
     executor.add_argument("--listen", help="ipc:///path/to/socket or tcp://host:port")
     executor.add_argument("--device", default=None, help="cuda:0, cpu, ... (default: cuda:0 if there is a GPU)")
+    executor.add_argument("--devices", default=None,
+                          help="shard the base layers over these devices (cuda:0,cuda:1 or cpu,cpu; torch.distributed): "
+                               "this process launches a shard per device after the first, or, under torchrun, each "
+                               "rank takes the device of its rank and rank 0 listens")
     executor.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
     executor.add_argument("--policy", default="opportunistic", choices=["opportunistic", "lockstep", "none"])
     executor.add_argument("--max-wait-ms", type=float, default=None, help="batching wait budget per call")

@@ -115,3 +115,47 @@ def test_a_killed_shard_fails_its_layers_clearly_and_the_rest_keep_serving(check
         assert out.shape == (2, front_spec.out_features)
     finally:
         sharded.close()
+
+
+def test_the_executor_command_shards_over_devices_and_serves_ipc_clients(checkpoints, tmp_path):
+    """`symbiosis executor --devices cpu,cpu` launches its shard itself; a client over ipc:// gets the single
+    executor's logits; SIGTERM stops the front and its shard."""
+    from helpers import TOKEN, start_executor
+
+    path, auto_class = checkpoints("llama")
+    url = f"ipc://{tmp_path}/sharded.sock"
+    process = start_executor(path, url, tmp_path, "opportunistic", 2.0, "cpu", "float64", None, "--devices", "cpu,cpu")
+    single = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
+    try:
+        assert process.log.wait_for(r"sharded over cpu,cpu")
+        split = symbiosis.from_pretrained(path, symbiosis.connect(url, token=TOKEN, timeout=30), auto_class=auto_class,
+                                          dtype=torch.float64)
+        plain = symbiosis.from_pretrained(path, single, auto_class=auto_class, dtype=torch.float64)
+        inputs = {k: v for k, v in batch("llama").items() if k != "labels"}
+        with torch.no_grad():
+            assert torch.equal(split(**inputs).logits, plain(**inputs).logits)
+        split.symbiosis_session.close()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+        single.close()
+    assert process.log.wait_for(r"^\[executor\] stopped")
+
+
+@pytest.mark.gpu
+def test_a_gpu_rank_and_a_cpu_rank_equal_the_single_gpu_executor(checkpoints):
+    """One GPU: the front's layers on it, the other shard's on the CPU (gloo carries CPU tensors between them)."""
+    path, _ = checkpoints("llama")
+    single = symbiosis.Executor.from_pretrained(path, device="cuda", dtype=torch.float64)
+    sharded = launch_sharded(path, ["cuda:0", "cpu"], dtype=torch.float64)
+    try:
+        ours, theirs = sharded.attach(sharded.fingerprint, "a"), single.attach(single.fingerprint, "a")
+        torch.manual_seed(0)
+        for layer_id, spec in single.layer_specs.items():
+            x = torch.randn(3, spec.in_features, dtype=torch.float64, device="cuda")
+            assert_close(ours.forward(layer_id, x), theirs.forward(layer_id, x), layer_id, rtol=1e-12)
+            g = torch.randn(3, spec.out_features, dtype=torch.float64, device="cuda")
+            assert_close(ours.backward(layer_id, g), theirs.backward(layer_id, g), layer_id, rtol=1e-12)
+    finally:
+        sharded.close()
+        single.close()
