@@ -20,7 +20,7 @@ from symbiosis.errors import UnknownClient
 from symbiosis.executor.policy import ACTIVE_WINDOW, ClientCounts, Decision, Policy, QueuedCall, QueueKey, Queues
 from symbiosis.executor.stats import ExecutorStats
 
-RunBatch = Callable[[QueueKey, torch.Tensor], torch.Tensor]  # (key, [T, d_in]) -> [T, d_out]
+RunBatch = Callable[..., torch.Tensor]  # (key, [T, d_in], counts per expert or None) -> [T, d_out]
 
 
 @dataclass
@@ -28,6 +28,18 @@ class PendingCall(QueuedCall):
     tensor: torch.Tensor = None
     future: Future = field(default_factory=Future)
     gate: Callable[[], None] | None = None  # queues on the GPU what reading `tensor` must wait for
+    segments: list[int] | None = None  # a MoE projection's call: rows per expert, `tensor` grouped by expert
+
+
+def _by_expert(calls: list[PendingCall], x: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+    """Several calls of one MoE projection, each grouped by expert, as one: (x grouped by expert across the calls,
+    rows per expert, the order taken, None for a single call, which is grouped already)."""
+    if len(calls) == 1:
+        return x, calls[0].segments, None
+    experts = torch.arange(len(calls[0].segments))
+    owner = torch.cat([experts.repeat_interleave(torch.tensor(c.segments)) for c in calls])  # expert of each row
+    order = torch.argsort(owner, stable=True).to(x.device)  # by expert; within one, by call
+    return x[order], torch.bincount(owner, minlength=len(experts)).tolist(), order
 
 
 def _split_rows(y: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
@@ -60,11 +72,14 @@ class Batcher:
         self._worker.start()
 
     def submit(self, client_id: str, key: QueueKey, tensor: torch.Tensor, inference: bool,
-               inline: bool = False, gate: Callable[[], None] | None = None) -> Future:
+               inline: bool = False, gate: Callable[[], None] | None = None,
+               segments: list[int] | None = None) -> Future:
         """Queue a call. With `inline`, a call the policy would run at once (say, the only active client's)
         runs on the caller's thread, saving the hand-off to the worker: the in-process fast path. `gate` is
-        called right before the call's input is read (a pipelined client's input may not be there yet)."""
-        call = PendingCall(client_id, tensor.shape[0], inference, time.perf_counter(), gate is None, tensor, gate=gate)
+        called right before the call's input is read (a pipelined client's input may not be there yet).
+        `segments`: a MoE projection's call, its rows per expert (calls of one key all have them)."""
+        call = PendingCall(client_id, tensor.shape[0], inference, time.perf_counter(), gate is None, tensor, gate=gate,
+                           segments=segments)
         with self._cond:
             self.last_call[client_id] = call.arrived
             self.queues.by_key.setdefault(key, []).append(call)
@@ -156,7 +171,14 @@ class Batcher:
             started = self.stats.timer()  # after the gates: the GPU time of the GEMM, not of waiting for input
             # [T1, d] ++ [T2, d] ++ ... -> [sum T, d]; one GEMM; split back.
             x = calls[0].tensor if len(calls) == 1 else torch.cat([c.tensor for c in calls])
-            outputs = _split_rows(self.run_batch(key, x), [c.tokens for c in calls])
+            if calls[0].segments is None:
+                y = self.run_batch(key, x)
+            else:  # a MoE projection: the calls' rows regrouped by expert, one grouped GEMM, put back
+                grouped, counts, order = _by_expert(calls, x)
+                y = self.run_batch(key, grouped, counts)
+                if order is not None:
+                    y = torch.empty_like(y).index_copy_(0, order, y)
+            outputs = _split_rows(y, [c.tokens for c in calls])
         except Exception as error:  # e.g. out of memory: retry alone, so one large call fails alone
             if len(calls) > 1:
                 for call in calls:

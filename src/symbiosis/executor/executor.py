@@ -169,6 +169,31 @@ class Executor:
         self.stats.count_client(client_id, tensor.shape[0])
         return self.batcher.submit(client_id, (layer_id, op), tensor, inference and op != "backward", inline, gate)
 
+    def submit_experts(self, client_id: str, op: str, group_id: str, tensor: torch.Tensor, counts: list[int],
+                       inference: bool = False, inline: bool = False) -> Future:
+        """Queue one call of every expert of a fused MoE projection (`group_id`: its tensor's name), `tensor` grouped
+        by expert, `counts[e]` rows for expert e; ops and shapes as `submit`'s, per expert. Calls of several
+        clients for one projection are batched: their rows regrouped by expert, one grouped GEMM."""
+        if op not in OPS:
+            raise BadCall(f"unknown op {op!r}; expected one of {OPS}")
+        if client_id not in self.clients:
+            raise UnknownClient(f"client {client_id!r} is not attached to this executor")
+        group = self.weights.experts.get(group_id)
+        if group is None:
+            raise UnknownLayer(f"this executor serves no experts {group_id[:300]!r} as one group")
+        check_call(group_id, group.spec, op, tensor, self.max_call_tokens)
+        if (not isinstance(counts, list) or len(counts) != group.num_experts
+                or any(not isinstance(c, int) or c < 0 for c in counts) or sum(counts) != tensor.shape[0]):
+            raise BadCall(f"{op} call to experts {group_id[:300]!r}: counts must be {group.num_experts} non-negative "
+                          f"integers adding up to the call's {tensor.shape[0]} rows")
+        if tensor.dtype != self.dtype:
+            raise BadCall(f"{op} call to experts {group_id!r} expects {self.dtype}, got {tensor.dtype}")
+        tensor = tensor if tensor.device == self.device else tensor.to(self.device, non_blocking=True)
+        tensor = tensor.detach() if tensor.requires_grad else tensor
+        self.stats.count_client(client_id, tensor.shape[0])
+        return self.batcher.submit(client_id, (group_id, op), tensor, inference and op != "backward", inline,
+                                   segments=counts)
+
     def forward(self, client_id: str, layer_id: str, x: torch.Tensor, inference: bool = False,
                 with_bias: bool = True) -> torch.Tensor:
         op = "forward" if with_bias else "forward_nobias"
@@ -177,13 +202,16 @@ class Executor:
     def backward(self, client_id: str, layer_id: str, grad_out: torch.Tensor) -> torch.Tensor:
         return self.submit(client_id, "backward", layer_id, grad_out, inline=True).result()
 
-    def _run_batch(self, key: tuple[str, str], tensor: torch.Tensor) -> torch.Tensor:
+    def _run_batch(self, key: tuple[str, str], tensor: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
         layer_id, op = key
-        layer = self.weights.get(layer_id)
+        layer = self.weights.get(layer_id) if counts is None else self.weights.experts[layer_id]
+        extra = () if counts is None else (counts,)
         try:
             # No autograd graph: the weights never require grad, and neither does what reaches here (a remote
             # call's buffer, or an in-process call made inside an autograd Function); cheaper than no_grad().
-            return layer.backward(tensor) if op == "backward" else layer.forward(tensor, op == "forward")
+            if op == "backward":
+                return layer.backward(tensor, *extra)
+            return layer.forward(tensor, *extra, op == "forward")
         except (torch.OutOfMemoryError, RuntimeError) as e:  # the batcher then retries each call of a batch alone
             if not _out_of_memory(e):
                 raise

@@ -166,6 +166,7 @@ class ShardedWeights:
         self.remote = remote
         self.nbytes = local.nbytes  # on this device; each shard holds its own share
         self.groups = local.groups
+        self.experts = local.experts  # the front's; a shard's experts are called one by one
 
     def tensor(self, name: str) -> torch.Tensor | None:
         return self.local.tensor(name)

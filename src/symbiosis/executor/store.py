@@ -49,6 +49,63 @@ class BaseLayer:
         return grad_out @ self.weight if self.spec.kind == "linear" else grad_out @ self.weight.t()
 
 
+def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """torch's grouped GEMM (one kernel for every expert): CUDA, Hopper or newer, bf16, widths of 16s."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device) >= (9, 0)
+            and x.shape[1] % 16 == 0 and weight.shape[1] % 16 == 0 and weight.shape[2] % 16 == 0)
+
+
+@dataclass
+class ExpertGroup:
+    """Every expert of one fused MoE projection, run as one call: tokens grouped by expert, `counts[e]` rows each.
+
+    linear:  weight [E, out, in],  y[rows of e] = x[rows of e] W_e^T + b_e    backward: g W_e
+    conv1d:  weight [E, in, out],  y[rows of e] = x[rows of e] W_e + b_e      backward: g W_e^T
+    One grouped GEMM (`torch._grouped_mm`) where it runs, else one GEMM per expert with rows."""
+
+    spec: BaseLayerSpec  # expert 0's (every expert's shapes)
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+    def _per_expert(self, x: torch.Tensor, counts: list[int], width: int, gemm) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], width)
+        start = 0
+        for expert, rows in enumerate(counts):
+            if rows:
+                out[start:start + rows] = gemm(x[start:start + rows], expert)
+            start += rows
+        return out
+
+    def forward(self, x: torch.Tensor, counts: list[int], with_bias: bool = True) -> torch.Tensor:
+        # x [T, in] -> [T, out]
+        linear = self.spec.kind == "linear"
+        bias = self.bias if with_bias else None
+        if _grouped_mm_fits(x, self.weight):
+            ends = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+            y = torch._grouped_mm(x, self.weight.transpose(1, 2) if linear else self.weight, offs=ends)
+            if bias is not None:
+                y = y + bias.repeat_interleave(torch.tensor(counts, device=x.device), dim=0)
+            return y
+        b = (lambda e: None) if bias is None else (lambda e: bias[e])  # noqa: E731
+        gemm = (lambda rows, e: F.linear(rows, self.weight[e], b(e))) if linear else \
+            (lambda rows, e: rows @ self.weight[e] if bias is None else torch.addmm(bias[e], rows, self.weight[e]))
+        return self._per_expert(x, counts, self.spec.out_features, gemm)
+
+    def backward(self, grad_out: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        # grad_out [T, out] -> [T, in]
+        linear = self.spec.kind == "linear"
+        if _grouped_mm_fits(grad_out, self.weight):
+            ends = torch.tensor(counts, device=grad_out.device).cumsum(0).to(torch.int32)
+            return torch._grouped_mm(grad_out, self.weight if linear else self.weight.transpose(1, 2), offs=ends)
+        gemm = (lambda g, e: g @ self.weight[e]) if linear else (lambda g, e: g @ self.weight[e].t())
+        return self._per_expert(grad_out, counts, self.spec.in_features, gemm)
+
+
 class BaseWeights:
     """layer id -> BaseLayer, read from the checkpoint (base tensors only) onto `device` in `dtype`.
 
@@ -76,6 +133,10 @@ class BaseWeights:
                     raise CheckpointError(f"{layout.checkpoint.listing}: {layout.keys(name)} make {name!r} of shape "
                                           f"{list(tensor.shape)}, the config implies {list(expected)}")
         self.nbytes = sum(t.numel() * t.element_size() for t in loaded.values())
+        # fused MoE projection (its tensor's name) -> all its experts, for grouped calls
+        self.experts: dict[str, ExpertGroup] = {
+            s.weight_name: ExpertGroup(s, loaded[s.weight_name], loaded[s.bias_name] if s.bias_name else None)
+            for s in specs if s.expert == 0}
         self.groups: dict[str, BaseLayer | MemberLayers] = {}
         self._fused_in: dict[str, BaseLayer] = {}  # layer id -> the fused group whose weight its weight views
         self._lock = threading.Lock()

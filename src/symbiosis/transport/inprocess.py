@@ -45,6 +45,30 @@ class InProcessSession(Session):
             executor.stats.count_direct((layer_id, "forward"), x.shape[0], self.client_id)
         return layer
 
+    def expert_group(self, group_id: str, x: torch.Tensor | None = None):
+        """Whether the executor runs the experts of fused MoE projection `group_id` as one call (None: call them
+        one by one). With `x`: their `ExpertGroup` itself, for this thread to run, as `direct` (else None)."""
+        group = self.executor.weights.experts.get(group_id)
+        if x is None or group is None:
+            return group
+        executor = self.executor
+        alone = len(executor.clients) == 1 or executor.policy.name == "none"
+        if not alone or x.device != executor.device or x.dtype != self.dtype:
+            return None
+        if not torch.compiler.is_compiling():
+            executor.stats.count_direct((group_id, "forward"), x.shape[0], self.client_id)
+        return group
+
+    def experts_forward(self, group_id: str, x: torch.Tensor, counts: list[int], inference: bool = False) -> torch.Tensor:
+        future = self.executor.submit_experts(self.client_id, "forward", group_id, self._send(x), counts, inference,
+                                              inline=True)
+        return self._cast(future.result(), x)
+
+    def experts_backward(self, group_id: str, grad_out: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        future = self.executor.submit_experts(self.client_id, "backward", group_id, self._send(grad_out), counts,
+                                              inline=True)
+        return self._cast(future.result(), grad_out)
+
     def base_tensor(self, name: str, like: torch.Tensor) -> torch.Tensor | None:
         """The executor's own tensor read as `name` (layout.Layout), when the client needs that very tensor
         in the same shape, dtype and device: a tied embedding, which the client then holds by reference

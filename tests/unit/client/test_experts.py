@@ -101,17 +101,66 @@ def test_lora_on_the_experts_themselves_is_refused_clearly(arch, checkpoints, ex
         assert {name: type(module) for name, module in split.named_modules()} == before  # nothing injected
 
 
-def test_each_expert_is_a_call_batched_with_other_clients(checkpoints, executors):
-    """An expert's tokens travel as one call per projection, under the expert's own layer id, so the executor's
-    batcher groups two clients' calls for one expert as it does for one dense layer."""
+def test_a_projection_is_one_call_and_two_clients_calls_are_regrouped_by_expert(checkpoints):
+    """In process, each fused projection is ONE executor call (rows grouped by expert, rows per expert); calls of
+    two clients for it run as one batch, regrouped by expert, each client getting exactly its own rows back."""
     path, auto_class = checkpoints("mixtral")
-    executor = executors("mixtral")
-    split = symbiosis.from_pretrained(path, executor, auto_class=auto_class, dtype=torch.float64)
-    before = executor.stats_snapshot()["per_layer"]
-    with torch.no_grad():
-        split(**{k: v for k, v in batch("mixtral").items() if k != "labels"})
-    after = executor.stats_snapshot()["per_layer"]
-    called = {key for key in after if after[key]["calls"] > before.get(key, {"calls": 0})["calls"]}
-    expert_calls = {key for key in called if ".experts." in key}
-    assert any(key.endswith(".0:forward") for key in expert_calls)
-    assert all(key.split(":")[0] in executor.weights.layers for key in expert_calls)
+    executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64, policy="lockstep")
+    a, b = executor.register(executor.fingerprint, "a"), executor.register(executor.fingerprint, "b")
+    group_id = next(iter(executor.weights.experts))
+    group = executor.weights.experts[group_id]
+    torch.manual_seed(0)
+    calls = {a: [2, 0, 3, 1], b: [0, 4, 1, 2]}
+    inputs = {c: torch.randn(sum(counts), group.spec.in_features, dtype=torch.float64) for c, counts in calls.items()}
+    futures = {c: executor.submit_experts(c, "forward", group_id, inputs[c], calls[c]) for c in calls}
+    for client, counts in calls.items():  # each expert's rows through that expert's own layer
+        expected, start = [], 0
+        for expert, rows in enumerate(counts):
+            layer = executor.weights.layers[f"{group_id}.{expert}"]
+            expected.append(layer.forward(inputs[client][start:start + rows]))
+            start += rows
+        # (float64 rounding only: a GEMM of more rows may take another blocking)
+        assert_close(futures[client].result(timeout=10), torch.cat(expected), f"client {client}'s rows", rtol=1e-12)
+    key = f"{group_id}:forward"
+    assert executor.stats_snapshot()["per_layer"][key]["calls"] == 2
+    assert executor.stats_snapshot()["per_layer"][key]["batches"] == 1
+    with pytest.raises(symbiosis.BadCall, match="counts must be 4 non-negative integers"):
+        executor.submit_experts(a, "forward", group_id, inputs[a], [6, 0, 0, -0.5])
+    executor.close()
+
+
+def test_through_a_session_without_grouped_calls_each_expert_is_a_call_of_its_own(checkpoints, executors,
+                                                                                  monkeypatch):
+    """Over a transport (or noise masking) a chosen expert is one call per projection under its own layer id, which
+    the executor batches per expert like a dense layer; the numbers are the same."""
+    from symbiosis.transport.inprocess import InProcessSession
+
+    monkeypatch.setattr(InProcessSession, "expert_group", property(lambda self: None), raising=True)
+    reference, split = moe_pair("olmoe", "lora_router", checkpoints, executors)
+    assert_trains_as_plain_peft(reference, split, "olmoe")
+    per_layer = executors("olmoe").stats_snapshot()["per_layer"]
+    assert any(key.endswith(".gate_up_proj.0:forward") and figures["calls"] for key, figures in per_layer.items())
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_grouped_gemm_equals_one_gemm_per_expert():
+    """torch's grouped GEMM (Hopper, bf16) against the per-expert loop, forward and backward, linear and
+    transposed (conv1d) layouts, with an expert that has no rows."""
+    from symbiosis.executor.store import ExpertGroup, _grouped_mm_fits
+    from symbiosis.model.partition import BaseLayerSpec
+
+    torch.manual_seed(0)
+    counts = [5, 0, 17, 3]
+    x = torch.randn(sum(counts), 64, device="cuda", dtype=torch.bfloat16)
+    for kind, shape in (("linear", (4, 96, 64)), ("conv1d", (4, 64, 96))):
+        spec = BaseLayerSpec("e.0", kind, 64, 96, "e", "b", 0)
+        group = ExpertGroup(spec, torch.randn(*shape, device="cuda", dtype=torch.bfloat16) / 8,
+                            torch.randn(4, 96, device="cuda", dtype=torch.bfloat16))
+        if not _grouped_mm_fits(x, group.weight):
+            pytest.skip("this GPU or torch has no grouped GEMM")
+        y = group.forward(x, counts)
+        g = torch.randn_like(y)
+        grad = group.backward(g, counts)
+        loop = ExpertGroup(spec, group.weight.float(), group.bias.float())  # float32: the loop path
+        assert_close(y.float(), loop.forward(x.float(), counts), f"{kind} forward", rtol=2e-2)
+        assert_close(grad.float(), loop.backward(g.float(), counts), f"{kind} backward", rtol=2e-2)
