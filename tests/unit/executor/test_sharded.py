@@ -159,3 +159,45 @@ def test_a_gpu_rank_and_a_cpu_rank_equal_the_single_gpu_executor(checkpoints):
     finally:
         sharded.close()
         single.close()
+
+
+def test_under_torchrun_each_rank_takes_its_device_and_rank_0_serves(checkpoints, tmp_path):
+    """`torchrun --nproc-per-node 2 -m symbiosis.cli executor --devices cpu,cpu ...`: the launcher the field uses;
+    a client over ipc:// gets the single executor's logits."""
+    import socket
+    import subprocess
+    import sys
+
+    from helpers import TOKEN, ExecutorLog
+
+    path, auto_class = checkpoints("llama")
+    token_file = tmp_path / "tenants"
+    token_file.write_text(f"admin {TOKEN}\n")
+    url = f"ipc://{tmp_path}/torchrun.sock"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "symbiosis.cli",
+                                "executor", "--model", str(path), "--listen", url, "--devices", "cpu,cpu", "--dtype",
+                                "float64", "--token-file", str(token_file)], stderr=subprocess.PIPE, text=True)
+    process.log = ExecutorLog.reading(process.stderr)
+    single = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
+    try:
+        process.log.wait_for(r"^\[executor\] serving .*sharded over cpu,cpu", timeout=120)
+        split = symbiosis.from_pretrained(path, symbiosis.connect(url, token=TOKEN, timeout=30), auto_class=auto_class,
+                                          dtype=torch.float64)
+        plain = symbiosis.from_pretrained(path, single, auto_class=auto_class, dtype=torch.float64)
+        inputs = {k: v for k, v in batch("llama").items() if k != "labels"}
+        with torch.no_grad():
+            assert torch.equal(split(**inputs).logits, plain(**inputs).logits)
+        split.symbiosis_session.close()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+        single.close()
+    assert process.log.wait_for(r"^\[executor\] stopped")
