@@ -32,7 +32,31 @@ CONFIGS = {
                         num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096),
+    # Qwen3-30B-A3B's shapes (128 experts, 8 routed per token), cut to 12 of its 48 layers: 8.1B parameters,
+    # 16 GB in bf16, so that one GPU holds PEFT processes of it to compare with
+    "qwen3-30b-a3b-12l": dict(architecture="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                              moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                              num_hidden_layers=12, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                              vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=40960,
+                              tie_word_embeddings=False),
+    "tiny-moe": dict(architecture="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                     num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=4096),
 }
+
+
+def is_moe(name: str) -> bool:
+    return CONFIGS[name].get("architecture") in ("qwen3_moe", "mixtral")
+
+
+def model_classes(name: str):
+    """(config class, model class) of a CONFIGS entry (Llama unless it names its architecture)."""
+    import transformers
+
+    return {"llama": (LlamaConfig, LlamaForCausalLM),
+            "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+            "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM)}[
+        CONFIGS[name].get("architecture", "llama")]
 PAPER_LORAS = ("lora1_r8_q", "lora2_r64_q", "lora3_r8_qkvo", "lora4_r64_qkvo")  # paper Table 2
 LORAS = {  # name -> (rank, target modules, other LoraConfig options)
     "lora1_r8_q": (8, ["q_proj"], {}),
@@ -67,8 +91,10 @@ def checkpoint(name: str, root: Path | None = None) -> Path:
     if (path / "config.json").is_file():
         return path
     torch.manual_seed(0)
+    config_class, model_class = model_classes(name)
+    fields = {k: v for k, v in CONFIGS[name].items() if k != "architecture"}
     with torch.device(device()):
-        model = LlamaForCausalLM(LlamaConfig(**CONFIGS[name], dtype=dtype())).to(dtype())
+        model = model_class(config_class(**fields, dtype=dtype())).to(dtype())
     model.save_pretrained(path)
     del model
     if torch.cuda.is_available():

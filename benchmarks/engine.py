@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from common import CONFIGS, checkpoint, device, dtype, emit, sync
+from common import CONFIGS, checkpoint, device, dtype, emit, is_moe, sync
 from symbiosis.engine import Engine, SamplingParams
 from symbiosis.executor.executor import Executor
 
@@ -239,7 +239,9 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     model_dir = checkpoint(args.model)
     vocab = CONFIGS[args.model]["vocab_size"]
-    adapters = write_adapters(args.model, max(batches), args.rank, Path(args.adapters_dir))
+    # a MoE model's experts are fused parameters, not projections an adapter of the engine targets
+    adapters = write_adapters(args.model, max(batches), args.rank, Path(args.adapters_dir),
+                              tuple(PROJECTIONS["self_attn"]) if is_moe(args.model) else None)
     common = dict(bench="engine", model=args.model, rank=args.rank, new_tokens=args.new_tokens, gpu=gpu)
 
     executor = Executor.from_pretrained(model_dir, device=device(), dtype=dtype())
@@ -248,7 +250,7 @@ def main() -> None:
         engine = Engine(model_dir, executor, kv_blocks=kv_tokens // args.block_size + 1, block_size=args.block_size,
                         max_batch_tokens=2048,
                         max_running=max(batches), max_lora_rank=args.rank, adapter_slots=max(batches),
-                        decode_graphs=not args.eager and torch.cuda.is_available(),
+                        decode_graphs=not args.eager and torch.cuda.is_available() and not is_moe(args.model),
                         compile_layers=layers == "compiled")
         run_engine(engine, adapters, "distinct", min(8, max(batches)), 4, vocab)  # warm up (adapter copies, allocator)
         if args.profile:

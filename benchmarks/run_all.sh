@@ -26,7 +26,7 @@ declare -A LIMIT_S=(
   [gpu_tests]=240 [rtt]=90 [single_1b]=150 [single_1b_dora]=200 [single_13b]=330 [multi_1b]=330 [multi_1b_8]=200 [threads_1b_8]=420 [threads_1b_8_both]=480 [threads_1b_8_captured]=330 [anatomy_1b]=300 [anatomy_1b_chunked]=240 [threads_1b_8_chunked]=330 [threads_1b_8_autotuned]=520 [threads_1b_8_all_both]=560 [multi_13b]=420 [multi_1b_ckpt]=240 [multi_13b_ckpt]=570
   [policies]=300 [mixed]=240 [privacy]=320 [long_context]=330
   [engine_tests]=240 [sgmv]=180 [paged_attention]=240 [engine]=560 [hosted_training]=560
-  [serve]=560 [fine_tuning_jobs]=560 [hmi_tiered]=580 [hmi_on_demand]=580 [plot]=580
+  [serve]=560 [fine_tuning_jobs]=560 [hmi_tiered]=580 [hmi_on_demand]=580 [plot]=580 [moe_train]=560 [moe_decode]=560
 )
 declare -A COMMAND=(
   [gpu_tests]="$PY -m pytest -q -m gpu tests/integration/test_gpu.py tests/unit/client/test_compiled_clients.py -p no:cacheprovider"
@@ -64,11 +64,13 @@ declare -A COMMAND=(
   [hmi_tiered]="$PY benchmarks/hmi.py --model llama-3.2-1b --tenants 10000 --clients 250 --requests 12500 --phases hot,tiered"
   [hmi_on_demand]="$PY benchmarks/hmi.py --model llama-3.2-1b --tenants 10000 --clients 250 --requests 12500 --phases on_demand,copies,prefetch"
   [plot]="$PY benchmarks/plot.py --device cuda"
+  [moe_train]="$PY benchmarks/multi_tenant.py --model qwen3-30b-a3b-12l --tenants 1,2,4,8 --duration 5 --clients threads"
+  [moe_decode]="$PY benchmarks/engine.py --model qwen3-30b-a3b-12l --batches 1,8,32 --patterns none,distinct --peft-batches 8 --compiled-batches ,"
 )
 ORDER=(gpu_tests rtt single_1b single_1b_dora anatomy_1b anatomy_1b_chunked multi_1b multi_1b_8 threads_1b_8 threads_1b_8_captured
        threads_1b_8_chunked threads_1b_8_autotuned threads_1b_8_all_both threads_1b_8_both multi_1b_ckpt privacy policies mixed long_context single_13b multi_13b
        multi_13b_ckpt engine_tests sgmv paged_attention engine hosted_training serve fine_tuning_jobs hmi_tiered hmi_on_demand
-       plot)
+       plot moe_train moe_decode)
 
 for name in "${@:-${ORDER[@]}}"; do
   if [[ -z "${COMMAND[$name]:-}" ]]; then
