@@ -13,7 +13,8 @@ random tenant; lines report throughput, p50/p99 latency (submit to last token), 
 Phases: `hot` (every request for one tenant), `tiered` (random tenants, every adapter in the host tier first,
 layer-wise prefetch), `on_demand` (random tenants, host tier off: each placement reads the disk, and each step
 waits for all of its copies before it starts), `copies` (how many whole model copies the GPU holds: computed
-from the free memory and the model's bytes, not run), `prefetch` (copy time of one adapter alone, against the
+from the free memory and the model's bytes, not run), `placement` (the CPU time of issuing one adapter's
+placement: what the step that needs it pays on the engine's thread), `prefetch` (copy time of one adapter alone, against the
 latency a new adapter adds to a prefill step with and without layer-wise waits).
 """
 
@@ -132,6 +133,20 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
     return result
 
 
+def placement_cpu(engine: Engine, directories: list[Path], samples: int = 200) -> dict:
+    """Median wall time of `acquire` placing an adapter already in the host tier (the copies issued on the side
+    stream, not waited for): the CPU time of a placement, which the step that needs it pays."""
+    store, times = engine.adapters, []
+    adapters = [store.load(f"t{i}", directories[i]) for i in range(min(len(directories), 2 * store.num_slots))]
+    for i in range(samples):
+        started = time.perf_counter()
+        slot = store.acquire(adapters[i % len(adapters)])
+        times.append((time.perf_counter() - started) * 1000)
+        store.release(slot)
+    store.wait_all()
+    return {"placement_cpu_ms": float(np.median(times)), "samples": samples}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama-3.2-1b", choices=sorted(CONFIGS))
@@ -144,7 +159,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--output", type=int, default=16)
     parser.add_argument("--slots", type=int, default=128)
-    parser.add_argument("--phases", default="hot,tiered,on_demand,copies,prefetch")
+    parser.add_argument("--phases", default="hot,tiered,on_demand,copies,placement,prefetch")
     parser.add_argument("--workdir", default="/tmp/symbiosis-bench-hmi")
     args = parser.parse_args()
 
@@ -191,6 +206,8 @@ def main() -> None:
                 sum(p.numel() * p.element_size() for p in engine.model.parameters())
             emit(**common, phase="copies", model_gib=model_bytes / 2**30, gpu_total_gib=total / 2**30,
                  copies_that_fit=int(total * 0.95 // model_bytes), computed=True)
+        if "placement" in phases:  # the CPU time a placement takes on the engine's thread (issuing, not copying)
+            emit(**common, phase="placement", **placement_cpu(engine, directories))
         if "prefetch" in phases:
             emit(**common, phase="prefetch", prompt_tokens=1024, **prefetch(engine, directories, vocab, 1024, 20))
     finally:

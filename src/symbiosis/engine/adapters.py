@@ -47,6 +47,8 @@ PREFIX = "base_model.model."
 SPLIT_CLIENT_HINT = ("the engine runs LoRA adapters; run this one exactly on a split client instead "
                      "(symbiosis.from_pretrained(model_dir, executor) + PeftModel.from_pretrained)")
 # LoraConfig fields whose non-default value changes the math beyond plain LoRA
+PLACEMENT_WAVES = 4  # a placement's LoRA copies go in this many waves, in model order, each with its event: layer
+#                     i computes while later waves land, for a handful of launches per placement
 REFUSED_OPTIONS = ("use_dora", "lora_bias", "modules_to_save", "trainable_token_indices", "target_parameters",
                    "layer_replication", "use_qalora", "bias")
 PLAIN = (None, False, "none", [], {})  # what those fields hold in a plain LoRA config
@@ -57,6 +59,7 @@ class LoRALayer:
     a: torch.Tensor  # [r, in]
     b: torch.Tensor  # [out, r]
     scale: float
+    scale_tensor: torch.Tensor | None = None  # [1] float32 (pinned on a GPU host): what a placement copies
 
 
 @dataclass
@@ -178,6 +181,8 @@ class AdapterStore:
         self._pending: list[_Copied] = []  # pools with a copy event since the last wait_all
         self._lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._rows_cache: dict[tuple, tuple] = {}  # (slot, layer id, rank) -> _rows
+        self._rows_version = 0
 
     @property
     def host_budget(self) -> int:
@@ -298,9 +303,11 @@ class AdapterStore:
             views.append(buffer[at:at + tensor.numel()].view(tensor.shape).copy_(tensor))
             at += tensor.numel()
         views = iter(views)
+        scales = torch.tensor([scale for *_, scale in loras], dtype=torch.float32).reshape(-1, 1)
+        scales = scales.pin_memory() if self.device.type == "cuda" and len(loras) else scales
         layers, embedding = {}, None
-        for module, embedded, _, _, scale in loras:
-            lora = LoRALayer(next(views), next(views), scale)
+        for (module, embedded, _, _, scale), scale_tensor in zip(loras, scales):
+            lora = LoRALayer(next(views), next(views), scale, scale_tensor)
             if embedded:
                 embedding = lora
             else:
@@ -404,11 +411,14 @@ class AdapterStore:
     def _evict(self, slot: int) -> None:
         entry = self._slots.pop(slot)
         del self._by_key[entry.adapter.key]
-        for pool_id, member in entry.members:  # a later adapter may not target this layer: it must add zero
+        scales = []  # a later adapter may not target these layers: they must add zero
+        for pool_id, member in entry.members:
             if member == "bottleneck":
-                self.bottleneck_pools[pool_id].scales[slot] = 0.0
+                scales.append(self.bottleneck_pools[pool_id].scales[slot:slot + 1])
             else:
-                self.pools[pool_id].scales[slot, member] = 0.0
+                scales.append(self.pools[pool_id].scales[slot, member:member + 1])
+        if scales:
+            torch._foreach_zero_(scales)
         if entry.adapter.embedding is not None:
             self.embedding_pool[2][slot] = 0.0
 
@@ -433,6 +443,51 @@ class AdapterStore:
             self.pools_version += 1
         return pools
 
+    def _rows(self, slot: int, layer_id: str, r: int) -> tuple:
+        """Where a rank-r LoRA of `layer_id` goes in `slot`: (A rows [r, in], B columns [out, r], the rest of the
+        slot's rows to zero, its scale [1]); views made once (making a view costs microseconds of CPU, and a
+        placement needs hundreds)."""
+        key = (slot, layer_id, r)
+        if self._rows_version != self.pools_version:  # a new pool: views of the old ones may be stale
+            self._rows_cache.clear()
+            self._rows_version = self.pools_version
+        rows = self._rows_cache.get(key)
+        if rows is None:
+            pool_id, member, first = self.placement[layer_id]
+            pools = self.pools[pool_id]
+            a_rows = pools.a[slot, member * self.max_rank:(member + 1) * self.max_rank]     # [R, in]
+            b_rows = pools.b[slot, first:first + self.specs[layer_id].out_features]         # [out, R]
+            rest = [a_rows[r:], b_rows[:, r:]] if r < self.max_rank else []
+            rows = self._rows_cache[key] = (a_rows[:r], b_rows[:, :r], rest, pools.scales[slot, member:member + 1])
+        return rows
+
+    def _place_loras(self, slot: int, layers: list[tuple[str, LoRALayer]], members: set, stream) -> None:
+        """One wave of a placement: these layers' A and B rows and scales, each kind one fused call (the copies
+        are issued from C++, not one Python call each: the CPU time of a placement is on the step's path), then
+        one event that the wave's pools wait on."""
+        targets, sources, zeros, scale_targets, scale_sources, waved = [], [], [], [], [], []
+        for layer_id, lora in layers:
+            pool_id, member, _ = self.placement[layer_id]
+            pools = self._pool(pool_id)
+            a_target, b_target, rest, scale = self._rows(slot, layer_id, lora.a.shape[0])
+            targets += [a_target, b_target]
+            sources += [lora.a, lora.b]
+            zeros += rest
+            scale_targets.append(scale)
+            scale_sources.append(lora.scale_tensor)
+            members.add((pool_id, member))
+            waved.append(pools)
+        torch._foreach_copy_(targets, sources, non_blocking=True)
+        if zeros:
+            torch._foreach_zero_(zeros)
+        torch._foreach_copy_(scale_targets, scale_sources, non_blocking=True)
+        if stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(stream)
+            for pools in {id(p): p for p in waved}.values():  # a fused group's pool once
+                pools.ready = ready
+                self._pending.append(pools)
+
     def _place(self, slot: int, adapter: HostAdapter) -> None:
         """Copy `adapter` into `slot`'s rows of its pools, layer by layer in the model's order; on a GPU on the
         copy stream, each pool's copy followed by its `ready` event."""
@@ -443,22 +498,10 @@ class AdapterStore:
         self._pending = [pools for pools in self._pending if pools.ready is not None]  # eager steps waited on some
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             members = set()
-            for layer_id, lora in adapter.layers.items():
-                pool_id, member, first = self.placement[layer_id]
-                pools = self._pool(pool_id)
-                a_rows = pools.a[slot, member * self.max_rank:(member + 1) * self.max_rank]     # [R, in]
-                b_rows = pools.b[slot, first:first + self.specs[layer_id].out_features]         # [out, R]
-                r = lora.a.shape[0]
-                a_rows[:r].copy_(lora.a, non_blocking=True)
-                a_rows[r:].zero_()
-                b_rows[:, :r].copy_(lora.b, non_blocking=True)
-                b_rows[:, r:].zero_()
-                pools.scales[slot, member] = lora.scale
-                members.add((pool_id, member))
-                if stream is not None:
-                    pools.ready = torch.cuda.Event()
-                    pools.ready.record(stream)
-                    self._pending.append(pools)
+            layers = list(adapter.layers.items())  # in the model's order
+            wave = -(-len(layers) // PLACEMENT_WAVES) if layers else 1
+            for start in range(0, len(layers), wave):
+                self._place_loras(slot, layers[start:start + wave], members, stream)
             for layer_id, layer in adapter.bottlenecks.items():
                 pools, r = self._bottleneck_pool(layer_id), layer.down.shape[0]
                 for pool, tensor in ((pools.down[slot], layer.down), (pools.down_bias[slot], layer.down_bias)):
