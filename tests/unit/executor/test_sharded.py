@@ -117,10 +117,23 @@ def test_a_killed_shard_fails_its_layers_clearly_and_the_rest_keep_serving(check
         sharded.close()
 
 
+def _same_logits_as_single(path, auto_class, url: str, single) -> None:
+    """A client attached at `url` (token TOKEN) computes the logits a client of `single` does, to the bit."""
+    from helpers import TOKEN
+
+    split = symbiosis.from_pretrained(path, symbiosis.connect(url, token=TOKEN, timeout=30), auto_class=auto_class,
+                                      dtype=torch.float64)
+    plain = symbiosis.from_pretrained(path, single, auto_class=auto_class, dtype=torch.float64)
+    inputs = {k: v for k, v in batch("llama").items() if k != "labels"}
+    with torch.no_grad():
+        assert torch.equal(split(**inputs).logits, plain(**inputs).logits)
+    split.symbiosis_session.close()
+
+
 def test_the_executor_command_shards_over_devices_and_serves_ipc_clients(checkpoints, tmp_path):
     """`symbiosis executor --devices cpu,cpu` launches its shard itself; a client over ipc:// gets the single
     executor's logits; SIGTERM stops the front and its shard."""
-    from helpers import TOKEN, start_executor
+    from helpers import start_executor
 
     path, auto_class = checkpoints("llama")
     url = f"ipc://{tmp_path}/sharded.sock"
@@ -128,13 +141,7 @@ def test_the_executor_command_shards_over_devices_and_serves_ipc_clients(checkpo
     single = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
     try:
         assert process.log.wait_for(r"sharded over cpu,cpu")
-        split = symbiosis.from_pretrained(path, symbiosis.connect(url, token=TOKEN, timeout=30), auto_class=auto_class,
-                                          dtype=torch.float64)
-        plain = symbiosis.from_pretrained(path, single, auto_class=auto_class, dtype=torch.float64)
-        inputs = {k: v for k, v in batch("llama").items() if k != "labels"}
-        with torch.no_grad():
-            assert torch.equal(split(**inputs).logits, plain(**inputs).logits)
-        split.symbiosis_session.close()
+        _same_logits_as_single(path, auto_class, url, single)
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
@@ -185,13 +192,7 @@ def test_under_torchrun_each_rank_takes_its_device_and_rank_0_serves(checkpoints
     single = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
     try:
         process.log.wait_for(r"^\[executor\] serving .*sharded over cpu,cpu", timeout=120)
-        split = symbiosis.from_pretrained(path, symbiosis.connect(url, token=TOKEN, timeout=30), auto_class=auto_class,
-                                          dtype=torch.float64)
-        plain = symbiosis.from_pretrained(path, single, auto_class=auto_class, dtype=torch.float64)
-        inputs = {k: v for k, v in batch("llama").items() if k != "labels"}
-        with torch.no_grad():
-            assert torch.equal(split(**inputs).logits, plain(**inputs).logits)
-        split.symbiosis_session.close()
+        _same_logits_as_single(path, auto_class, url, single)
     finally:
         process.send_signal(signal.SIGTERM)
         try:
