@@ -104,14 +104,13 @@ NORMS = {"llama": ["input_layernorm", "post_attention_layernorm"], "opt": ["self
 ENGINE_ONLY = {"mistral", "qwen3"}
 # The MoE models run the methods that fit a model without dense MLP layers, and LoRA on the router
 # (tests/unit/client/test_experts.py); the loss they train includes the router's auxiliary loss. "all-linear" on
-# them is refused: PEFT makes it LoRA on the fused experts too (test_experts checks the refusal).
+# them is LoRA on the fused experts and the router too (PEFT adds them by target_parameters).
 MOE = ("mixtral", "qwen3_moe", "olmoe")
-MOE_METHODS = ("lora", "dora", "adalora", "prompt", "ptuning", "loha", "lokr", "lora_router")
+MOE_METHODS = ("lora", "rslora_all_linear", "dora", "adalora", "prompt", "ptuning", "loha", "lokr", "lora_router",
+               "lora_experts")
 MOE_NOT_RUN = {  # core method -> why the MoE models do not run it (the README's table says so)
-    "rslora_all_linear": "refused: PEFT's all-linear on a MoE model adds LoRA on the fused experts, which a split model "
-                         "does not run yet (tested)",
-    "dora_rslora_dropout_bias": "refused: PEFT's all-linear on a MoE model adds LoRA on the fused experts, which a "
-                                "split model does not run yet (tested)",
+    "dora_rslora_dropout_bias": "PEFT: n/a: PEFT's all-linear on a MoE model adds LoRA on the fused experts, whose "
+                                "LoRA takes neither DoRA nor dropout",
     "lora_attn_mlp": "no dense MLP layer: the experts are fused parameters",
     "ia3": "no dense MLP layer: the experts are fused parameters",
     "prefix": "PEFT: n/a: transformers' router auxiliary loss fails on prefix tuning's virtual tokens, plain model too",
@@ -146,6 +145,10 @@ def _core(arch: str, method: str):
         # a MoE router's weight is a plain parameter (not an nn.Linear): PEFT reaches it by target_parameters
         "lora_router": lambda: peft.LoraConfig(task_type=t, r=4, lora_alpha=8, target_modules=attn,
                                                target_parameters=["mlp.gate.weight"], init_lora_weights=False),
+        # and on the fused experts themselves
+        "lora_experts": lambda: peft.LoraConfig(task_type=t, r=4, lora_alpha=8, target_modules=attn,
+                                                target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+                                                init_lora_weights=False),
         "lokr": lambda: peft.LoKrConfig(task_type=t, r=4, target_modules=attn, init_weights=False),
     }[method]()
 
@@ -157,7 +160,8 @@ CORE_METHODS = {
     "adalora": "AdaLoRA (with rank reallocation)", "prefix": "prefix", "prompt": "prompt", "ptuning": "P-tuning",
     "loha": "LoHa", "lokr": "LoKr",
 }
-MOE_ONLY_METHODS = {"lora_router": "LoRA on q and v, and on the router weight by target_parameters"}
+MOE_ONLY_METHODS = {"lora_router": "LoRA on q and v, and on the router weight by target_parameters",
+                    "lora_experts": "LoRA on q and v, and on the fused experts by target_parameters"}
 
 
 def core_config(arch: str, method: str):
@@ -358,7 +362,7 @@ REFUSED_CASES: dict[str, tuple[str, dict]] = {
     "LoRA init_lora_weights='lora_ga'": ("LORA", dict(r=4, init_lora_weights="lora_ga")),
     "LoRA init_lora_weights='mica'": ("LORA", dict(r=4, init_lora_weights="mica")),
     "LoRA kasa_config (KaSA)": ("LORA", dict(r=4, kasa_config=peft.KasaConfig())),
-    "LoRA target_parameters on a base weight (a linear layer's, a MoE layer's fused experts)": (
+    "LoRA target_parameters on a linear layer's base weight": (
         "LORA", dict(r=4, target_modules=None, target_parameters=["q_proj.weight"])),
     "MiSS init_weights='bat'": ("MISS", dict(r=8, init_weights="bat")),
     "DEFT init_weights=True without para (its default)": ("DEFT", dict(r=4)),

@@ -64,9 +64,9 @@ def _architectures_table() -> list[str]:
     lines.append("")
     lines += [f"({mark}) {why}" + ("; plain PEFT refuses it too (tested)." if (why, mark) in plain_refuses else ".")
               for why, mark in notes.items()]
-    lines += ["", "The MoE models also run LoRA on attention and on the router "
-              f"({matrix.MOE_ONLY_METHODS['lora_router']}), exact with the router's auxiliary loss in the loss; "
-              "their experts are base layers of the executor (each expert's projections, views of the fused tensors)."]
+    lines += ["", "The MoE models also run " + " and ".join(matrix.MOE_ONLY_METHODS.values()) + ", exact with the "
+              "router's auxiliary loss in the loss; their experts are base layers of the executor (each expert's "
+              "projections, views of the fused tensors), the LoRA on them the tenant's own GEMMs per expert."]
     return lines
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import types
 
 import torch
+from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 
 from symbiosis.client.virtual import VirtualWeight, base_forward, make_virtual
@@ -54,6 +55,48 @@ def make_virtual_experts(module: nn.Module, projections: dict[str, list[BaseLaye
     module.__dict__["symbiosis_expert_groups"] = {projection: specs[0].weight_name for projection, specs in projections.items()}
     module.__dict__["symbiosis_session"] = session
     module.forward = types.MethodType(split_experts_forward, module)
+
+
+class SplitParamWrapper(ParamWrapper):
+    """PEFT's LoRA on a fused experts parameter (`target_parameters`), on a split model. PEFT adds
+    `scaling * lhs @ rhs` (per expert, the parameter's own layout) to the parameter while the experts run; here
+    the executor keeps W and the experts' forward adds each expert's term to its rows instead:
+
+        linear  W_e [out, in]:  y_e = x_e (W_e + s lhs_e rhs_e)^T = x_e W_e^T + s (x_e rhs_e^T) lhs_e^T
+        conv1d  W_e [in, out]:  y_e = x_e (W_e + s lhs_e rhs_e)   = x_e W_e   + s (x_e lhs_e) rhs_e
+
+    (the tenant's own two small GEMMs per expert, on the client; autograd trains the factors). Wrappers of both
+    projections nest, each putting its factors where the experts' forward finds them for the call."""
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.disable_adapters or self.merged or kwargs.get("adapter_names") is not None:
+            return super().forward(x, *args, **kwargs)
+        experts = self.get_base_layer()
+        active = [a for a in self.active_adapters if a in self.lora_A]
+        pending = experts.__dict__.setdefault("symbiosis_lora", {})
+        pending[self.parameter_name] = [self.get_delta_factors(a) for a in active]
+        try:
+            return self.base_layer(x, *args, **kwargs)
+        finally:
+            pending.pop(self.parameter_name, None)
+
+
+def _add_lora(self, projection: str, y: torch.Tensor, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """y [rows grouped by expert, out] plus the LoRA of `projection` a SplitParamWrapper put here, if any."""
+    factors = self.__dict__.get("symbiosis_lora", {}).get(projection)
+    if not factors:
+        return y
+    linear = not self.is_transposed
+    extra, start = [], 0
+    for expert, rows in enumerate(counts):
+        chunk = x[start:start + rows]
+        start += rows
+        term = chunk.new_zeros(rows, y.shape[1])
+        for lhs, rhs, scaling in factors if rows else ():
+            low = chunk @ (rhs[expert].t() if linear else lhs[expert])  # [rows, r]
+            term = term + scaling * (low @ (lhs[expert].t() if linear else rhs[expert]))
+        extra.append(term)
+    return y + torch.cat(extra)
 
 
 class _ExpertsCall(torch.autograd.Function):
@@ -97,9 +140,9 @@ def split_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
         return self._apply_gate(h) if self.has_gate else self.act_fn(h)
 
     if getattr(session, "expert_group", None) is not None and session.expert_group(groups[first]) is not None:
-        kept = counts[:self.num_experts]
-        h = activation(_grouped(session, groups[first], rows[:routed], kept))
-        h = _grouped(session, groups["down_proj"], h, kept)
+        kept, x = counts[:self.num_experts], rows[:routed]
+        h = activation(_add_lora(self, first, _grouped(session, groups[first], x, kept), x, kept))
+        h = _add_lora(self, "down_proj", _grouped(session, groups["down_proj"], h, kept), h, kept)
         if getattr(self, "has_post_expert_norm", False):
             h = self.post_expert_norm(h)
         outputs = [h, h.new_zeros(rows.shape[0] - routed, hidden)]
@@ -109,7 +152,9 @@ def split_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
             if expert >= self.num_experts or chunk.shape[0] == 0:
                 outputs.append(chunk.new_zeros(chunk.shape[0], hidden))
                 continue
-            h = base_forward(calls["down_proj"][expert], activation(base_forward(calls[first][expert], chunk)))
+            only = [0] * expert + [chunk.shape[0]]  # counts with this expert's rows alone
+            h = activation(_add_lora(self, first, base_forward(calls[first][expert], chunk), chunk, only))
+            h = _add_lora(self, "down_proj", base_forward(calls["down_proj"][expert], h), h, only)
             if getattr(self, "has_post_expert_norm", False):
                 h = self.post_expert_norm(h)
             outputs.append(h)

@@ -30,11 +30,13 @@ from peft import PeftModel
 from peft.mixed_model import PeftMixedModel
 from peft.tuners.adaption_prompt.model import AdaptionPromptModel
 from peft.tuners.lora import layer as lora_layer
+from peft.tuners.lora.layer import ParamWrapper
 from peft.tuners.lora.variants import DoraLinearVariant
 from peft.tuners.tuners_utils import BaseTuner
 
 from symbiosis.client.adapter_files import check_adapter_directory
 from symbiosis.client.dora import SplitDoraLinearVariant
+from symbiosis.client.experts import SplitParamWrapper
 from symbiosis.client.rewrites import REWRITES
 from symbiosis.client.virtual import VirtualConv1D, VirtualLinear, VirtualWeight
 from symbiosis.errors import UnsupportedAdapter
@@ -103,10 +105,11 @@ REFUSED_OPTIONS = [
                   _needs_w("sets B to singular vectors of the base weight")),
     RefusedOption("LoRA kasa_config (KaSA)", lambda c, m: getattr(c, "kasa_config", None) is not None,
                   _needs_w("truncates the base weight's SVD and trains its singular values")),
-    RefusedOption("LoRA target_parameters on a base weight (a linear layer's, a MoE layer's fused experts)",
+    RefusedOption("LoRA target_parameters on a linear layer's base weight",
                   lambda c, m: m is not None and _base_weights_targeted(c, m),
-                  _needs_w("adds its update to that weight tensor itself") + "; on the client's own weights (a "
-                  "MoE router's: target_parameters=['mlp.gate.weight']) it runs exactly"),
+                  _needs_w("adds its update to that weight tensor itself") + "; target_modules does the same "
+                  "exactly, and target_parameters on a MoE layer's fused experts or the client's own weights (a "
+                  "router's) runs exactly"),
     RefusedOption("MiSS init_weights='bat'", lambda c, m: _kind(c) == "MISS" and getattr(c, "init_weights", None) == "bat",
                   "its update multiplies blocks of the base weight: exact with executor calls only at one extra "
                   "full-size call per output block every forward"),
@@ -133,8 +136,10 @@ def _base_weights_targeted(config, model) -> list[str]:
     except (ImportError, AttributeError, TypeError, ValueError):
         pass  # another PEFT or model: the targets as given
     targets = getattr(config, "target_parameters", None) or []
+    experts = {name for name, module in model.named_modules() if hasattr(module, "symbiosis_experts")}
     return [name for name, parameter in model.named_parameters(remove_duplicate=False)
-            if isinstance(parameter, VirtualWeight) and any(name == t or name.endswith("." + t) for t in targets)]
+            if isinstance(parameter, VirtualWeight) and any(name == t or name.endswith("." + t) for t in targets)
+            and name.rpartition(".")[0] not in experts]  # LoRA on the fused experts runs (client/experts.py)
 
 
 def _kind(config) -> str:
@@ -181,6 +186,8 @@ def _checked_inject(inject):
             rewrite = REWRITES.get(type(module))
             if rewrite is not None and _is_virtual(module.get_base_layer()):
                 module.__class__ = rewrite
+            elif type(module) is ParamWrapper and hasattr(module.get_base_layer(), "symbiosis_experts"):
+                module.__class__ = SplitParamWrapper  # LoRA on a split model's fused experts
         return result
     return wrapper
 

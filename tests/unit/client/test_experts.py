@@ -34,6 +34,16 @@ def test_split_moe_trains_as_plain_peft(arch, method, checkpoints, executors):
     assert_trains_as_plain_peft(reference, split, arch)
 
 
+@pytest.mark.parametrize("arch,method", [(a, m) for a in matrix.MOE for m, why in matrix.MOE_NOT_RUN.items()
+                                         if why.startswith("PEFT")])
+def test_plain_peft_itself_fails_what_the_moe_table_says_it_does(arch, method, checkpoints):
+    path, auto_class = checkpoints(arch)
+    with pytest.raises((ValueError, RuntimeError)):
+        model = get_peft_model(auto_class.from_pretrained(path, dtype=torch.float64, experts_implementation="eager"),
+                               peft_config(method, arch))
+        model(**batch(arch)).loss.backward()
+
+
 @pytest.mark.parametrize("arch", matrix.MOE)
 def test_router_auxiliary_loss_and_its_gradient_match(arch, checkpoints, executors):
     reference, split = moe_pair(arch, "lora_router", checkpoints, executors)
@@ -89,16 +99,16 @@ def test_client_holds_no_expert_and_the_executor_each_expert_once(arch, checkpoi
     assert executor.weights.get("+".join(ids)) is None
 
 
-@pytest.mark.parametrize("arch", matrix.MOE)
-def test_lora_on_the_experts_themselves_is_refused_clearly(arch, checkpoints, executors):
-    path, auto_class = checkpoints(arch)
-    split = symbiosis.from_pretrained(path, executors(arch), auto_class=auto_class, dtype=torch.float64)
+def test_lora_on_a_linear_layers_base_weight_is_refused_clearly(checkpoints, executors):
+    """target_parameters on the fused experts runs (test above); on an attention layer's weight, which a split
+    model holds only in the executor, it is refused when get_peft_model runs, naming the parameter."""
+    path, auto_class = checkpoints("qwen3_moe")
+    split = symbiosis.from_pretrained(path, executors("qwen3_moe"), auto_class=auto_class, dtype=torch.float64)
     before = {name: type(module) for name, module in split.named_modules()}
-    for config in (LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["experts.gate_up_proj"]),
-                   LoraConfig(r=4, target_modules="all-linear")):  # PEFT adds the experts to "all-linear" on MoE
-        with pytest.raises(symbiosis.UnsupportedAdapter, match=r"target_parameters.*experts\.(gate_up|down)_proj"):
-            get_peft_model(split, config)
-        assert {name: type(module) for name, module in split.named_modules()} == before  # nothing injected
+    config = LoraConfig(r=4, target_modules=[], target_parameters=["experts.gate_up_proj", "q_proj.weight"])
+    with pytest.raises(symbiosis.UnsupportedAdapter, match=r"target_parameters on a linear .*self_attn\.q_proj\.weight"):
+        get_peft_model(split, config)
+    assert {name: type(module) for name, module in split.named_modules()} == before  # nothing injected
 
 
 def test_a_projection_is_one_call_and_two_clients_calls_are_regrouped_by_expert(checkpoints):
@@ -136,7 +146,7 @@ def test_through_a_session_without_grouped_calls_each_expert_is_a_call_of_its_ow
     from symbiosis.transport.inprocess import InProcessSession
 
     monkeypatch.setattr(InProcessSession, "expert_group", property(lambda self: None), raising=True)
-    reference, split = moe_pair("olmoe", "lora_router", checkpoints, executors)
+    reference, split = moe_pair("olmoe", "lora_experts", checkpoints, executors)
     assert_trains_as_plain_peft(reference, split, "olmoe")
     per_layer = executors("olmoe").stats_snapshot()["per_layer"]
     assert any(key.endswith(".gate_up_proj.0:forward") and figures["calls"] for key, figures in per_layer.items())
