@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from symbiosis.transport import collective
 from symbiosis.transport.channel import Channel
 from symbiosis.transport.ipc import pipelined, streamops
 from symbiosis.transport.ipc.session import IpcSession
@@ -26,9 +27,12 @@ class RemoteExecutor:
 
     def __init__(self, url: str, token: str | None = None, timeout: float = 60.0):
         scheme = urlparse(url).scheme
-        if scheme not in ("ipc", "tcp"):
-            raise ValueError(f"unsupported executor URL {url!r}: use ipc://PATH or tcp://HOST:PORT")
-        self.url, self.token, self.timeout = url, token, timeout
+        if scheme not in ("ipc", "tcp", *collective.SCHEMES):
+            raise ValueError(f"unsupported executor URL {url!r}: use ipc://PATH, tcp://HOST:PORT or nccl://HOST:PORT")
+        # nccl:// (gloo://): requests over the executor's tcp:// socket, tensors over torch.distributed
+        self.data_plane = collective.SCHEMES.get(scheme)
+        self.url = collective.control_url(url) if self.data_plane else url
+        self.token, self.timeout = token, timeout
         self.same_host = scheme == "ipc"
         self._description: dict | None = None
 
@@ -36,6 +40,8 @@ class RemoteExecutor:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        if self.data_plane is not None:
+            return collective.CollectiveSession(self, fingerprint, name, device)
         if not self.same_host:
             return TcpSession(self, fingerprint, name, device)
         if self.pipelines(device) and pipelined.claim(device):

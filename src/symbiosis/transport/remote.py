@@ -55,6 +55,10 @@ class RemoteSession(Session):
     def _take_shared(self, reply: dict) -> None:
         """Take what the executor made for this client (its attach reply)."""
 
+    def _attach_request(self) -> dict:
+        """What else the attach request asks for (a data plane: `collective.py`)."""
+        return {}
+
     def _transport(self) -> list:
         """What this session's calls travel through (to close): buffers, doorbell, link."""
         return []
@@ -71,7 +75,7 @@ class RemoteSession(Session):
     def _attach(self, buffer_bytes: int) -> None:
         shared = self._shared(buffer_bytes)
         reply, _ = self.channel.request({"op": "attach", "fingerprint": self.fingerprint, "name": self.name,
-                                         "shared": shared})
+                                         "shared": shared, **self._attach_request()})
         self._take_shared(reply)
         self.client_id = reply["client"]
         self.dtype = wire.parse_dtype(reply["dtype"])

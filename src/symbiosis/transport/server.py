@@ -30,6 +30,7 @@ from symbiosis.errors import BadCall, SymbiosisError
 from symbiosis.executor.executor import Executor
 from symbiosis.protocol import OPS
 from symbiosis.transport import auth, wire
+from symbiosis.transport.collective import DataPlanes
 from symbiosis.transport.ipc import handoff
 from symbiosis.transport.clients import ClientTable
 from symbiosis.transport.mailbox import Mailbox
@@ -82,6 +83,10 @@ class ExecutorServer:
         self._calls = DoorbellCalls(self.clients, self._streams, lambda client, header, tensor, gate: self._submit(
             client.identity, header, tensor, gate))
         self._provision = Provisioner(executor.device, self.max_buffer_bytes, self._streams.available)
+        # nccl:// (gloo://) clients: their tensors over a process group each; answers and drops from their threads
+        self._planes = DataPlanes(executor, lambda identity, header: self._finished.post(
+            lambda: self._reply(identity, header)), lambda client_id: self._finished.post(
+            lambda: self._drop(client_id)), client_timeout)
         # ipc://: the socket files are this user's alone, and shared memory is handed over beside them.
         self._ipc_path = Path(urlparse(self.url).path) if self.url.startswith("ipc://") else None
         self._desk = handoff.Desk(self._ipc_path, self._poller) if self._ipc_path is not None else None
@@ -220,6 +225,8 @@ class ExecutorServer:
             return None
         if op == "ping":
             return self._reply(identity, {"id": header.get("id"), "ok": True})
+        if op in OPS and header.get("collective"):  # the tensor comes over the client's process group
+            return self._planes.call(identity, header, self.executor.max_call_tokens)
         if op in OPS:
             if len(frames) != 1:
                 raise BadCall(f"{op} call carries {len(frames)} tensor frames, expected 1")
@@ -245,6 +252,11 @@ class ExecutorServer:
             raise BadCall("shared buffers are for clients on this host: this executor serves tcp://")
         shared = self._provision.attach(header["shared"]) if header.get("shared") is not None else None
         client_id = self.clients.admit(identity, tenant, header, shared, time.monotonic())  # or all is closed
+        try:
+            plane = self._planes.admit(client_id, header["collective"]) if header.get("collective") else None
+        except Exception:
+            self._drop(client_id)
+            raise
         buffer, _, flags, fds = shared if shared is not None else (None, None, None, [])
         # Calls begin once the client has claimed its descriptors (_start_calls).
         ticket = self._desk.issue(client_id, fds) if shared is not None else None
@@ -257,7 +269,7 @@ class ExecutorServer:
             "heartbeat_s": self.client_timeout / 4, "max_call_tokens": self.executor.max_call_tokens,
             "layers": [asdict(spec) for spec in self.executor.layer_specs.values()],
             "handoff": str(self._desk.path) if ticket else None, "ticket": ticket.hex() if ticket else None,
-            "buffer_bytes": buffer.nbytes if buffer is not None else 0,
+            "buffer_bytes": buffer.nbytes if buffer is not None else 0, "collective": plane,
         })
 
     def _submit(self, identity: bytes, header: dict, tensor: torch.Tensor,
@@ -274,7 +286,11 @@ class ExecutorServer:
     # --- completions ---------------------------------------------------------------------------------
 
     def _answer_finished(self) -> None:
-        for identity, header, future in self._finished.take():
+        for item in self._finished.take():
+            if callable(item):  # a reply or a drop from a data-plane thread
+                item()
+                continue
+            identity, header, future = item
             self._finish(identity, header, future)
             if "seq" in header:
                 self._calls.pump(header["client"])
@@ -311,6 +327,7 @@ class ExecutorServer:
     def _drop(self, client_id: str) -> None:
         client = self.clients.pop(client_id, None)
         self.executor.detach(client_id)
+        self._planes.forget(client_id)
         if self._desk is not None:
             self._desk.forget(client_id)  # never handed over: the client's ends go too
         if client is None:

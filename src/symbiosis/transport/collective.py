@@ -1,0 +1,202 @@
+"""The `nccl://` transport: a client on another GPU (or host) whose activations travel over torch.distributed
+point-to-point, NCCL between GPUs (no copy through host memory), gloo where a side computes on the CPU (the
+tests' `gloo://`). Requests, replies and errors go over the executor's ZeroMQ socket as for `tcp://`
+(`nccl://host:port` is the executor's `tcp://host:port`); only the tensors take the data plane.
+
+At attach the executor hosts a TCPStore (once, on a free port it names in the reply) and each such client gets
+a process group of its own, two ranks (the executor 0, the client 1), made from that store under the client's
+id: clients come and go without a world-wide group. Per call, in this order on both sides:
+
+    client:   post send(x)  ->  request {op, layer, rows, cols} and wait for the reply  ->  recv(y) if it says ok
+    executor: recv(x) (the client's own worker thread)  ->  the executor computes  ->  post send(y), then reply
+
+The executor receives a call's input only once its header arrived and was checked (rows, width, dtype), on the
+client's own thread, with the session timeout: a client that never sends its tensor stalls only itself, and is
+detached. A reply with an error means nothing follows on the data plane, so both sides stay in step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import queue
+import socket
+import threading
+import time
+from typing import Callable
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from symbiosis.errors import BadCall, ExecutorUnavailable
+from symbiosis.protocol import check_call
+from symbiosis.transport import wire
+from symbiosis.transport.remote import RemoteSession
+
+log = logging.getLogger("symbiosis")
+SCHEMES = {"nccl": "nccl", "gloo": "gloo"}  # URL scheme -> backend of the data plane
+
+
+def control_url(url: str) -> str:
+    """The executor's ZeroMQ endpoint behind a data-plane URL: nccl://host:port -> tcp://host:port."""
+    parsed = urlparse(url)
+    return f"tcp://{parsed.netloc}"
+
+
+def _group(backend: str, host: str, port: int, prefix: str, rank: int, timeout_s: float, device: torch.device,
+           store=None):
+    """This side's two-rank process group for one client (blocks until the other side joins)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = store or dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    prefixed = dist.PrefixStore(prefix, store)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        torch.cuda.set_device(device)
+        return dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+    return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+
+
+class CollectiveSession(RemoteSession):
+    """A client's session over `nccl://` (or `gloo://`): control over ZeroMQ, tensors over its process group."""
+
+    def __init__(self, executor, fingerprint: str, name: str, device: torch.device):
+        self.backend = executor.data_plane
+        if self.backend == "nccl" and device.type != "cuda":
+            raise ValueError("nccl:// carries GPU tensors: attach the client on a CUDA device (gloo:// for the CPU)")
+        self.group = None
+        super().__init__(executor, fingerprint, name, device)
+
+    def _attach_request(self) -> dict:
+        return {"collective": {"backend": self.backend}}
+
+    def _take_shared(self, reply: dict) -> None:
+        plane = reply.get("collective")
+        if not plane:
+            raise ExecutorUnavailable("the executor did not open a data plane for this nccl:// client")
+        host = urlparse(self.executor.url).hostname
+        self.group = _group(self.backend, host, int(plane["port"]), plane["prefix"], 1, self.executor.timeout,
+                            self.device)
+        self.wire_device = self.device if self.backend == "nccl" else torch.device("cpu")
+
+    def _call(self, op: str, layer_id: str, tensor: torch.Tensor, out_width: int, inference: bool) -> torch.Tensor:
+        sent = tensor.detach().to(self.wire_device, self.dtype).contiguous()
+        self.calls += 1
+        header = {"op": op, "layer": layer_id, "inference": inference, "collective": True,
+                  "rows": sent.shape[0], "cols": sent.shape[1], "dtype": wire.dtype_name(self.dtype)}
+        started = time.perf_counter()
+        sending = self.group.send([sent], 0, 0)
+        self._request(header)  # raises the executor's error: then nothing else comes on the data plane
+        sending.wait()
+        result = torch.empty(sent.shape[0], out_width, dtype=self.dtype, device=self.wire_device)
+        self.group.recv([result], 0, 0).wait()
+        self.waited_s += time.perf_counter() - started
+        return result.to(tensor.device, tensor.dtype)
+
+    def close(self) -> None:
+        super().close()
+        self.group = None
+
+
+class _ClientPlane:
+    """The executor's end for one client: its process group and a thread that serves its calls in order."""
+
+    def __init__(self, client_id: str, backend: str, group_factory: Callable, executor, answer: Callable,
+                 drop: Callable, timeout_s: float):
+        self.client_id, self.backend, self.executor = client_id, backend, executor
+        self.answer, self.drop, self.timeout = answer, drop, datetime.timedelta(seconds=timeout_s)
+        self.wire_device = executor.device if backend == "nccl" else torch.device("cpu")
+        self.calls: queue.Queue = queue.Queue()
+        self.group = None
+        self._factory = group_factory
+        self._thread = threading.Thread(target=self._serve, name=f"symbiosis-{client_id}", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self.group = self._factory()
+        except Exception as e:  # noqa: BLE001 -- the client never joined (died attaching): it goes
+            log.warning("client %s: no data plane (%s): detaching it", self.client_id, e)
+            self.drop(self.client_id)
+            return
+        while (item := self.calls.get()) is not None:
+            identity, header = item
+            try:
+                self._one(identity, header)
+            except Exception as e:  # noqa: BLE001 -- the data plane is out of step, or gone: the client goes
+                log.warning("client %s: data plane failed (%s): detaching it", self.client_id, e)
+                self.answer(identity, wire.error_reply(header.get("id"), ExecutorUnavailable(
+                    f"the nccl:// data plane of client {self.client_id} failed: {e}")))
+                self.drop(self.client_id)
+                return
+
+    def _one(self, identity: bytes, header: dict) -> None:
+        x = torch.empty(header["rows"], header["cols"], dtype=self.executor.dtype, device=self.wire_device)
+        self.group.recv([x], 1, 0).wait(self.timeout)
+        try:
+            future = self.executor.submit(self.client_id, header["op"], str(header.get("layer")), x,
+                                          inference=bool(header.get("inference")))
+            y = future.result().to(self.wire_device).contiguous()
+        except Exception as error:  # the call's own error (a bad layer, out of memory): answered, nothing sent
+            self.answer(identity, wire.error_reply(header.get("id"), error))
+            return
+        sending = self.group.send([y], 1, 0)
+        self.answer(identity, {"id": header.get("id"), "ok": True})
+        sending.wait(self.timeout)
+
+    def close(self) -> None:
+        self.calls.put(None)
+
+
+class DataPlanes:
+    """The executor server's side of `nccl://`: its TCPStore (made at the first such client) and a plane per
+    client. `answer(identity, header)` replies on the server's socket (from any thread); `drop(client_id)`
+    detaches a client."""
+
+    def __init__(self, executor, answer: Callable, drop: Callable, timeout_s: float):
+        self.executor, self.answer, self.drop, self.timeout_s = executor, answer, drop, timeout_s
+        self.planes: dict[str, _ClientPlane] = {}
+        self._store = None
+        self._port = None
+
+    def admit(self, client_id: str, request: dict) -> dict:
+        backend = request.get("backend") if isinstance(request, dict) else None
+        if backend not in ("nccl", "gloo"):
+            raise BadCall(f"unknown data plane {backend!r}: nccl or gloo")
+        if backend == "nccl" and self.executor.device.type != "cuda":
+            raise BadCall("this executor computes on the CPU: attach over gloo:// or tcp://, not nccl://")
+        if self._store is None:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                self._port = s.getsockname()[1]
+            self._store = dist.TCPStore("0.0.0.0", self._port, is_master=True, wait_for_workers=False,
+                                        timeout=datetime.timedelta(seconds=self.timeout_s))
+        factory = lambda: _group(backend, "", self._port, client_id, 0, self.timeout_s,  # noqa: E731
+                                 self.executor.device, store=self._store)
+        self.planes[client_id] = _ClientPlane(client_id, backend, factory, self.executor, self.answer, self.drop,
+                                              self.timeout_s)
+        return {"port": self._port, "prefix": client_id}
+
+    def call(self, identity: bytes, header: dict, max_call_tokens: int) -> None:
+        """A call whose tensor comes over the data plane: checked here (before anything is received), served
+        in order on the client's own thread."""
+        plane = self.planes.get(header.get("client"))
+        if plane is None:
+            raise BadCall("this client attached without a data plane: send its tensors in the message")
+        rows, cols = header.get("rows"), header.get("cols")
+        if not isinstance(rows, int) or not isinstance(cols, int) or rows < 0 or cols < 1:
+            raise BadCall(f"a call over the data plane needs integer rows and cols, got {rows!r} and {cols!r}")
+        if header.get("dtype") != wire.dtype_name(self.executor.dtype):
+            raise BadCall(f"calls over the data plane are in {self.executor.dtype}, not {header.get('dtype')!r}")
+        op, layer_id = header.get("op"), str(header.get("layer"))
+        layer = self.executor.weights.get(layer_id)
+        check_call(layer_id, None if layer is None else layer.spec, op,
+                   torch.empty(rows, cols, device="meta"), max_call_tokens)
+        plane.calls.put((identity, header))
+
+    def forget(self, client_id: str) -> None:
+        plane = self.planes.pop(client_id, None)
+        if plane is not None:
+            plane.close()
+

@@ -1,0 +1,114 @@
+"""The nccl:// transport, on the CPU as gloo:// (the same code, torch.distributed point-to-point with the gloo
+backend): a client's numbers equal an in-process client's; a bad call is answered and the data plane stays in
+step; a client that stops sending its tensors is detached alone; nccl:// is refused where it cannot run."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from peft import get_peft_model
+
+import symbiosis
+from helpers import batch
+from matrix import peft_config
+from symbiosis.errors import BadCall, ExecutorUnavailable, UnknownLayer
+from symbiosis.transport.server import ExecutorServer
+
+
+@pytest.fixture()
+def served(checkpoints):
+    path, auto_class = checkpoints("llama")
+    executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
+    server = ExecutorServer(executor, "tcp://127.0.0.1:0", client_timeout=3.0).start()
+    port = server.url.rsplit(":", 1)[1]
+    yield path, auto_class, executor, f"gloo://127.0.0.1:{port}"
+    server.stop()
+    executor.close()
+
+
+def test_a_gloo_client_trains_as_an_in_process_client(served):
+    path, auto_class, executor, url = served
+    grads = []
+    for source in (executor, symbiosis.connect(url, timeout=20)):
+        model = symbiosis.from_pretrained(path, source, auto_class=auto_class, dtype=torch.float64)
+        torch.manual_seed(1234)
+        model = get_peft_model(model, peft_config("lora", "llama"))
+        model.train()
+        out = model(**batch("llama"))
+        out.loss.backward()
+        grads.append((out.logits, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+        model.base_model.model.symbiosis_session.close()
+    (ref_logits, ref), (logits, ours) = grads
+    assert torch.equal(logits, ref_logits)
+    assert ref.keys() == ours.keys() and all(torch.equal(ours[n], ref[n]) for n in ref)
+
+
+def test_a_bad_call_is_answered_and_the_data_plane_stays_in_step(served):
+    path, _, executor, url = served
+    session = symbiosis.connect(url, timeout=20).attach(executor.fingerprint, "probe")
+    layer_id, spec = next(iter(executor.layer_specs.items()))
+    x = torch.randn(3, spec.in_features, dtype=torch.float64)
+    with pytest.raises(UnknownLayer):
+        session.forward("model.layers.0.no_such_proj", x)
+    with pytest.raises(BadCall):
+        session.forward(layer_id, torch.randn(3, spec.in_features + 1, dtype=torch.float64))
+    expected = executor.weights.layers[layer_id].forward(x)
+    assert torch.equal(session.forward(layer_id, x), expected)  # later calls still get their own tensors
+    session.close()
+
+
+def test_a_client_that_never_sends_its_tensor_is_detached_alone(served):
+    path, _, executor, url = served
+    remote = symbiosis.connect(url, timeout=20)
+    stalled, healthy = remote.attach(executor.fingerprint, "stalled"), remote.attach(executor.fingerprint, "healthy")
+    layer_id, spec = next(iter(executor.layer_specs.items()))
+    x = torch.randn(2, spec.in_features, dtype=torch.float64)
+
+    class Stalled:  # the header goes out, the tensor never does
+        def send(self, tensors, dst, tag):
+            return self
+
+        def wait(self):
+            return True
+
+    alive, stalled.group = stalled.group, Stalled()  # its process group stays up: the executor waits, then gives up
+    started = time.monotonic()
+    with pytest.raises(ExecutorUnavailable, match="data plane"):
+        stalled.forward(layer_id, x)
+    assert 2.5 < time.monotonic() - started < 15, "the executor waits the client timeout (3 s), no longer"
+    del alive
+    assert torch.equal(healthy.forward(layer_id, x), executor.weights.layers[layer_id].forward(x))
+    assert stalled.client_id not in executor.clients
+    healthy.close()
+
+
+def test_nccl_is_refused_where_it_cannot_run(served):
+    path, _, executor, url = served
+    remote = symbiosis.connect(url.replace("gloo://", "nccl://"), timeout=20)
+    with pytest.raises(ValueError, match="CUDA device"):
+        remote.attach(executor.fingerprint, "cpu-client", "cpu")
+    with pytest.raises(ValueError, match="unsupported executor URL"):
+        symbiosis.connect("mpi://127.0.0.1:1")
+
+
+def test_a_client_whose_process_group_is_gone_is_detached_at_once(served):
+    """A client process that died mid-call: its end of the data plane closes, the executor's recv fails at once."""
+    path, _, executor, url = served
+    session = symbiosis.connect(url, timeout=20).attach(executor.fingerprint, "dying")
+    layer_id, spec = next(iter(executor.layer_specs.items()))
+
+    class Gone:
+        def send(self, tensors, dst, tag):
+            return self
+
+        def wait(self):
+            return True
+
+    session.group = Gone()  # the real group is dropped: its connections close, as a dead process's do
+    started = time.monotonic()
+    with pytest.raises(ExecutorUnavailable, match="data plane"):
+        session.forward(layer_id, torch.randn(2, spec.in_features, dtype=torch.float64))
+    assert time.monotonic() - started < 2
+    assert session.client_id not in executor.clients
