@@ -10,7 +10,9 @@ id: clients come and go without a world-wide group. Per call, in this order on b
     client:   post send(x)  ->  request {op, layer, rows, cols} and wait for the reply  ->  recv(y) if it says ok
     executor: recv(x) (the client's own worker thread)  ->  the executor computes  ->  post send(y), then reply
 
-The executor receives a call's input only once its header arrived and was checked (rows, width, dtype), on the
+Like `tcp://`'s messages (auth.py), the tensors travel unencrypted (NCCL's always do): on a network you do not
+trust, carry both inside a tunnel. The executor receives a call's input only once its
+header arrived and was checked (rows, width, dtype), on the
 client's own thread, with the session timeout: a client that never sends its tensor stalls only itself, and is
 detached. A reply with an error means nothing follows on the data plane, so both sides stay in step.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import datetime
 import logging
 import queue
+import secrets
 import socket
 import threading
 import time
@@ -172,11 +175,14 @@ class DataPlanes:
                 self._port = s.getsockname()[1]
             self._store = dist.TCPStore("0.0.0.0", self._port, is_master=True, wait_for_workers=False,
                                         timeout=datetime.timedelta(seconds=self.timeout_s))
-        factory = lambda: _group(backend, "", self._port, client_id, 0, self.timeout_s,  # noqa: E731
+        # The store answers anyone who reaches its port: a client's group is found under a secret only its attach
+        # reply carries (to the tenant whose token was checked), so no other tenant can take the client's rank.
+        prefix = f"{client_id}/{secrets.token_hex(16)}"
+        factory = lambda: _group(backend, "", self._port, prefix, 0, self.timeout_s,  # noqa: E731
                                  self.executor.device, store=self._store)
         self.planes[client_id] = _ClientPlane(client_id, backend, factory, self.executor, self.answer, self.drop,
                                               self.timeout_s)
-        return {"port": self._port, "prefix": client_id}
+        return {"port": self._port, "prefix": prefix}
 
     def call(self, identity: bytes, header: dict, max_call_tokens: int) -> None:
         """A call whose tensor comes over the data plane: checked here (before anything is received), served
