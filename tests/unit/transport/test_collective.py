@@ -112,3 +112,45 @@ def test_a_client_whose_process_group_is_gone_is_detached_at_once(served):
         session.forward(layer_id, torch.randn(2, spec.in_features, dtype=torch.float64))
     assert time.monotonic() - started < 2
     assert session.client_id not in executor.clients
+
+
+NCCL_CLIENT = """
+import sys, torch, symbiosis
+sys.path.insert(0, {tests!r})
+from helpers import batch
+path, url = sys.argv[1:3]
+split = symbiosis.from_pretrained(path, symbiosis.connect(url, timeout=60), device="cuda:1", dtype=torch.float64)
+local = symbiosis.from_pretrained(path, symbiosis.Executor.from_pretrained(path, device="cuda:1", dtype=torch.float64),
+                                  device="cuda:1", dtype=torch.float64)
+inputs = {{k: v.to("cuda:1") for k, v in batch("llama").items()}}
+ours, theirs = split(**inputs), local(**inputs)
+ours.loss.backward()
+error = (ours.logits - theirs.logits).abs().max().item()
+print("EQUAL" if error <= 1e-12 * theirs.logits.abs().max().item() else f"DIFFERENT by {{error}}", flush=True)
+split.symbiosis_session.close()
+"""
+
+
+@pytest.mark.gpu
+def test_on_two_gpus_a_client_on_the_second_attaches_over_nccl(checkpoints, tmp_path):
+    """The executor on cuda:0 (this process), a client process on cuda:1 over nccl://: GPU to GPU, the numbers
+    of an executor on the client's own GPU (float64: rounding apart)."""
+    import os
+    import subprocess
+    import sys
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    path, _ = checkpoints("llama")
+    executor = symbiosis.Executor.from_pretrained(path, device="cuda:0", dtype=torch.float64)
+    server = ExecutorServer(executor, "tcp://127.0.0.1:0").start()
+    script = tmp_path / "client.py"
+    script.write_text(NCCL_CLIENT.format(tests=os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+    try:
+        port = server.url.rsplit(":", 1)[1]
+        out = subprocess.run([sys.executable, str(script), str(path), f"nccl://127.0.0.1:{port}"], capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0 and out.stdout.strip().endswith("EQUAL"), out.stdout + out.stderr[-3000:]
+    finally:
+        server.stop()
+        executor.close()
