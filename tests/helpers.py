@@ -100,6 +100,27 @@ def assert_trains_as_plain_peft(reference, split, arch: str, extra=lambda batch:
         assert_close(ours[key], theirs[key], f"adapter tensor {key} after 3 AdamW steps", rtol)
 
 
+def assert_same_step_on(path, auto_class, sources: list, method: str = "lora") -> None:
+    """A Llama split model's LoRA training step on each executor in `sources` (in-process, remote, sharded...):
+    the same logits, loss and adapter gradients, to the bit."""
+    results = []
+    for source in sources:
+        model = symbiosis.from_pretrained(path, source, auto_class=auto_class, dtype=torch.float64)
+        torch.manual_seed(1234)
+        model = get_peft_model(model, peft_config(method, "llama"))
+        model.train()
+        out = model(**batch("llama"))
+        out.loss.backward()
+        results.append((out, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+        model.base_model.model.symbiosis_session.close()
+    (reference, reference_grads), *others = results
+    for out, grads in others:
+        assert torch.equal(out.logits, reference.logits) and torch.equal(out.loss, reference.loss)
+        assert grads.keys() == reference_grads.keys()
+        for name, grad in reference_grads.items():
+            assert torch.equal(grads[name], grad), name
+
+
 def train_step(model, arch: str, step: int, extra=lambda batch: {}) -> torch.Tensor:
     torch.manual_seed(100 + step)  # identical dropout masks on both sides
     inputs = batch(arch, seed=step)

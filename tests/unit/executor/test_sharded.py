@@ -9,11 +9,10 @@ import time
 
 import pytest
 import torch
-from peft import get_peft_model
 
 import symbiosis
-from helpers import assert_close, batch
-from matrix import make_checkpoint, peft_config
+from helpers import assert_close, assert_same_step_on, batch
+from matrix import make_checkpoint
 from symbiosis.errors import ExecutorUnavailable
 from symbiosis.executor.sharded import launch_sharded, place
 
@@ -54,19 +53,7 @@ def test_sharded_equals_single_executor(world, checkpoints, tmp_path):
             assert torch.equal(ours.fetch(layer_id)[0], theirs.fetch(layer_id)[0])
             assert torch.equal(ours.weight_norms(layer_id), theirs.weight_norms(layer_id))
         # a split model's training step (its q/k/v and gate/up calls grouped on their shard)
-        results = []
-        for executor in (single, sharded):
-            model = symbiosis.from_pretrained(path, executor, auto_class=auto_class, dtype=torch.float64)
-            torch.manual_seed(1234)
-            model = get_peft_model(model, peft_config("rslora_all_linear", "llama"))
-            model.train()
-            out = model(**batch("llama"))
-            out.loss.backward()
-            results.append((out, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
-        (ref, ref_grads), (out, grads) = results
-        assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)
-        for name, grad in ref_grads.items():
-            assert torch.equal(grads[name], grad), name
+        assert_same_step_on(path, auto_class, [single, sharded], "rslora_all_linear")
     finally:
         sharded.close()
         single.close()

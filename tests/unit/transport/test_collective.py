@@ -8,11 +8,9 @@ import time
 
 import pytest
 import torch
-from peft import get_peft_model
 
 import symbiosis
-from helpers import batch
-from matrix import peft_config
+from helpers import assert_same_step_on
 from symbiosis.errors import BadCall, ExecutorUnavailable, UnknownLayer
 from symbiosis.transport.server import ExecutorServer
 
@@ -30,19 +28,7 @@ def served(checkpoints):
 
 def test_a_gloo_client_trains_as_an_in_process_client(served):
     path, auto_class, executor, url = served
-    grads = []
-    for source in (executor, symbiosis.connect(url, timeout=20)):
-        model = symbiosis.from_pretrained(path, source, auto_class=auto_class, dtype=torch.float64)
-        torch.manual_seed(1234)
-        model = get_peft_model(model, peft_config("lora", "llama"))
-        model.train()
-        out = model(**batch("llama"))
-        out.loss.backward()
-        grads.append((out.logits, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
-        model.base_model.model.symbiosis_session.close()
-    (ref_logits, ref), (logits, ours) = grads
-    assert torch.equal(logits, ref_logits)
-    assert ref.keys() == ours.keys() and all(torch.equal(ours[n], ref[n]) for n in ref)
+    assert_same_step_on(path, auto_class, [executor, symbiosis.connect(url, timeout=20)])
 
 
 def test_a_bad_call_is_answered_and_the_data_plane_stays_in_step(served):
@@ -117,7 +103,7 @@ def test_a_client_whose_process_group_is_gone_is_detached_at_once(served):
 NCCL_CLIENT = """
 import sys, torch, symbiosis
 sys.path.insert(0, {tests!r})
-from helpers import batch
+from helpers import assert_same_step_on
 path, url = sys.argv[1:3]
 split = symbiosis.from_pretrained(path, symbiosis.connect(url, timeout=60), device="cuda:1", dtype=torch.float64)
 local = symbiosis.from_pretrained(path, symbiosis.Executor.from_pretrained(path, device="cuda:1", dtype=torch.float64),
