@@ -15,6 +15,7 @@ from functools import partial
 from pathlib import Path
 
 import peft
+import pytest
 import torch
 from peft import get_peft_model, get_peft_model_state_dict
 
@@ -100,25 +101,29 @@ def assert_trains_as_plain_peft(reference, split, arch: str, extra=lambda batch:
         assert_close(ours[key], theirs[key], f"adapter tensor {key} after 3 AdamW steps", rtol)
 
 
-def assert_same_step_on(path, auto_class, sources: list, method: str = "lora") -> None:
-    """A Llama split model's LoRA training step on each executor in `sources` (in-process, remote, sharded...):
-    the same logits, loss and adapter gradients, to the bit."""
+def assert_same_step_on(path, auto_class, sources: list, method: str = "lora", arch: str = "llama",
+                        rtol: float = 0.0) -> None:
+    """A split model's LoRA training step on each executor in `sources` (in-process, remote, sharded...): the same
+    logits, loss and adapter gradients, to the bit (`rtol` 0), or within float64 rounding."""
     results = []
     for source in sources:
         model = symbiosis.from_pretrained(path, source, auto_class=auto_class, dtype=torch.float64)
         torch.manual_seed(1234)
-        model = get_peft_model(model, peft_config(method, "llama"))
+        model = get_peft_model(model, peft_config(method, arch))
         model.train()
-        out = model(**batch("llama"))
+        out = model(**batch(arch))
         out.loss.backward()
         results.append((out, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
         model.base_model.model.symbiosis_session.close()
     (reference, reference_grads), *others = results
+    same = (lambda ours, theirs, what: torch.equal(ours, theirs) or pytest.fail(what)) if rtol == 0 else \
+        (lambda ours, theirs, what: assert_close(ours, theirs, what, rtol))
     for out, grads in others:
-        assert torch.equal(out.logits, reference.logits) and torch.equal(out.loss, reference.loss)
+        same(out.logits, reference.logits, "logits")
+        same(out.loss, reference.loss, "loss")
         assert grads.keys() == reference_grads.keys()
         for name, grad in reference_grads.items():
-            assert torch.equal(grads[name], grad), name
+            same(grads[name], grad, f"gradient of {name}")
 
 
 def train_step(model, arch: str, step: int, extra=lambda batch: {}) -> torch.Tensor:

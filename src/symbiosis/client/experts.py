@@ -13,11 +13,12 @@ sum over the k experts of each token. Per token t and its k chosen experts e wit
     y                  = executor(e.down_proj, h)                              [n_e, H]
     out[t]             = sum over k of w[t, k] * y[(t, k)]
 
-An in-process executor takes each projection as ONE call: the rows grouped by expert and the rows per expert
-(`Executor.submit_experts`), calls of several clients batched per projection and regrouped by expert, one
-grouped GEMM (`store.ExpertGroup`; alone, the client runs it on its own thread, as a dense layer's `direct`).
-Over a transport (or through noise masking), each chosen expert is a call of its own, under its layer id, which
-the executor batches per expert as per dense layer. Backward sends the output gradient and gets grad_x = g W_e
+The executor takes each projection as ONE call: the rows grouped by expert and the rows per expert
+(`Executor.submit_experts`; in process, or over tcp:// and nccl:// with the counts in the call's header), calls
+of several clients batched per projection and regrouped by expert, one grouped GEMM (`store.ExpertGroup`; a
+client alone in process runs it on its own thread, as a dense layer's `direct`). Over ipc:// (or through noise
+masking) each chosen expert is a call of its own, under its layer id, which the executor batches per expert as
+per dense layer. Backward sends the output gradient and gets grad_x = g W_e
 per expert (nothing is saved on the executor). Experts no token chose cost nothing.
 """
 

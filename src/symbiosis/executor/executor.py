@@ -170,7 +170,7 @@ class Executor:
         return self.batcher.submit(client_id, (layer_id, op), tensor, inference and op != "backward", inline, gate)
 
     def submit_experts(self, client_id: str, op: str, group_id: str, tensor: torch.Tensor, counts: list[int],
-                       inference: bool = False, inline: bool = False) -> Future:
+                       inference: bool = False, inline: bool = False, gate: Callable[[], None] | None = None) -> Future:
         """Queue one call of every expert of a fused MoE projection (`group_id`: its tensor's name), `tensor` grouped
         by expert, `counts[e]` rows for expert e; ops and shapes as `submit`'s, per expert. Calls of several
         clients for one projection are batched: their rows regrouped by expert, one grouped GEMM."""
@@ -191,7 +191,7 @@ class Executor:
         tensor = tensor if tensor.device == self.device else tensor.to(self.device, non_blocking=True)
         tensor = tensor.detach() if tensor.requires_grad else tensor
         self.stats.count_client(client_id, tensor.shape[0])
-        return self.batcher.submit(client_id, (group_id, op), tensor, inference and op != "backward", inline,
+        return self.batcher.submit(client_id, (group_id, op), tensor, inference and op != "backward", inline, gate,
                                    segments=counts)
 
     def forward(self, client_id: str, layer_id: str, x: torch.Tensor, inference: bool = False,

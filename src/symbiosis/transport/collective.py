@@ -83,11 +83,16 @@ class CollectiveSession(RemoteSession):
                             self.device)
         self.wire_device = self.device if self.backend == "nccl" else torch.device("cpu")
 
-    def _call(self, op: str, layer_id: str, tensor: torch.Tensor, out_width: int, inference: bool) -> torch.Tensor:
+    grouped_experts = True
+
+    def _call(self, op: str, layer_id: str, tensor: torch.Tensor, out_width: int, inference: bool,
+              counts: list[int] | None = None) -> torch.Tensor:
         sent = tensor.detach().to(self.wire_device, self.dtype).contiguous()
         self.calls += 1
         header = {"op": op, "layer": layer_id, "inference": inference, "collective": True,
                   "rows": sent.shape[0], "cols": sent.shape[1], "dtype": wire.dtype_name(self.dtype)}
+        if counts is not None:  # a MoE projection's experts: `layer_id` names them, `counts` their rows
+            header["counts"] = counts
         started = time.perf_counter()
         sending = self.group.send([sent], 0, 0)
         self._request(header)  # raises the executor's error: then nothing else comes on the data plane
@@ -100,6 +105,15 @@ class CollectiveSession(RemoteSession):
     def close(self) -> None:
         super().close()
         self.group = None
+
+
+def submit(executor, client_id: str, header: dict, tensor: torch.Tensor, **options):
+    """A call from a request's header: one base layer's, or a MoE projection's experts' (`counts` in it)."""
+    if "counts" in header:
+        return executor.submit_experts(client_id, header["op"], str(header.get("layer")), tensor, header["counts"],
+                                       inference=bool(header.get("inference")), **options)
+    return executor.submit(client_id, header["op"], str(header.get("layer")), tensor,
+                           inference=bool(header.get("inference")), **options)
 
 
 class _ClientPlane:
@@ -138,8 +152,7 @@ class _ClientPlane:
         x = torch.empty(header["rows"], header["cols"], dtype=self.executor.dtype, device=self.wire_device)
         self.group.recv([x], 1, 0).wait(self.timeout)
         try:
-            future = self.executor.submit(self.client_id, header["op"], str(header.get("layer")), x,
-                                          inference=bool(header.get("inference")))
+            future = submit(self.executor, self.client_id, header, x)
             y = future.result().to(self.wire_device).contiguous()
         except Exception as error:  # the call's own error (a bad layer, out of memory): answered, nothing sent
             self.answer(identity, wire.error_reply(header.get("id"), error))
@@ -196,7 +209,8 @@ class DataPlanes:
         if header.get("dtype") != wire.dtype_name(self.executor.dtype):
             raise BadCall(f"calls over the data plane are in {self.executor.dtype}, not {header.get('dtype')!r}")
         op, layer_id = header.get("op"), str(header.get("layer"))
-        layer = self.executor.weights.get(layer_id)
+        layer = self.executor.weights.get(layer_id) if "counts" not in header else \
+            self.executor.weights.experts.get(layer_id)
         check_call(layer_id, None if layer is None else layer.spec, op,
                    torch.empty(rows, cols, device="meta"), max_call_tokens)
         plane.calls.put((identity, header))

@@ -19,7 +19,7 @@ from abc import abstractmethod
 
 import torch
 
-from symbiosis.errors import ExecutorUnavailable, SymbiosisError, UnknownClient
+from symbiosis.errors import BadCall, ExecutorUnavailable, SymbiosisError, UnknownClient, UnknownLayer
 from symbiosis.model.partition import BaseLayerSpec, group_spec
 from symbiosis.protocol import CHECK_EVERY, check_call
 from symbiosis.transport import wire
@@ -33,6 +33,9 @@ class RemoteSession(Session):
     """A session with an executor in another process or on another host."""
 
     pipelined = False  # calls return before they are answered (`ipc/pipelined.py`)
+    # a MoE projection's experts as ONE call (rows grouped by expert, `counts` rows each), where a call's header can
+    # carry the counts (tcp://, nccl://); the ipc:// doorbell's fixed slots cannot: its clients call expert by expert
+    grouped_experts = False
 
     def __init__(self, executor, fingerprint: str, name: str, device: torch.device):
         self.executor, self.fingerprint, self.name, self.device = executor, fingerprint, name, device
@@ -83,6 +86,7 @@ class RemoteSession(Session):
         self.max_call_tokens = int(reply["max_call_tokens"])
         self.heartbeat_s = float(reply["heartbeat_s"])
         self.layer_specs = {d["layer_id"]: BaseLayerSpec(**d) for d in reply["layers"]}
+        self.expert_groups = {str(k): int(v) for k, v in (reply.get("experts") or {}).items()}
         self._broken = None
         self._heartbeat_stop.clear()
         # The thread holds the session weakly: a session nobody holds any more is collected (its claim on
@@ -155,6 +159,29 @@ class RemoteSession(Session):
     def backward(self, layer_id: str, grad_out: torch.Tensor) -> torch.Tensor:
         return self._call("backward", layer_id, grad_out, self._spec(layer_id, grad_out, "backward").in_features,
                           False)
+
+    def expert_group(self, group_id: str, x: torch.Tensor | None = None):
+        """How many experts the executor runs as one call under `group_id` (None: call them one by one). A remote
+        executor's experts never run on this thread (`x` given: None)."""
+        return self.expert_groups.get(group_id) if self.grouped_experts and x is None else None
+
+    def _experts_call(self, op: str, group_id: str, tensor: torch.Tensor, counts: list[int], inference: bool):
+        experts = self.expert_groups.get(group_id)
+        spec = self.layer_specs.get(f"{group_id}.0")
+        if not self.grouped_experts or experts is None or spec is None:
+            raise UnknownLayer(f"this executor serves no experts {group_id[:300]!r} as one group")
+        check_call(group_id, spec, op, tensor, self.max_call_tokens)
+        if len(counts) != experts or any(c < 0 for c in counts) or sum(counts) != tensor.shape[0]:
+            raise BadCall(f"{op} call to experts {group_id[:300]!r}: counts must be {experts} non-negative integers "
+                          f"adding up to the call's {tensor.shape[0]} rows")
+        width = spec.in_features if op == "backward" else spec.out_features
+        return self._call(op, group_id, tensor, width, inference, counts=list(map(int, counts)))
+
+    def experts_forward(self, group_id: str, x: torch.Tensor, counts: list[int], inference: bool = False):
+        return self._experts_call("forward", group_id, x, counts, inference)
+
+    def experts_backward(self, group_id: str, grad_out: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return self._experts_call("backward", group_id, grad_out, counts, False)
 
     def _ask_tensors(self, op: str, layer_id: str) -> list[torch.Tensor]:
         reply, frames = self._request({"op": op, "layer": layer_id})

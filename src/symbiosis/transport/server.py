@@ -30,7 +30,7 @@ from symbiosis.errors import BadCall, SymbiosisError
 from symbiosis.executor.executor import Executor
 from symbiosis.protocol import OPS
 from symbiosis.transport import auth, wire
-from symbiosis.transport.collective import DataPlanes
+from symbiosis.transport.collective import DataPlanes, submit
 from symbiosis.transport.ipc import handoff
 from symbiosis.transport.clients import ClientTable
 from symbiosis.transport.mailbox import Mailbox
@@ -270,14 +270,14 @@ class ExecutorServer:
             "layers": [asdict(spec) for spec in self.executor.layer_specs.values()],
             "handoff": str(self._desk.path) if ticket else None, "ticket": ticket.hex() if ticket else None,
             "buffer_bytes": buffer.nbytes if buffer is not None else 0, "collective": plane,
+            "experts": {group_id: group.num_experts for group_id, group in self.executor.weights.experts.items()},
         })
 
     def _submit(self, identity: bytes, header: dict, tensor: torch.Tensor,
                 gate: Callable[[], None] | None = None) -> None:
         """A layer call, from a socket frame (tcp://) or a doorbell (ipc://, `header` has its "seq")."""
         # inline: a call the policy runs at once is computed on this thread, and answered straight away.
-        future = self.executor.submit(header["client"], header["op"], str(header.get("layer")), tensor,
-                                      inference=bool(header.get("inference")), inline=True, gate=gate)
+        future = submit(self.executor, header["client"], header, tensor, inline=True, gate=gate)
         if future.done():
             self._finish(identity, header, future)
         else:

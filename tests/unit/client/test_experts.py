@@ -174,3 +174,27 @@ def test_on_the_gpu_the_grouped_gemm_equals_one_gemm_per_expert():
         loop = ExpertGroup(spec, group.weight.float(), group.bias.float())  # float32: the loop path
         assert_close(y.float(), loop.forward(x.float(), counts), f"{kind} forward", rtol=2e-2)
         assert_close(grad.float(), loop.backward(g.float(), counts), f"{kind} backward", rtol=2e-2)
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "gloo"])
+def test_over_tcp_and_nccl_each_projection_is_one_call_too(scheme, checkpoints):
+    """tcp:// and nccl:// (here gloo://) carry a projection's rows per expert in the call's header: one call per
+    projection, as in process; the numbers are an in-process client's."""
+    from helpers import assert_same_step_on
+    from symbiosis.transport.server import ExecutorServer
+
+    path, auto_class = checkpoints("qwen3_moe")
+    executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
+    server = ExecutorServer(executor, "tcp://127.0.0.1:0").start()
+    try:
+        url = server.url if scheme == "tcp" else server.url.replace("tcp://", "gloo://")
+        remote = symbiosis.connect(url, timeout=20)
+        assert remote.attach(executor.fingerprint, "probe").expert_group(next(iter(executor.weights.experts))) == 4
+        # (tcp:// hands the executor a tensor in a message buffer, whose alignment may change BLAS's rounding)
+        assert_same_step_on(path, auto_class, [executor, remote], "lora_experts", "qwen3_moe", rtol=1e-12)
+        per_layer = executor.stats_snapshot()["per_layer"]
+        assert any(key.endswith("experts.gate_up_proj:backward") for key in per_layer)  # grouped calls...
+        assert not any(".gate_up_proj.0:" in key for key in per_layer)  # ...never one per expert
+    finally:
+        server.stop()
+        executor.close()
