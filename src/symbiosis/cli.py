@@ -53,15 +53,15 @@ def executor_command(args: argparse.Namespace) -> int:
     if args.devices and "RANK" in os.environ and int(os.environ["RANK"]) > 0:  # a shard under torchrun
         from symbiosis.executor.sharded import serve_shard
 
-        serve_shard(int(os.environ["RANK"]), args.model, args.devices.split(","), args.dtype)
+        serve_shard(int(os.environ["RANK"]), args.model, args.devices.split(","), args.dtype, split=args.split)
         return 0
     try:
         if args.devices:  # sharded: under torchrun this is rank 0; else this process launches the shards
             from symbiosis.executor.sharded import front, launch_sharded
 
             devices = args.devices.split(",")
-            executor = front(args.model, devices, args.dtype, **options) if "RANK" in os.environ else \
-                launch_sharded(args.model, devices, args.dtype, **options)
+            executor = front(args.model, devices, args.dtype, split=args.split, **options) if "RANK" in os.environ \
+                else launch_sharded(args.model, devices, args.dtype, split=args.split, **options)
         else:
             device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
             executor = symbiosis.Executor.from_pretrained(args.model, device=device, dtype=args.dtype, **options)
@@ -285,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
                           help="shard the base layers over these devices (cuda:0,cuda:1 or cpu,cpu; torch.distributed): "
                                "this process launches a shard per device after the first, or, under torchrun, each "
                                "rank takes the device of its rank and rank 0 listens")
+    executor.add_argument("--split", choices=["layers", "columns"], default="layers",
+                          help="with --devices: whole decoder layers per device, or every layer's output columns over "
+                               "all devices")
     executor.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
     executor.add_argument("--policy", default="opportunistic", choices=["opportunistic", "lockstep", "none"])
     executor.add_argument("--max-wait-ms", type=float, default=None, help="batching wait budget per call")

@@ -24,6 +24,7 @@ shard that hangs); the front's own layers and the other shards keep serving.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import re
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from symbiosis.errors import ExecutorUnavailable, UnknownLayer
-from symbiosis.executor.store import BaseWeights
+from symbiosis.executor.store import BaseWeights, MemberLayers
 from symbiosis.model.partition import GROUP_SEPARATOR, BaseLayerSpec
 from symbiosis.protocol import OPS
 
@@ -71,6 +72,18 @@ def place(specs: list[BaseLayerSpec], world_size: int) -> dict[str, int]:
     return placement
 
 
+def split_columns(specs: list[BaseLayerSpec], world_size: int) -> dict[str, list[tuple[int, int, int]]]:
+    """layer id -> [(rank, first output column, columns)]: every layer (but a MoE expert's, placed whole by
+    `place`) cut by its outputs into `world_size` runs of about equal width, rank r holding run r."""
+    columns = {}
+    for spec in specs:
+        if spec.expert is None:
+            bounds = [spec.out_features * r // world_size for r in range(world_size + 1)]
+            columns[spec.layer_id] = [(r, bounds[r], bounds[r + 1] - bounds[r]) for r in range(world_size)
+                                      if bounds[r + 1] > bounds[r]]
+    return columns
+
+
 def _backend(devices: list[torch.device]) -> str:
     return "nccl" if all(d.type == "cuda" for d in devices) else "gloo"
 
@@ -88,16 +101,22 @@ class _Link:
     def request(self, op: str, layer_id: str, tensor: torch.Tensor | None, dtype: torch.dtype,
                 out_device: torch.device) -> torch.Tensor:
         with self.lock:
-            if self.lost is not None:
-                raise ExecutorUnavailable(self.lost)
-            try:
-                return self._exchange(op, layer_id, tensor, dtype, out_device)
-            except (RuntimeError, dist.DistBackendError) as e:  # the shard died, or stopped answering in time
-                self.lost = (f"shard rank {self.rank} of the sharded executor (holding {self.layers} base layers) is "
-                             f"gone: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-                raise ExecutorUnavailable(self.lost) from e
+            self.guarded(self.post, op, layer_id, tensor)
+            return self.guarded(self.collect, op, dtype, out_device)
 
-    def _exchange(self, op, layer_id, tensor, dtype, out_device) -> torch.Tensor:
+    def guarded(self, step, *args):
+        """One step of an exchange (the caller holds `lock` from post to collect)."""
+        if self.lost is not None:
+            raise ExecutorUnavailable(self.lost)
+        try:
+            return step(*args)
+        except (RuntimeError, dist.DistBackendError) as e:  # the shard died, or stopped answering in time
+            self.lost = (f"shard rank {self.rank} of the sharded executor (holding {self.layers} base layers) is "
+                         f"gone: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            raise ExecutorUnavailable(self.lost) from e
+
+    def post(self, op: str, layer_id: str, tensor: torch.Tensor | None) -> None:
+        """Send a request; the shard starts on it while this thread posts to the others."""
         name = torch.frombuffer(bytearray(layer_id.encode()), dtype=torch.uint8) if layer_id else \
             torch.zeros(0, dtype=torch.uint8)
         rows, cols = tensor.shape if tensor is not None else (0, 0)
@@ -107,6 +126,9 @@ class _Link:
             dist.send(name.to(self.wire_device), self.rank)
         if tensor is not None:
             dist.send(tensor.to(self.wire_device).contiguous(), self.rank)
+
+    def collect(self, op: str, dtype: torch.dtype, out_device: torch.device) -> torch.Tensor:
+        """The answer to the request posted last."""
         if op == "stop":
             return torch.empty(0)
         answer = torch.empty(4, dtype=torch.int64, device=self.wire_device)
@@ -157,6 +179,64 @@ class RemoteLayer:
         return self.link.request("bias", self.spec.layer_id, None, self.dtype, self.device)[0]
 
 
+@dataclass
+class SplitLayer:
+    """A base layer cut by its output columns over the ranks (`split_columns`): each part is that rank's slice,
+    a `BaseLayer` here or a `RemoteLayer` there. forward: x to every part at once, their outputs side by side;
+    backward: each part its columns of the gradient, grad_x the sum of their answers."""
+
+    spec: BaseLayerSpec
+    parts: list  # (first column, part) in column order
+    local = False
+
+    def _run(self, op: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        remote = sorted(((part.link.rank, i) for i, (_, part) in enumerate(self.parts) if isinstance(part, RemoteLayer)))
+        results: list = [None] * len(self.parts)
+        locks = [self.parts[i][1].link.lock for _, i in remote]
+        for lock in locks:  # in rank order: two split calls never wait on each other's links
+            lock.acquire()
+        try:
+            for _, i in remote:
+                link = self.parts[i][1].link
+                link.guarded(link.post, op, self.spec.layer_id, inputs[i])
+            for i, (_, part) in enumerate(self.parts):  # this rank's slices, while the shards compute theirs
+                if not isinstance(part, RemoteLayer):
+                    results[i] = part.backward(inputs[i]) if op == "backward" else part.forward(inputs[i],
+                                                                                               op == "forward")
+            for _, i in remote:
+                part = self.parts[i][1]
+                results[i] = part.link.guarded(part.link.collect, op, part.dtype, part.device)
+        finally:
+            for lock in locks:
+                lock.release()
+        return results
+
+    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        # x [T, in] -> [T, out]: every part's columns side by side
+        return torch.cat(self._run("forward" if with_bias else "forward_nobias", [x] * len(self.parts)), dim=1)
+
+    def backward(self, grad_out: torch.Tensor) -> torch.Tensor:
+        # grad_out [T, out] -> [T, in]: the parts' g_r W_r summed
+        pieces = [grad_out[:, first:first + part.spec.out_features].contiguous() for first, part in self.parts]
+        partial = self._run("backward", pieces)
+        total = partial[0].clone()
+        for piece in partial[1:]:
+            total += piece
+        return total
+
+    @property
+    def squared_norms(self) -> torch.Tensor:
+        return torch.cat([part.squared_norms for _, part in self.parts])
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.cat([part.weight for _, part in self.parts], dim=0 if self.spec.kind == "linear" else 1)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return None if self.spec.bias_name is None else torch.cat([part.bias for _, part in self.parts])
+
+
 class ShardedWeights:
     """The front's view of every base layer: its own (`BaseWeights`) and the shards' (`RemoteLayer`s)."""
 
@@ -179,6 +259,12 @@ class ShardedWeights:
         members = [self.remote.get(i) for i in layer_id.split(GROUP_SEPARATOR)]
         if all(m is None for m in members):
             return self.local.get(layer_id)
+        ids = layer_id.split(GROUP_SEPARATOR)
+        if (all(isinstance(m, SplitLayer) for m in members) and len(set(ids)) == len(ids) > 1
+                and len({(i.rpartition(".")[0], m.spec.kind, m.spec.in_features) for i, m in zip(ids, members)}) == 1):
+            spec = BaseLayerSpec(layer_id, members[0].spec.kind, members[0].spec.in_features,
+                                 sum(m.spec.out_features for m in members), "", members[0].spec.bias_name and "")
+            return MemberLayers(spec, members)  # each member split over the ranks
         if any(m is None for m in members) or len({m.link.rank for m in members}) != 1:
             return None  # siblings on different devices are not a group (placement keeps a decoder layer whole)
         first = members[0]
@@ -218,35 +304,70 @@ def _init_group(rank: int, world_size: int, devices: list[torch.device], init_me
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
+SPLITS = ("layers", "columns")
+
+
+def _plan(specs: list[BaseLayerSpec], world_size: int, split: str):
+    """(layer id -> rank of a whole layer, layer id -> its column runs) of `split` (`SPLITS`)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
+    columns = split_columns(specs, world_size) if split == "columns" else {}
+    whole = place([s for s in specs if s.layer_id not in columns], world_size)
+    return whole, columns
+
+
+def _own(specs: list[BaseLayerSpec], rank: int, whole: dict, columns: dict):
+    """A rank's layers (whole, or its slice's spec) and its slices' (first column, width)."""
+    mine, slices = [], {}
+    for spec in specs:
+        if whole.get(spec.layer_id) == rank:
+            mine.append(spec)
+        for r, first, width in columns.get(spec.layer_id, ()):
+            if r == rank:
+                mine.append(spec)
+                slices[spec.layer_id] = (first, width)
+    return mine, slices
+
+
 def front(path, devices: list[str | torch.device], dtype=None, init_method: str = "env://",
-          timeout_s: float = DEFAULT_TIMEOUT_S, **executor_options):
-    """Rank 0's `Executor` (call it in the process torchrun or `launch_sharded` made rank 0)."""
+          timeout_s: float = DEFAULT_TIMEOUT_S, split: str = "layers", **executor_options):
+    """Rank 0's `Executor` (call it in the process torchrun or `launch_sharded` made rank 0). `split`: whole decoder
+    layers per rank ("layers"), or every layer's output columns over all ranks ("columns")."""
     from symbiosis.executor.executor import Executor
 
     devices = [torch.device(d) for d in devices]
     checkpoint, layout, specs, dtype = _specs_and_layout(path, dtype)
-    placement = place(specs, len(devices))
+    whole, columns = _plan(specs, len(devices), split)
     _init_group(0, len(devices), devices, init_method, timeout_s)
-    local = BaseWeights(layout, [s for s in specs if placement[s.layer_id] == 0], devices[0], dtype)
+    mine, slices = _own(specs, 0, whole, columns)
+    local = BaseWeights(layout, mine, devices[0], dtype, columns=slices)
     backend = _backend(devices)
-    links = [_Link(rank, devices[rank], devices[0], backend, sum(1 for r in placement.values() if r == rank))
-             for rank in range(1, len(devices))]
-    remote = {s.layer_id: RemoteLayer(s, links[placement[s.layer_id] - 1], dtype, devices[0])
-              for s in specs if placement[s.layer_id] != 0}
+    held = lambda rank: sum(r == rank for r in whole.values()) + sum(  # noqa: E731
+        any(r == rank for r, _, _ in runs) for runs in columns.values())
+    links = [_Link(rank, devices[rank], devices[0], backend, held(rank)) for rank in range(1, len(devices))]
+    by_id = {s.layer_id: s for s in specs}
+    remote = {i: RemoteLayer(by_id[i], links[rank - 1], dtype, devices[0]) for i, rank in whole.items() if rank}
+    for layer_id, runs in columns.items():
+        parts = [(first, local.layers[layer_id] if rank == 0 else
+                  RemoteLayer(dataclasses.replace(by_id[layer_id], out_features=width), links[rank - 1], dtype,
+                              devices[0])) for rank, first, width in runs]
+        remote[layer_id] = SplitLayer(by_id[layer_id], parts)
     weights = ShardedWeights(local, remote, links)
+    placement = {**whole, **{i: -1 for i in columns}}  # -1: split over every rank
     executor = Executor(checkpoint, weights, checkpoint.fingerprint(), devices[0], dtype, **executor_options)
-    executor.placement = placement
+    executor.placement, executor.split = placement, split
     return executor
 
 
 def serve_shard(rank: int, path, devices: list[str | torch.device], dtype=None, init_method: str = "env://",
-                timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """A shard's life: read its layers, answer the front's requests until it says stop (or is gone)."""
+                timeout_s: float = DEFAULT_TIMEOUT_S, split: str = "layers") -> None:
+    """A shard's life: read its layers (or its slices of them), answer the front's requests until it says stop
+    (or is gone)."""
     devices = [torch.device(d) for d in devices]
     device = devices[rank]
     _, layout, specs, dtype = _specs_and_layout(path, dtype)
-    placement = place(specs, len(devices))
-    weights = BaseWeights(layout, [s for s in specs if placement[s.layer_id] == rank], device, dtype)
+    mine, slices = _own(specs, rank, *_plan(specs, len(devices), split))
+    weights = BaseWeights(layout, mine, device, dtype, columns=slices)
     _init_group(rank, len(devices), devices, init_method, timeout_s)
     wire = device if _backend(devices) == "nccl" else torch.device("cpu")
     try:
@@ -305,7 +426,7 @@ def _free_port() -> int:
 
 
 def launch_sharded(path, devices: list[str | torch.device], dtype=None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                   **executor_options):
+                   split: str = "layers", **executor_options):
     """Start one shard process per device after the first (this machine), and return the front here (rank 0).
     `executor.close()` stops the shards; `executor.shards` are their processes."""
     init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -313,12 +434,13 @@ def launch_sharded(path, devices: list[str | torch.device], dtype=None, timeout_
     processes = []
     for rank in range(1, len(devices)):
         command = [sys.executable, "-m", "symbiosis.executor.sharded", "--model", str(Path(path)), "--rank", str(rank),
-                   "--devices", ",".join(map(str, devices)), "--init-method", init_method, "--timeout", str(timeout_s)]
+                   "--devices", ",".join(map(str, devices)), "--init-method", init_method, "--timeout", str(timeout_s),
+                   "--split", split]
         if dtype_name:
             command += ["--dtype", dtype_name]
         processes.append(subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
     try:
-        executor = front(path, devices, dtype, init_method, timeout_s, **executor_options)
+        executor = front(path, devices, dtype, init_method, timeout_s, split, **executor_options)
     except BaseException:
         for process in processes:
             process.kill()
@@ -351,8 +473,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--init-method", required=True)
     parser.add_argument("--dtype")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
+    parser.add_argument("--split", choices=SPLITS, default="layers")
     args = parser.parse_args(argv)
-    serve_shard(args.rank, args.model, args.devices.split(","), args.dtype, args.init_method, args.timeout)
+    serve_shard(args.rank, args.model, args.devices.split(","), args.dtype, args.init_method, args.timeout, args.split)
     return 0
 
 

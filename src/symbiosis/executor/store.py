@@ -8,6 +8,7 @@ No gradient is computed for W or b: base layers are frozen.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from dataclasses import dataclass
@@ -115,7 +116,8 @@ class BaseWeights:
     of it, so memory stays as it was (`_group` says how later groups of the same layers are served).
     """
 
-    def __init__(self, layout: Layout, specs: list[BaseLayerSpec], device: torch.device, dtype: torch.dtype):
+    def __init__(self, layout: Layout, specs: list[BaseLayerSpec], device: torch.device, dtype: torch.dtype,
+                 columns: dict[str, tuple[int, int]] | None = None):
         names = {s.weight_name for s in specs} | {s.bias_name for s in specs if s.bias_name}
         loaded = layout.read(dict.fromkeys(sorted(names), dtype), device)  # a tied tensor once
         expert = lambda tensor, spec: tensor if spec.expert is None else tensor[spec.expert]  # noqa: E731 -- a view
@@ -132,7 +134,17 @@ class BaseWeights:
                 if tensor is not None and tensor.shape != expected:
                     raise CheckpointError(f"{layout.checkpoint.listing}: {layout.keys(name)} make {name!r} of shape "
                                           f"{list(tensor.shape)}, the config implies {list(expected)}")
-        self.nbytes = sum(t.numel() * t.element_size() for t in loaded.values())
+        for layer_id, (first, width) in (columns or {}).items():  # a sharded executor's slices: only they are kept
+            layer = self.layers[layer_id]
+            out_dim = 0 if layer.spec.kind == "linear" else 1
+            layer.weight = layer.weight.narrow(out_dim, first, width).clone()
+            layer.bias = None if layer.bias is None else layer.bias.narrow(0, first, width).clone()
+            layer.spec = dataclasses.replace(layer.spec, out_features=width)
+        loaded = {name: tensor for name, tensor in loaded.items() if not columns or name not in
+                  {self.layers[i].spec.weight_name for i in columns} | {self.layers[i].spec.bias_name for i in columns}}
+        self.nbytes = sum(t.numel() * t.element_size() for t in loaded.values()) + sum(
+            t.numel() * t.element_size() for i in (columns or {}) for t in (self.layers[i].weight, self.layers[i].bias)
+            if t is not None)
         # fused MoE projection (its tensor's name) -> all its experts, for grouped calls
         self.experts: dict[str, ExpertGroup] = {
             s.weight_name: ExpertGroup(s, loaded[s.weight_name], loaded[s.bias_name] if s.bias_name else None)
