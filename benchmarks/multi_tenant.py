@@ -46,7 +46,16 @@ def main() -> None:
     parser.add_argument("--compile-mode", help="torch.compile's mode, where --compile applies")
     parser.add_argument("--chunked-loss", choices=["none", "symbiosis", "both"], default="none",
                         help="which fleets compute the loss with symbiosis.causal_lm_loss (no whole logits)")
+    parser.add_argument("--executor", action="append",
+                        help="--clients threads: what they attach to: local (in-process, the default), "
+                             "sharded:cuda:0,cuda:1[/columns] (executor/sharded.py), nccl:cuda:0 with --client-device "
+                             "cuda:1 (clients on another GPU). Given several times: each fleet in turn, each line with "
+                             "its iteration time against the first's")
+    parser.add_argument("--client-device", help="--executor nccl:...: where the clients compute")
     args = parser.parse_args()
+    args.executor = args.executor or ["local"]
+    if args.clients == "processes" and args.executor != ["local"]:
+        parser.error("--executor applies to symbiosis clients on threads (--clients threads)")
     if args.clients == "processes" and "none" not in (args.compile, args.capture):
         parser.error("--compile and --capture apply to symbiosis clients on threads (--clients threads)")
     path = checkpoint(args.model)
@@ -80,34 +89,53 @@ def main() -> None:
             fleet, _ = plain_fleet(most)
             if fleet is not None:
                 best_plain = (most, sum(r["tokens_per_s"] for r in fleet))
-        try:
-            ours, ours_gpu, profile = (symbiosis_threads if args.clients == "threads" else symbiosis_processes)(
-                args, common, n, path, url)
-        except RuntimeError as e:  # a client ran out of memory: this many do not fit, nor do more
-            emit(bench="multi_tenant", model=args.model, tenants=n, symbiosis=f"failed: {e}")
+        first_iter_s, failed = None, False
+        for executor in args.executor:
+            try:
+                ours, ours_gpu, profile = (symbiosis_threads if args.clients == "threads" else symbiosis_processes)(
+                    args, common, n, path, url, executor)
+            except RuntimeError as e:  # a client ran out of memory: this many do not fit, nor do more
+                emit(bench="multi_tenant", model=args.model, tenants=n, executor=executor, symbiosis=f"failed: {e}")
+                failed = True
+                break
+            iter_s = max(r["median_s"] for r in ours)
+            first_iter_s = first_iter_s or iter_s
+            if len(args.executor) > 1:
+                profile = dict(profile, iter_s_vs_first_executor=round(iter_s / first_iter_s, 3))
+            best_plain = report(args, n, executor, ours, ours_gpu, profile, plain, plain_gpu, best_plain)
+        if failed:
             break
-        ours_tps = sum(r["tokens_per_s"] for r in ours)
-        record = dict(bench="multi_tenant", model=args.model, tenants=n, clients=args.clients,
-                      policy="none" if args.clients == "threads" else args.policy, compile=args.compile,
-                      compile_mode=args.compile_mode, capture=args.capture, chunked_loss=args.chunked_loss,
-                      checkpointing=args.checkpointing,
-                      symbiosis_tokens_per_s=round(ours_tps), symbiosis_gpu_gib=round(ours_gpu.used_gib, 1),
-                      symbiosis_median_iter_s=round(max(r["median_s"] for r in ours), 4),
-                      symbiosis_gpu_busy=round(ours_gpu.busy_share, 3), **profile)
-        if plain is not None:
-            plain_tps = sum(r["tokens_per_s"] for r in plain)
-            best_plain = (n, plain_tps)
-            record.update(plain_peft_tokens_per_s=round(plain_tps), throughput_ratio=round(ours_tps / plain_tps, 3),
-                          plain_peft_gpu_gib=round(plain_gpu.used_gib, 1),
-                          memory_ratio=round(ours_gpu.used_gib / plain_gpu.used_gib, 3) if plain_gpu.used_gib else None,
-                          plain_median_iter_s=round(max(r["median_s"] for r in plain), 4),
-                          plain_gpu_busy=round(plain_gpu.busy_share, 3))
-        elif best_plain is not None:  # compare with what plain PEFT can do on this GPU: its largest fleet that fitted
-            record.update(plain_peft="does not fit", plain_peft_jobs_that_fit=best_plain[0],
-                          plain_peft_tokens_per_s=round(best_plain[1]),
-                          throughput_vs_plain_that_fit=round(ours_tps / best_plain[1], 3))
-        emit(**record)
         memory[n] = (plain_gpu.used_gib if plain is not None else None, ours_gpu.used_gib)
+    capacity(args, memory, total_gib)
+
+
+def report(args, n, executor, ours, ours_gpu, profile, plain, plain_gpu, best_plain):
+    """One fleet's line, against plain PEFT's fleet of n (or the largest that fitted); the new best plain fleet."""
+    ours_tps = sum(r["tokens_per_s"] for r in ours)
+    record = dict(bench="multi_tenant", model=args.model, tenants=n, clients=args.clients, executor=executor,
+                  policy="none" if args.clients == "threads" else args.policy, compile=args.compile,
+                  compile_mode=args.compile_mode, capture=args.capture, chunked_loss=args.chunked_loss,
+                  checkpointing=args.checkpointing,
+                  symbiosis_tokens_per_s=round(ours_tps), symbiosis_gpu_gib=round(ours_gpu.used_gib, 1),
+                  symbiosis_median_iter_s=round(max(r["median_s"] for r in ours), 4),
+                  symbiosis_gpu_busy=round(ours_gpu.busy_share, 3), **profile)
+    if plain is not None:
+        plain_tps = sum(r["tokens_per_s"] for r in plain)
+        best_plain = (n, plain_tps)
+        record.update(plain_peft_tokens_per_s=round(plain_tps), throughput_ratio=round(ours_tps / plain_tps, 3),
+                      plain_peft_gpu_gib=round(plain_gpu.used_gib, 1),
+                      memory_ratio=round(ours_gpu.used_gib / plain_gpu.used_gib, 3) if plain_gpu.used_gib else None,
+                      plain_median_iter_s=round(max(r["median_s"] for r in plain), 4),
+                      plain_gpu_busy=round(plain_gpu.busy_share, 3))
+    elif best_plain is not None:  # compare with what plain PEFT can do on this GPU: its largest fleet that fitted
+        record.update(plain_peft="does not fit", plain_peft_jobs_that_fit=best_plain[0],
+                      plain_peft_tokens_per_s=round(best_plain[1]),
+                      throughput_vs_plain_that_fit=round(ours_tps / best_plain[1], 3))
+    emit(**record)
+    return best_plain
+
+
+def capacity(args, memory: dict, total_gib: float) -> None:
     largest = max(memory, default=0)
     if total_gib and 1 in memory and memory[1][0] is not None and largest > 1:
         # Capacity from measured footprints: each PEFT job needs its whole footprint; each more symbiosis
@@ -123,7 +151,8 @@ def main() -> None:
              ratio=round(ours_fit / max(1, peft_fit), 2))
 
 
-def symbiosis_processes(args, common: dict, n: int, path, url: str) -> tuple[list[dict], FleetGpu, dict]:
+def symbiosis_processes(args, common: dict, n: int, path, url: str, executor: str = "local"
+                        ) -> tuple[list[dict], FleetGpu, dict]:
     """N client processes on an executor process; with where the fleet's time went."""
     before_executor = gpu_memory_mib()  # the executor's weights and context count as the fleet's memory
     executor = start_executor(path, url, args.policy)
@@ -141,9 +170,12 @@ def symbiosis_processes(args, common: dict, n: int, path, url: str) -> tuple[lis
     return ours, ours_gpu, profile
 
 
-def symbiosis_threads(args, common: dict, n: int, path, url: str) -> tuple[list[dict], FleetGpu, dict]:
-    """One process: an in-process executor and N client threads (its memory counts from before it starts)."""
-    fleet = dict(common, mode="threads", tenants=n, name="t", compile=args.compile != "none",
+def symbiosis_threads(args, common: dict, n: int, path, url: str, executor: str = "local"
+                      ) -> tuple[list[dict], FleetGpu, dict]:
+    """One process: an executor (`executor`: tenant.threads_executor) and N client threads (its memory counts from
+    before it starts)."""
+    fleet = dict(common, mode="threads", tenants=n, name="t", executor=executor,
+                 **({"client_device": args.client_device} if args.client_device else {}), compile=args.compile != "none",
                  compile_mode=args.compile_mode, capture=args.capture != "none",
                  chunked_loss=args.chunked_loss != "none")
     ours, ours_gpu = run_fleet([fleet], args.duration, baseline_mib=gpu_memory_mib())

@@ -31,16 +31,17 @@ import symbiosis
 from common import device, dtype, fit_step, lora, peak_gib, sync, sync_stream, transformers_loss
 
 
-def build(args, executor=None, name: str | None = None):
-    """A PeftModel: plain, a client of the executor at --url, or (threads) of the in-process `executor`."""
+def build(args, executor=None, name: str | None = None, on=None):
+    """A PeftModel: plain, a client of the executor at --url, or (threads) of `executor`, computing `on` (default:
+    the benchmark's device)."""
     if args.mode == "plain":
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype(), device_map=device())
     else:
         privacy = symbiosis.NoiseMasking(pool=args.privacy_pool, rows=1024, refresh_every=args.privacy_refresh_every) \
             if args.privacy_pool else None
         executor = executor or symbiosis.connect(args.url, timeout=300)
-        model = symbiosis.from_pretrained(args.model_dir, executor, device=device(), name=name or args.name,
-                                          privacy=privacy)
+        model = symbiosis.from_pretrained(args.model_dir, executor, device=on or device(), name=name or args.name,
+                                          privacy=privacy, dtype=dtype())
     model = get_peft_model(model, lora(args.lora))
     if args.checkpointing:  # backward recomputes each decoder layer's forward (on a split model: its calls too)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -100,14 +101,39 @@ def decode_loop(model, args, until: float | None, max_iters: int | None = None) 
     return times
 
 
+def threads_executor(args):
+    """(what the threads' clients attach to, where they compute, what to close): --executor `local` (in-process,
+    policy none: each client runs its GEMMs itself), `sharded:DEV,DEV[,...][/columns]` (executor/sharded.py, this
+    process rank 0), or `nccl:DEV` / `gloo:DEV` (an executor on DEV served here; the clients on --client-device
+    attach over that transport)."""
+    kind, _, where = args.executor.partition(":")
+    if kind == "local":
+        executor = symbiosis.Executor.from_pretrained(args.model_dir, device=device(), dtype=dtype(), policy="none")
+        return executor, device(), [executor.close]
+    if kind == "sharded":
+        from symbiosis.executor.sharded import launch_sharded
+
+        devices, _, split = where.partition("/")
+        executor = launch_sharded(args.model_dir, devices.split(","), dtype(), split=split or "layers", policy="none")
+        return executor, devices.split(",")[0], [executor.close]
+    if kind in ("nccl", "gloo"):
+        from symbiosis.transport.server import ExecutorServer
+
+        executor = symbiosis.Executor.from_pretrained(args.model_dir, device=where, dtype=dtype())
+        server = ExecutorServer(executor, "tcp://127.0.0.1:0").start()
+        remote = symbiosis.connect(server.url.replace("tcp://", f"{kind}://"), timeout=300)
+        return remote, args.client_device or device(), [server.stop, executor.close]
+    raise SystemExit(f"--executor {args.executor!r}: local, sharded:DEVICES[/columns], nccl:DEVICE or gloo:DEVICE")
+
+
 def run_threads(args) -> None:
-    """--tenants symbiosis clients of one in-process executor (policy none: each runs its GEMMs itself, on
-    its own thread and CUDA stream), fine-tuning at once; prints one result per tenant, as a JSON list."""
+    """--tenants symbiosis clients of one executor (`threads_executor`), each fine-tuning on a thread and CUDA
+    stream of its own, at once; prints one result per tenant, as a JSON list."""
     started = time.perf_counter()
-    executor = symbiosis.Executor.from_pretrained(args.model_dir, device=device(), dtype=dtype(), policy="none")
+    executor, client_device, closing = threads_executor(args)
     tenants = []
     for i in range(args.tenants):  # built, compiled, captured and warmed up one at a time
-        model = build(args, executor, name=f"{args.name}{i}")
+        model = build(args, executor, name=f"{args.name}{i}", on=client_device)
         stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             model.train()
@@ -132,8 +158,12 @@ def run_threads(args) -> None:
         t.start()
     for t in threads:
         t.join()
-    print(json.dumps([dict(_result(args, f"{args.name}{i}", t), build_s=build_s) for i, t in enumerate(times)]),
-          flush=True)
+    print(json.dumps([dict(_result(args, f"{args.name}{i}", t), build_s=build_s, executor=args.executor)
+                      for i, t in enumerate(times)]), flush=True)
+    for model, _, _ in tenants:  # sessions first (a nccl:// one ends its process group), then the executor
+        model.get_base_model().symbiosis_session.close()
+    for close in closing:
+        close()
 
 
 def _wait_for(go_file: str) -> None:
@@ -158,6 +188,9 @@ def main() -> None:
     parser.add_argument("--url")
     parser.add_argument("--name", default="tenant")
     parser.add_argument("--tenants", type=int, default=1, help="--mode threads: how many clients")
+    parser.add_argument("--executor", default="local", help="--mode threads: what the clients attach to "
+                        "(local, sharded:DEVICES[/columns], nccl:DEVICE, gloo:DEVICE)")
+    parser.add_argument("--client-device", help="--mode threads over nccl/gloo: where the clients compute")
     parser.add_argument("--compile", action="store_true", help="torch.compile each tenant's model")
     parser.add_argument("--compile-mode", help="torch.compile's mode (default: its default)")
     parser.add_argument("--capture", action="store_true", help="each tenant's step as a CUDA graph (CapturedStep)")

@@ -19,13 +19,16 @@ detached. A reply with an error means nothing follows on the data plane, so both
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import logging
 import queue
 import secrets
 import socket
 import threading
 import time
+import weakref
 from typing import Callable
 from urllib.parse import urlparse
 
@@ -38,6 +41,16 @@ from symbiosis.transport import wire
 from symbiosis.transport.remote import RemoteSession
 
 log = logging.getLogger("symbiosis")
+_HOLDERS: "weakref.WeakSet" = weakref.WeakSet()  # sessions and planes holding a process group
+
+
+@atexit.register
+def _release_groups() -> None:
+    """Process groups left to the interpreter's teardown abort the process (their C++ threads are destroyed
+    while joinable): release them first."""
+    for holder in list(_HOLDERS):
+        holder.group = None
+    gc.collect()
 SCHEMES = {"nccl": "nccl", "gloo": "gloo"}  # URL scheme -> backend of the data plane
 
 
@@ -81,6 +94,7 @@ class CollectiveSession(RemoteSession):
         host = urlparse(self.executor.url).hostname
         self.group = _group(self.backend, host, int(plane["port"]), plane["prefix"], 1, self.executor.timeout,
                             self.device)
+        _HOLDERS.add(self)
         self.wire_device = self.device if self.backend == "nccl" else torch.device("cpu")
 
     grouped_experts = True
@@ -133,6 +147,7 @@ class _ClientPlane:
     def _serve(self) -> None:
         try:
             self.group = self._factory()
+            _HOLDERS.add(self)
         except Exception as e:  # noqa: BLE001 -- the client never joined (died attaching): it goes
             log.warning("client %s: no data plane (%s): detaching it", self.client_id, e)
             self.drop(self.client_id)

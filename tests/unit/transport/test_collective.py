@@ -140,3 +140,27 @@ def test_on_two_gpus_a_client_on_the_second_attaches_over_nccl(checkpoints, tmp_
     finally:
         server.stop()
         executor.close()
+
+
+def test_a_process_that_exits_without_closing_its_sessions_exits_cleanly(checkpoints, tmp_path):
+    """Process groups left to the interpreter's teardown would abort it ("terminate called without an active
+    exception"): the transport releases them at exit, also after the executor stopped first."""
+    import subprocess
+    import sys
+
+    path, _ = checkpoints("llama")
+    script = tmp_path / "exits.py"
+    script.write_text(f"""
+import torch, symbiosis
+from symbiosis.transport.server import ExecutorServer
+executor = symbiosis.Executor.from_pretrained({str(path)!r}, dtype=torch.float64)
+server = ExecutorServer(executor, "tcp://127.0.0.1:0").start()
+model = symbiosis.from_pretrained({str(path)!r}, symbiosis.connect(server.url.replace("tcp://", "gloo://"), timeout=20),
+                                  dtype=torch.float64)
+with torch.no_grad():
+    model(torch.randint(0, 100, (1, 4)))
+server.stop()
+executor.close()
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
