@@ -27,7 +27,7 @@ declare -A LIMIT_S=(
   [policies]=300 [mixed]=240 [privacy]=320 [long_context]=330
   [engine_tests]=240 [sgmv]=180 [paged_attention]=240 [engine]=560 [hosted_training]=560
   [serve]=560 [fine_tuning_jobs]=560 [hmi_tiered]=580 [hmi_on_demand]=580 [plot]=580 [moe_train]=560 [moe_decode]=560
-  [remote_2gpu]=560 [sharded_13b_2gpu]=580
+  [remote_2gpu]=560 [sharded_13b_2gpu]=580 [fsdp_13b_2gpu]=560
 )
 declare -A COMMAND=(
   [gpu_tests]="$PY -m pytest -q -m gpu tests/integration/test_gpu.py tests/unit/client/test_compiled_clients.py -p no:cacheprovider"
@@ -70,6 +70,7 @@ declare -A COMMAND=(
   # clients in process on GPU 0; the 13B executor sharded over both GPUs, whole layers and columns
   [remote_2gpu]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,2,4,8 --duration 5 --clients threads --executor local --executor nccl:cuda:0 --client-device cuda:1"
   [sharded_13b_2gpu]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 1,4,8,16 --duration 5 --clients threads --checkpointing --executor sharded:cuda:0,cuda:1 --executor sharded:cuda:0,cuda:1/columns"
+  [fsdp_13b_2gpu]="$PY benchmarks/fsdp_fleet.py --model llama-2-13b --jobs 1,2,4,6 --gpus 2"
   [moe_decode]="$PY benchmarks/engine.py --model qwen3-30b-a3b-12l --batches 1,8,32 --patterns none,distinct --peft-batches 8 --compiled-batches ,"
 )
 ORDER=(gpu_tests rtt single_1b single_1b_dora anatomy_1b anatomy_1b_chunked multi_1b multi_1b_8 threads_1b_8 threads_1b_8_captured
