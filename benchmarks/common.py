@@ -39,6 +39,11 @@ CONFIGS = {
                               num_hidden_layers=12, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                               vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=40960,
                               tie_word_embeddings=False),
+    # Gemma-2-27B (the paper's largest run: executor over 4 GPUs, clients on 4 more)
+    "gemma-2-27b": dict(architecture="gemma2", hidden_size=4608, intermediate_size=36864, num_hidden_layers=46,
+                        num_attention_heads=32, num_key_value_heads=16, head_dim=128, vocab_size=256000,
+                        sliding_window=4096, query_pre_attn_scalar=144, attn_logit_softcapping=50.0,
+                        final_logit_softcapping=30.0, max_position_embeddings=8192),
     "tiny-moe": dict(architecture="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                      num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=4096),
@@ -55,7 +60,8 @@ def model_classes(name: str):
 
     return {"llama": (LlamaConfig, LlamaForCausalLM),
             "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
-            "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM)}[
+            "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+            "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM)}[
         CONFIGS[name].get("architecture", "llama")]
 PAPER_LORAS = ("lora1_r8_q", "lora2_r64_q", "lora3_r8_qkvo", "lora4_r64_qkvo")  # paper Table 2
 LORAS = {  # name -> (rank, target modules, other LoraConfig options)

@@ -51,7 +51,11 @@ def main() -> None:
                              "sharded:cuda:0,cuda:1[/columns] (executor/sharded.py), nccl:cuda:0 with --client-device "
                              "cuda:1 (clients on another GPU). Given several times: each fleet in turn, each line with "
                              "its iteration time against the first's")
-    parser.add_argument("--client-device", help="--executor nccl:...: where the clients compute")
+    parser.add_argument("--client-device", help="--executor nccl:...: where the clients compute (comma-separated: "
+                        "round robin)")
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (batch 2)")
+    parser.add_argument("--no-plain", action="store_true",
+                        help="no plain PEFT fleets (their baseline is another benchmark's: fsdp_fleet.py)")
     args = parser.parse_args()
     args.executor = args.executor or ["local"]
     if args.clients == "processes" and args.executor != ["local"]:
@@ -65,7 +69,7 @@ def main() -> None:
     best_plain: tuple[int, float] | None = None  # (jobs, tokens/s) of the largest plain fleet that fitted
     usable_gib = 0.97 * total_gib
     for n in [int(x) for x in args.tenants.split(",")]:
-        common = dict(model_dir=path, lora=args.lora, batch_size=2, seq_len=512, checkpointing=args.checkpointing)
+        common = dict(model_dir=path, lora=args.lora, batch_size=2, seq_len=args.seq_len, checkpointing=args.checkpointing)
 
         def plain_fleet(jobs: int):
             try:
@@ -80,12 +84,13 @@ def main() -> None:
         # N plain jobs need N footprints: past the GPU's memory (known from N=1; none if one job failed) they
         # are not started.
         one_job = memory[1][0] if 1 in memory else None
-        fits = not total_gib or 1 not in memory or (one_job is not None and n * one_job <= usable_gib)
+        fits = not args.no_plain and (not total_gib or 1 not in memory or
+                                      (one_job is not None and n * one_job <= usable_gib))
         plain, plain_gpu = plain_fleet(n) if fits else (None, None)
         # N jobs do not fit: the baseline is what the GPU can run of them, as many at once as fit (measured
         # here if no fleet that large has run yet).
         most = int(usable_gib // one_job) if one_job and total_gib else 0
-        if plain is None and 1 < most < n and (best_plain is None or best_plain[0] < most):
+        if not args.no_plain and plain is None and 1 < most < n and (best_plain is None or best_plain[0] < most):
             fleet, _ = plain_fleet(most)
             if fleet is not None:
                 best_plain = (most, sum(r["tokens_per_s"] for r in fleet))

@@ -28,6 +28,7 @@ declare -A LIMIT_S=(
   [engine_tests]=240 [sgmv]=180 [paged_attention]=240 [engine]=560 [hosted_training]=560
   [serve]=560 [fine_tuning_jobs]=560 [hmi_tiered]=580 [hmi_on_demand]=580 [plot]=580 [moe_train]=560 [moe_decode]=560
   [remote_2gpu]=560 [sharded_13b_2gpu]=580 [fsdp_13b_2gpu]=560
+  [sharded_remote_8gpu]=590 [fsdp_27b_8gpu]=590
 )
 declare -A COMMAND=(
   [gpu_tests]="$PY -m pytest -q -m gpu tests/integration/test_gpu.py tests/unit/client/test_compiled_clients.py -p no:cacheprovider"
@@ -71,6 +72,10 @@ declare -A COMMAND=(
   [remote_2gpu]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,2,4,8 --duration 5 --clients threads --executor local --executor nccl:cuda:0 --client-device cuda:1"
   [sharded_13b_2gpu]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 1,4,8,16 --duration 5 --clients threads --checkpointing --executor sharded:cuda:0,cuda:1 --executor sharded:cuda:0,cuda:1/columns"
   [fsdp_13b_2gpu]="$PY benchmarks/fsdp_fleet.py --model llama-2-13b --jobs 1,2,4,6 --gpus 2"
+  # eight GPUs, by name only: Gemma-2-27B's executor over GPUs 0-3, 8 clients on GPUs 4-7 over nccl:// (bs 2, seq 64),
+  # against FSDP2 + PEFT jobs over all eight
+  [sharded_remote_8gpu]="$PY benchmarks/multi_tenant.py --model gemma-2-27b --tenants 8 --duration 5 --seq-len 64 --no-plain --clients threads --executor nccl:sharded:cuda:0,cuda:1,cuda:2,cuda:3 --client-device cuda:4,cuda:5,cuda:6,cuda:7"
+  [fsdp_27b_8gpu]="$PY benchmarks/fsdp_fleet.py --model gemma-2-27b --jobs 1,2,4,8 --gpus 8 --seq-len 64"
   [moe_decode]="$PY benchmarks/engine.py --model qwen3-30b-a3b-12l --batches 1,8,32 --patterns none,distinct --peft-batches 8 --compiled-batches ,"
 )
 ORDER=(gpu_tests rtt single_1b single_1b_dora anatomy_1b anatomy_1b_chunked multi_1b multi_1b_8 threads_1b_8 threads_1b_8_captured

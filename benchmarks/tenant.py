@@ -101,40 +101,50 @@ def decode_loop(model, args, until: float | None, max_iters: int | None = None) 
     return times
 
 
+def _sharded(args, where: str, policy: str):
+    """`DEV,DEV[,...][/columns]`: a sharded executor, this process its front."""
+    from symbiosis.executor.sharded import launch_sharded
+
+    devices, _, split = where.partition("/")
+    return launch_sharded(args.model_dir, devices.split(","), dtype(), split=split or "layers", policy=policy)
+
+
 def threads_executor(args):
-    """(what the threads' clients attach to, where they compute, what to close): --executor `local` (in-process,
-    policy none: each client runs its GEMMs itself), `sharded:DEV,DEV[,...][/columns]` (executor/sharded.py, this
-    process rank 0), or `nccl:DEV` / `gloo:DEV` (an executor on DEV served here; the clients on --client-device
-    attach over that transport)."""
+    """(what the threads' clients attach to, the devices they compute on (round robin), what to close): --executor
+    `local` (in-process, policy none: each client runs its GEMMs itself), `sharded:DEV,DEV[,...][/columns]`
+    (executor/sharded.py, this process rank 0), or `nccl:WHAT` / `gloo:WHAT` (WHAT: a device, or `sharded:...`,
+    served here; the clients, on --client-device's devices, attach over that transport)."""
     kind, _, where = args.executor.partition(":")
     if kind == "local":
         executor = symbiosis.Executor.from_pretrained(args.model_dir, device=device(), dtype=dtype(), policy="none")
-        return executor, device(), [executor.close]
+        return executor, [device()], [executor.close]
     if kind == "sharded":
-        from symbiosis.executor.sharded import launch_sharded
-
-        devices, _, split = where.partition("/")
-        executor = launch_sharded(args.model_dir, devices.split(","), dtype(), split=split or "layers", policy="none")
-        return executor, devices.split(",")[0], [executor.close]
+        executor = _sharded(args, where, policy="none")
+        return executor, [executor.device], [executor.close]
     if kind in ("nccl", "gloo"):
         from symbiosis.transport.server import ExecutorServer
 
-        executor = symbiosis.Executor.from_pretrained(args.model_dir, device=where, dtype=dtype())
+        if where.startswith("sharded:"):  # clients on other devices: their calls are batched (the default policy)
+            executor = _sharded(args, where.removeprefix("sharded:"), policy="opportunistic")
+        else:
+            executor = symbiosis.Executor.from_pretrained(args.model_dir, device=where, dtype=dtype())
+        closing = [executor.close]
         server = ExecutorServer(executor, "tcp://127.0.0.1:0").start()
         remote = symbiosis.connect(server.url.replace("tcp://", f"{kind}://"), timeout=300)
-        return remote, args.client_device or device(), [server.stop, executor.close]
-    raise SystemExit(f"--executor {args.executor!r}: local, sharded:DEVICES[/columns], nccl:DEVICE or gloo:DEVICE")
+        return remote, (args.client_device or device()).split(","), [server.stop, *closing]
+    raise SystemExit(f"--executor {args.executor!r}: local, sharded:DEVICES[/columns], nccl:WHAT or gloo:WHAT")
 
 
 def run_threads(args) -> None:
     """--tenants symbiosis clients of one executor (`threads_executor`), each fine-tuning on a thread and CUDA
     stream of its own, at once; prints one result per tenant, as a JSON list."""
     started = time.perf_counter()
-    executor, client_device, closing = threads_executor(args)
+    executor, client_devices, closing = threads_executor(args)
     tenants = []
     for i in range(args.tenants):  # built, compiled, captured and warmed up one at a time
-        model = build(args, executor, name=f"{args.name}{i}", on=client_device)
-        stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        on = torch.device(client_devices[i % len(client_devices)])
+        model = build(args, executor, name=f"{args.name}{i}", on=on)
+        stream = torch.cuda.Stream(on) if on.type == "cuda" else None
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             model.train()
             step = make_step(model, args)
@@ -190,7 +200,8 @@ def main() -> None:
     parser.add_argument("--tenants", type=int, default=1, help="--mode threads: how many clients")
     parser.add_argument("--executor", default="local", help="--mode threads: what the clients attach to "
                         "(local, sharded:DEVICES[/columns], nccl:DEVICE, gloo:DEVICE)")
-    parser.add_argument("--client-device", help="--mode threads over nccl/gloo: where the clients compute")
+    parser.add_argument("--client-device", help="--mode threads over nccl/gloo: where the clients compute "
+                        "(comma-separated: round robin)")
     parser.add_argument("--compile", action="store_true", help="torch.compile each tenant's model")
     parser.add_argument("--compile-mode", help="torch.compile's mode (default: its default)")
     parser.add_argument("--capture", action="store_true", help="each tenant's step as a CUDA graph (CapturedStep)")
