@@ -198,3 +198,17 @@ def test_over_tcp_and_nccl_each_projection_is_one_call_too(scheme, checkpoints):
     finally:
         server.stop()
         executor.close()
+
+
+def test_noise_masking_covers_the_expert_calls(checkpoints, executors):
+    """With NoiseMasking every activation that leaves the client is masked, the experts' included (they are then
+    called one by one, each masked like a dense layer's call): the logits are still plain transformers'."""
+    path, auto_class = checkpoints("mixtral")
+    masked = symbiosis.from_pretrained(path, executors("mixtral"), auto_class=auto_class, dtype=torch.float64,
+                                       privacy=symbiosis.NoiseMasking(pool=2, rows=64, seed=3))
+    plain = auto_class.from_pretrained(path, dtype=torch.float64, experts_implementation="eager")
+    inputs = {k: v for k, v in batch("mixtral").items() if k != "labels"}
+    with torch.no_grad():
+        assert_close(masked(**inputs).logits, plain(**inputs).logits, "masked MoE logits", rtol=1e-9)
+    session = masked.model.layers[0].mlp.experts.symbiosis_session
+    assert getattr(session, "expert_group", None) is None  # a masked session has no grouped calls: per expert
