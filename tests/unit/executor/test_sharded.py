@@ -196,3 +196,26 @@ def test_under_torchrun_each_rank_takes_its_device_and_rank_0_serves(checkpoints
             raise
         single.close()
     assert process.log.wait_for(r"^\[executor\] stopped")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", ["layers", "columns"])
+def test_on_two_gpus_over_nccl_the_sharded_executor_equals_one_gpu(split, checkpoints):
+    """NCCL between two GPUs, bf16: every layer's calls within bf16 rounding of the single-GPU executor's."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    path, _ = checkpoints("llama")
+    single = symbiosis.Executor.from_pretrained(path, device="cuda:0", dtype=torch.bfloat16)
+    sharded = launch_sharded(path, ["cuda:0", "cuda:1"], dtype=torch.bfloat16, split=split)
+    try:
+        ours, theirs = sharded.attach(sharded.fingerprint, "a"), single.attach(single.fingerprint, "a")
+        torch.manual_seed(0)
+        for layer_id, spec in single.layer_specs.items():
+            x = torch.randn(4, spec.in_features, dtype=torch.bfloat16, device="cuda:0")
+            g = torch.randn(4, spec.out_features, dtype=torch.bfloat16, device="cuda:0")
+            assert_close(ours.forward(layer_id, x).float(), theirs.forward(layer_id, x).float(), layer_id, rtol=2e-2)
+            assert_close(ours.backward(layer_id, g).float(), theirs.backward(layer_id, g).float(), layer_id,
+                         rtol=2e-2)
+    finally:
+        sharded.close()
+        single.close()
