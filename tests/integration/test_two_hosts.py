@@ -34,7 +34,8 @@ def two_hosts():
             for command in (["ip", "link", "set", links[side], "netns", name],
                             ["ip", "-n", name, "addr", "add", f"{HOSTS[side]}/24", "dev", links[side]],
                             ["ip", "-n", name, "link", "set", links[side], "up"],
-                            ["ip", "-n", name, "link", "set", "lo", "up"]):
+                            ["ip", "-n", name, "link", "set", "lo", "up"],
+                            ["ip", "netns", "exec", name, sys.executable, "-c", "pass"]):
                 subprocess.run(command, check=True, capture_output=True)
     except (OSError, subprocess.CalledProcessError) as e:
         for name in made:
