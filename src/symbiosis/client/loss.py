@@ -65,6 +65,10 @@ LOGIT_TRANSFORMS: dict[str, Callable[[object], Transform | None]] = {
     "opt": _plain,
     "gemma2": lambda config: _softcap(config.final_logit_softcapping),
     "granite": lambda config: _scale(config.logits_scaling),
+    # mixtures of experts: a plain head (their router's auxiliary loss is refused below where it joins the loss)
+    "mixtral": _plain,
+    "qwen3_moe": _plain,
+    "olmoe": _plain,
 }
 
 CHUNK_ELEMENTS = 2**26  # default chunk: tokens x vocab logits of at most this many elements (256 MiB in fp32)
@@ -89,6 +93,11 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor | None = None, labe
         raise UnsupportedAdapter(
             f"causal_lm_loss does not know how a {model_type!r} model turns its head's output into logits "
             f"(it knows {sorted(LOGIT_TRANSFORMS)}); use model(input_ids, labels=labels).loss")
+    if getattr(config, "output_router_logits", False):
+        raise UnsupportedAdapter(
+            f"this {model_type} model's loss adds its router's auxiliary loss (output_router_logits), which "
+            "causal_lm_loss does not compute; use model(input_ids, labels=labels).loss, or set "
+            "model.config.output_router_logits = False for the cross-entropy alone")
     peft_config = getattr(model, "active_peft_config", None)
     if peft_config is not None and peft_config.is_prompt_learning:
         raise UnsupportedAdapter(

@@ -79,6 +79,7 @@ class TargetLayer:
     part: str  # "attn", "mlp" or "unembed"
     in_features: int
     out_features: int
+    experts: int = 0  # a MoE layer's fused experts (one projection of each): LoRA on them is not hosted yet
 
 
 class HostedLora:
@@ -93,6 +94,11 @@ class HostedLora:
         self.targets = [t for t in targets if spec.trains(t)]
         if not self.targets:
             raise ValueError("this base model has no layer of the parts or modules asked to train")
+        experts = next((t for t in self.targets if t.experts), None)
+        if experts is not None:
+            raise ValueError(f"{experts.module}: this base model's MLP is a mixture of {experts.experts} experts, "
+                             "whose LoRA hosted training does not run yet; train the attention (train_mlp=False, "
+                             "or target modules of the attention)")
         self.scale = spec.scale
         generator = torch.Generator().manual_seed(spec.seed if spec.seed is not None else 0)
         self.layers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

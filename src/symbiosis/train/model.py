@@ -123,5 +123,10 @@ def build(model_path, executor):
         part = "unembed" if module is head else "attn" if id(module) in in_attention else "mlp"
         model.set_submodule(name, TrainLinear(base, state))
         targets.append(TargetLayer(name, layer_id, part, base.spec.in_features, base.spec.out_features))
+    for name, module in model.named_modules():  # a MoE layer's experts: the MLP part, refused by HostedLora
+        for projection, group_id in getattr(module, "symbiosis_expert_groups", {}).items():
+            spec = executor.weights.layers[f"{group_id}.0"].spec
+            targets.append(TargetLayer(f"{name}.{projection}", group_id, "mlp", spec.in_features, spec.out_features,
+                                       experts=len(module.symbiosis_experts[projection])))
     model.requires_grad_(False)  # the client's own tensors (embeddings, norms) are the base's too: frozen
     return model.train(False), state, targets

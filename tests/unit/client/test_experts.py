@@ -212,3 +212,18 @@ def test_noise_masking_covers_the_expert_calls(checkpoints, executors):
         assert_close(masked(**inputs).logits, plain(**inputs).logits, "masked MoE logits", rtol=1e-9)
     session = masked.model.layers[0].mlp.experts.symbiosis_session
     assert getattr(session, "expert_group", None) is None  # a masked session has no grouped calls: per expert
+
+
+def test_the_chunked_loss_is_the_models_own_or_refused(checkpoints, executors):
+    """causal_lm_loss on a MoE model: the cross-entropy alone equals transformers' loss without the router's
+    auxiliary loss; with the auxiliary loss in the model's loss (output_router_logits) it is refused, not
+    computed without it."""
+    path, auto_class = checkpoints("olmoe")
+    split = symbiosis.from_pretrained(path, executors("olmoe"), auto_class=auto_class, dtype=torch.float64)
+    inputs = batch("olmoe")
+    with pytest.raises(symbiosis.UnsupportedAdapter, match="auxiliary loss"):
+        symbiosis.causal_lm_loss(split, **inputs)
+    split.config.output_router_logits = False
+    with torch.no_grad():  # (transformers computes its loss from float32 logits, whatever the model's dtype)
+        assert_close(symbiosis.causal_lm_loss(split, chunk_tokens=7, **inputs), split(**inputs).loss.double(),
+                     "chunked loss", rtol=1e-6)
