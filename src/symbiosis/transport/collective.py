@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import gc
 import logging
 import queue
 import secrets
@@ -47,10 +46,10 @@ _HOLDERS: "weakref.WeakSet" = weakref.WeakSet()  # sessions and planes holding a
 @atexit.register
 def _release_groups() -> None:
     """Process groups left to the interpreter's teardown abort the process (their C++ threads are destroyed
-    while joinable): release them first."""
+    while joinable): release them first. (Nothing else: a process that never made one is left alone; a garbage
+    collection here made other processes' teardown abort now and then.)"""
     for holder in list(_HOLDERS):
         holder.group = None
-    gc.collect()
 SCHEMES = {"nccl": "nccl", "gloo": "gloo"}  # URL scheme -> backend of the data plane
 
 
