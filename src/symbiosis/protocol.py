@@ -37,3 +37,11 @@ def check_call(layer_id: str, spec: BaseLayerSpec | None, op: str, tensor: torch
     if tensor.shape[0] > max_call_tokens:
         raise BadCall(f"{op} call to layer {layer_id[:300]!r} has {tensor.shape[0]} tokens, "
                       f"more than this executor's limit of {max_call_tokens}")
+
+
+def check_counts(group_id: str, op: str, counts, experts: int, rows: int) -> None:
+    """Raise what is wrong with the rows per expert of a MoE projection's call (`Executor.submit_experts`)."""
+    if (not isinstance(counts, list) or len(counts) != experts
+            or any(not isinstance(c, int) or c < 0 for c in counts) or sum(counts) != rows):
+        raise BadCall(f"{op} call to experts {group_id[:300]!r}: counts must be {experts} non-negative integers "
+                      f"adding up to the call's {rows} rows")

@@ -30,7 +30,7 @@ from symbiosis.model.partition import (
     all_base_layers,
 )
 from symbiosis.model.layout import Layout
-from symbiosis.protocol import DEFAULT_MAX_CALL_TOKENS, OPS, check_call
+from symbiosis.protocol import DEFAULT_MAX_CALL_TOKENS, OPS, check_call, check_counts
 from symbiosis.torch_dtypes import resolve_dtype
 
 
@@ -39,6 +39,18 @@ def _out_of_memory(error: BaseException) -> bool:
     """CUDA raises torch.OutOfMemoryError; the CPU allocator a plain RuntimeError saying so."""
     return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error) or \
         "not enough memory" in str(error)
+
+
+def read_base_plan(path, dtype=None, torch_dtype=None, auto_class=None):
+    """(checkpoint, layout, every base layer's spec, dtype) of the model in `path`: its skeleton built on the meta
+    device and the whole checkpoint checked, client tensors too, before anything is read or computed."""
+    checkpoint = Checkpoint(path)
+    config = load_config(checkpoint)
+    dtype = resolve_dtype(dtype, torch_dtype, config)
+    skeleton = build_skeleton(config, auto_class or architecture_class(config), dtype)
+    layout = Layout(skeleton, checkpoint)
+    check_complete(skeleton, layout)
+    return checkpoint, layout, all_base_layers(skeleton, layout), dtype
 
 
 class Executor:
@@ -74,13 +86,7 @@ class Executor:
         tensor of the checkpoint; `dtype` defaults to the config's dtype (`torch_dtype` is its deprecated alias).
         `policy`: how calls of different clients are batched (`opportunistic`, `lockstep`, `none`, or a Policy).
         """
-        checkpoint = Checkpoint(path)
-        config = load_config(checkpoint)
-        dtype = resolve_dtype(dtype, torch_dtype, config)
-        skeleton = build_skeleton(config, auto_class or architecture_class(config), dtype)
-        layout = Layout(skeleton, checkpoint)
-        check_complete(skeleton, layout)  # the whole checkpoint, client tensors too: refused before any compute
-        specs = all_base_layers(skeleton, layout)
+        checkpoint, layout, specs, dtype = read_base_plan(path, dtype, torch_dtype, auto_class)
         fingerprint = checkpoint.fingerprint()
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -160,14 +166,7 @@ class Executor:
             raise BadCall(f"unknown op {op!r}; expected one of {OPS}")
         layer = self._layer_for(client_id, layer_id)
         check_call(layer_id, layer.spec, op, tensor, self.max_call_tokens)
-        if tensor.dtype != self.dtype:
-            raise BadCall(f"{op} call to layer {layer_id!r} expects {self.dtype}, got {tensor.dtype}")
-        # non_blocking: from page-locked memory (a pinned transport buffer) the copy is queued on the stream
-        # that computes with it; from pageable memory it is synchronous either way.
-        tensor = tensor if tensor.device == self.device else tensor.to(self.device, non_blocking=True)
-        tensor = tensor.detach() if tensor.requires_grad else tensor  # the executor records no autograd graph
-        self.stats.count_client(client_id, tensor.shape[0])
-        return self.batcher.submit(client_id, (layer_id, op), tensor, inference and op != "backward", inline, gate)
+        return self._queue(client_id, op, layer_id, tensor, inference, inline, gate)
 
     def submit_experts(self, client_id: str, op: str, group_id: str, tensor: torch.Tensor, counts: list[int],
                        inference: bool = False, inline: bool = False, gate: Callable[[], None] | None = None) -> Future:
@@ -182,17 +181,21 @@ class Executor:
         if group is None:
             raise UnknownLayer(f"this executor serves no experts {group_id[:300]!r} as one group")
         check_call(group_id, group.spec, op, tensor, self.max_call_tokens)
-        if (not isinstance(counts, list) or len(counts) != group.num_experts
-                or any(not isinstance(c, int) or c < 0 for c in counts) or sum(counts) != tensor.shape[0]):
-            raise BadCall(f"{op} call to experts {group_id[:300]!r}: counts must be {group.num_experts} non-negative "
-                          f"integers adding up to the call's {tensor.shape[0]} rows")
+        check_counts(group_id, op, counts, group.num_experts, tensor.shape[0])
+        return self._queue(client_id, op, group_id, tensor, inference, inline, gate, counts)
+
+    def _queue(self, client_id: str, op: str, layer_id: str, tensor: torch.Tensor, inference: bool, inline: bool,
+               gate: Callable[[], None] | None, segments: list[int] | None = None) -> Future:
+        """A checked call (but its dtype) into the batcher, on the executor's device."""
         if tensor.dtype != self.dtype:
-            raise BadCall(f"{op} call to experts {group_id!r} expects {self.dtype}, got {tensor.dtype}")
+            raise BadCall(f"{op} call to layer {layer_id!r} expects {self.dtype}, got {tensor.dtype}")
+        # non_blocking: from page-locked memory (a pinned transport buffer) the copy is queued on the stream
+        # that computes with it; from pageable memory it is synchronous either way.
         tensor = tensor if tensor.device == self.device else tensor.to(self.device, non_blocking=True)
-        tensor = tensor.detach() if tensor.requires_grad else tensor
+        tensor = tensor.detach() if tensor.requires_grad else tensor  # the executor records no autograd graph
         self.stats.count_client(client_id, tensor.shape[0])
-        return self.batcher.submit(client_id, (group_id, op), tensor, inference and op != "backward", inline, gate,
-                                   segments=counts)
+        return self.batcher.submit(client_id, (layer_id, op), tensor, inference and op != "backward", inline, gate,
+                                   segments=segments)
 
     def forward(self, client_id: str, layer_id: str, x: torch.Tensor, inference: bool = False,
                 with_bias: bool = True) -> torch.Tensor:

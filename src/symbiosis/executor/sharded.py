@@ -7,10 +7,10 @@ Rank 0 is the *front*: an ordinary `Executor` that clients attach to over any tr
 the layers. Every other rank is a *shard*: it reads only its own layers and answers the front's requests for
 them. A call for a layer goes to where that layer lives; batching across clients stays on the front.
 
-Placement: whole decoder layers per rank, contiguous runs balanced by bytes (`place`), the layers outside the
-decoder stack (the head) on rank 0. A call is one layer's GEMM either way, so a whole layer on one device costs
-one point-to-point round trip per call and no collective; splitting a layer's columns over ranks would cost a
-collective per call on top (the multi-GPU issues measure which wins where).
+Placement (`split`): "layers", whole decoder layers per rank in contiguous runs balanced by bytes (`place`), the
+layers outside the decoder stack (the head) on rank 0: a call is one point-to-point round trip to one rank.
+"columns": every layer's output columns over all ranks (`split_columns`, a MoE expert's layers aside): a call goes
+to every rank at once (`SplitLayer`). The multi-GPU issues measure which wins where.
 
 Between the front and a shard (point-to-point send/recv; NCCL between GPUs, gloo where a CPU is involved):
 
@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from symbiosis.errors import ExecutorUnavailable, UnknownLayer
+from symbiosis.executor.executor import Executor, read_base_plan
 from symbiosis.executor.store import BaseWeights, MemberLayers
 from symbiosis.model.partition import GROUP_SEPARATOR, BaseLayerSpec
 from symbiosis.protocol import OPS
@@ -91,7 +92,7 @@ def _backend(devices: list[torch.device]) -> str:
 class _Link:
     """The front's end of its exchanges with one shard: one request and its answer at a time."""
 
-    def __init__(self, rank: int, device: torch.device, front_device: torch.device, backend: str, layers: int):
+    def __init__(self, rank: int, front_device: torch.device, backend: str, layers: int):
         self.rank, self.layers = rank, layers
         # gloo moves CPU tensors; NCCL the front's device's
         self.wire_device = front_device if backend == "nccl" else torch.device("cpu")
@@ -137,8 +138,8 @@ class _Link:
         if status != 0:
             text = torch.empty(length, dtype=torch.uint8, device=self.wire_device)
             dist.recv(text, self.rank)
-            raise UnknownLayer(bytes(text.cpu().tolist()).decode(errors="replace")) if status == 2 else \
-                ExecutorUnavailable(f"shard rank {self.rank}: {bytes(text.cpu().tolist()).decode(errors='replace')}")
+            message = bytes(text.cpu().tolist()).decode(errors="replace")
+            raise UnknownLayer(message) if status == 2 else ExecutorUnavailable(f"shard rank {self.rank}: {message}")
         out = torch.empty(rows, cols, dtype=dtype if op != "squared_norms" else torch.promote_types(dtype, torch.float32),
                           device=self.wire_device)
         dist.recv(out, self.rank)
@@ -256,21 +257,21 @@ class ShardedWeights:
             return self.layers[layer_id]
         if GROUP_SEPARATOR not in layer_id:
             return None
-        members = [self.remote.get(i) for i in layer_id.split(GROUP_SEPARATOR)]
+        ids = layer_id.split(GROUP_SEPARATOR)
+        members = [self.remote.get(i) for i in ids]
         if all(m is None for m in members):
             return self.local.get(layer_id)
-        ids = layer_id.split(GROUP_SEPARATOR)
-        if (all(isinstance(m, SplitLayer) for m in members) and len(set(ids)) == len(ids) > 1
-                and len({(i.rpartition(".")[0], m.spec.kind, m.spec.in_features) for i, m in zip(ids, members)}) == 1):
-            spec = BaseLayerSpec(layer_id, members[0].spec.kind, members[0].spec.in_features,
-                                 sum(m.spec.out_features for m in members), "", members[0].spec.bias_name and "")
-            return MemberLayers(spec, members)  # each member split over the ranks
-        if any(m is None for m in members) or len({m.link.rank for m in members}) != 1:
+        if any(m is None for m in members):
             return None  # siblings on different devices are not a group (placement keeps a decoder layer whole)
         first = members[0]
         spec = BaseLayerSpec(layer_id, first.spec.kind, first.spec.in_features,
                              sum(m.spec.out_features for m in members), "", first.spec.bias_name and "")
-        return RemoteLayer(spec, first.link, first.dtype, first.device)
+        if (all(isinstance(m, SplitLayer) for m in members) and len(set(ids)) == len(ids) > 1
+                and len({(i.rpartition(".")[0], m.spec.kind, m.spec.in_features) for i, m in zip(ids, members)}) == 1):
+            return MemberLayers(spec, members)  # each member split over the ranks
+        if all(isinstance(m, RemoteLayer) for m in members) and len({m.link.rank for m in members}) == 1:
+            return RemoteLayer(spec, first.link, first.dtype, first.device)  # the shard checks it is a group
+        return None
 
     def stop(self) -> None:
         for link in self.links:
@@ -279,21 +280,6 @@ class ShardedWeights:
                     link.request("stop", "", None, torch.float32, torch.device("cpu"))
                 except ExecutorUnavailable:
                     pass
-
-
-def _specs_and_layout(path, dtype):
-    from symbiosis.model.checkpoint import Checkpoint
-    from symbiosis.model.layout import Layout
-    from symbiosis.model.partition import all_base_layers, architecture_class, build_skeleton, check_complete, load_config
-    from symbiosis.torch_dtypes import resolve_dtype
-
-    checkpoint = Checkpoint(path)
-    config = load_config(checkpoint)
-    dtype = resolve_dtype(dtype, None, config)
-    skeleton = build_skeleton(config, architecture_class(config), dtype)
-    layout = Layout(skeleton, checkpoint)
-    check_complete(skeleton, layout)
-    return checkpoint, layout, all_base_layers(skeleton, layout), dtype
 
 
 def _init_group(rank: int, world_size: int, devices: list[torch.device], init_method: str, timeout_s: float) -> None:
@@ -333,10 +319,8 @@ def front(path, devices: list[str | torch.device], dtype=None, init_method: str 
           timeout_s: float = DEFAULT_TIMEOUT_S, split: str = "layers", **executor_options):
     """Rank 0's `Executor` (call it in the process torchrun or `launch_sharded` made rank 0). `split`: whole decoder
     layers per rank ("layers"), or every layer's output columns over all ranks ("columns")."""
-    from symbiosis.executor.executor import Executor
-
     devices = [torch.device(d) for d in devices]
-    checkpoint, layout, specs, dtype = _specs_and_layout(path, dtype)
+    checkpoint, layout, specs, dtype = read_base_plan(path, dtype)
     whole, columns = _plan(specs, len(devices), split)
     _init_group(0, len(devices), devices, init_method, timeout_s)
     mine, slices = _own(specs, 0, whole, columns)
@@ -344,7 +328,7 @@ def front(path, devices: list[str | torch.device], dtype=None, init_method: str 
     backend = _backend(devices)
     held = lambda rank: sum(r == rank for r in whole.values()) + sum(  # noqa: E731
         any(r == rank for r, _, _ in runs) for runs in columns.values())
-    links = [_Link(rank, devices[rank], devices[0], backend, held(rank)) for rank in range(1, len(devices))]
+    links = [_Link(rank, devices[0], backend, held(rank)) for rank in range(1, len(devices))]
     by_id = {s.layer_id: s for s in specs}
     remote = {i: RemoteLayer(by_id[i], links[rank - 1], dtype, devices[0]) for i, rank in whole.items() if rank}
     for layer_id, runs in columns.items():
@@ -365,7 +349,7 @@ def serve_shard(rank: int, path, devices: list[str | torch.device], dtype=None, 
     (or is gone)."""
     devices = [torch.device(d) for d in devices]
     device = devices[rank]
-    _, layout, specs, dtype = _specs_and_layout(path, dtype)
+    _, layout, specs, dtype = read_base_plan(path, dtype)
     mine, slices = _own(specs, rank, *_plan(specs, len(devices), split))
     weights = BaseWeights(layout, mine, device, dtype, columns=slices)
     _init_group(rank, len(devices), devices, init_method, timeout_s)

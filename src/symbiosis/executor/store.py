@@ -140,11 +140,11 @@ class BaseWeights:
             layer.weight = layer.weight.narrow(out_dim, first, width).clone()
             layer.bias = None if layer.bias is None else layer.bias.narrow(0, first, width).clone()
             layer.spec = dataclasses.replace(layer.spec, out_features=width)
-        loaded = {name: tensor for name, tensor in loaded.items() if not columns or name not in
-                  {self.layers[i].spec.weight_name for i in columns} | {self.layers[i].spec.bias_name for i in columns}}
-        self.nbytes = sum(t.numel() * t.element_size() for t in loaded.values()) + sum(
-            t.numel() * t.element_size() for i in (columns or {}) for t in (self.layers[i].weight, self.layers[i].bias)
-            if t is not None)
+        sliced = [self.layers[i] for i in columns or ()]  # their whole tensors are dropped, their slices held
+        dropped = {name for layer in sliced for name in (layer.spec.weight_name, layer.spec.bias_name)}
+        held = [t for name, t in loaded.items() if name not in dropped] + \
+            [t for layer in sliced for t in (layer.weight, layer.bias) if t is not None]
+        self.nbytes = sum(t.numel() * t.element_size() for t in held)
         # fused MoE projection (its tensor's name) -> all its experts, for grouped calls
         self.experts: dict[str, ExpertGroup] = {
             s.weight_name: ExpertGroup(s, loaded[s.weight_name], loaded[s.bias_name] if s.bias_name else None)

@@ -19,9 +19,9 @@ from abc import abstractmethod
 
 import torch
 
-from symbiosis.errors import BadCall, ExecutorUnavailable, SymbiosisError, UnknownClient, UnknownLayer
+from symbiosis.errors import ExecutorUnavailable, SymbiosisError, UnknownClient, UnknownLayer
 from symbiosis.model.partition import BaseLayerSpec, group_spec
-from symbiosis.protocol import CHECK_EVERY, check_call
+from symbiosis.protocol import CHECK_EVERY, check_call, check_counts
 from symbiosis.transport import wire
 from symbiosis.transport.base import Session
 from symbiosis.transport.channel import Channel
@@ -170,12 +170,11 @@ class RemoteSession(Session):
         spec = self.layer_specs.get(f"{group_id}.0")
         if not self.grouped_experts or experts is None or spec is None:
             raise UnknownLayer(f"this executor serves no experts {group_id[:300]!r} as one group")
+        counts = list(map(int, counts))
         check_call(group_id, spec, op, tensor, self.max_call_tokens)
-        if len(counts) != experts or any(c < 0 for c in counts) or sum(counts) != tensor.shape[0]:
-            raise BadCall(f"{op} call to experts {group_id[:300]!r}: counts must be {experts} non-negative integers "
-                          f"adding up to the call's {tensor.shape[0]} rows")
+        check_counts(group_id, op, counts, experts, tensor.shape[0])
         width = spec.in_features if op == "backward" else spec.out_features
-        return self._call(op, group_id, tensor, width, inference, counts=list(map(int, counts)))
+        return self._call(op, group_id, tensor, width, inference, counts=counts)
 
     def experts_forward(self, group_id: str, x: torch.Tensor, counts: list[int], inference: bool = False):
         return self._experts_call("forward", group_id, x, counts, inference)
