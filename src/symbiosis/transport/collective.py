@@ -69,8 +69,16 @@ def _group(backend: str, host: str, port: int, prefix: str, rank: int, timeout_s
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         torch.cuda.set_device(device)
-        return dist.ProcessGroupNCCL(prefixed, rank, 2, options)
-    return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+        group = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+    else:
+        group = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+    # NCCL makes a pair's communicator at the pair's first send or recv, blocking until both ranks join. The
+    # first call must not be that: a client posts its send before its request goes out, and the executor posts
+    # the matching recv only once the request came, so each would wait for the other for ever. Both sides wait
+    # for each other here anyway (attach), so the communicator is made here, by a one-element message.
+    token = torch.zeros(1, device=device if backend == "nccl" else "cpu")
+    (group.send([token], 0, 0) if rank == 1 else group.recv([token], 1, 0)).wait(timeout)
+    return group
 
 
 class CollectiveSession(RemoteSession):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import symbiosis
-from helpers import assert_same_step_on
+from helpers import batch
 from symbiosis.errors import BadCall, ExecutorUnavailable, UnknownLayer
 from symbiosis.transport.server import ExecutorServer
 
@@ -103,7 +103,7 @@ def test_a_client_whose_process_group_is_gone_is_detached_at_once(served):
 NCCL_CLIENT = """
 import sys, torch, symbiosis
 sys.path.insert(0, {tests!r})
-from helpers import assert_same_step_on
+from helpers import batch
 path, url = sys.argv[1:3]
 split = symbiosis.from_pretrained(path, symbiosis.connect(url, timeout=60), device="cuda:1", dtype=torch.float64)
 local = symbiosis.from_pretrained(path, symbiosis.Executor.from_pretrained(path, device="cuda:1", dtype=torch.float64),
