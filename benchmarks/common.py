@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -242,14 +243,24 @@ class GpuSampler:
         return max(0, self.peak_mib - self.idle_mib) / 1024
 
 
-def start_executor(model_dir: Path, url: str, policy: str = "opportunistic", extra: list[str] = ()) -> subprocess.Popen:
-    """A `symbiosis executor` process, returned once it answers."""
+def free_port() -> int:
+    """A TCP port free on this host now (for a launcher that needs it named in advance)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_executor(model_dir: Path, url: str, policy: str = "opportunistic", extra: list[str] = (),
+                   where: list[str] | None = None) -> subprocess.Popen:
+    """A `symbiosis executor` process, returned once it answers; `where`: its placement arguments (default:
+    `--device` this benchmark's device)."""
     import symbiosis
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     process = subprocess.Popen([sys.executable, "-m", "symbiosis.cli", "executor", "--model", str(model_dir),
-                                "--listen", url, "--device", device(), "--dtype", str(dtype()).removeprefix("torch."),
-                                "--policy", policy, *extra], env=env, stderr=subprocess.DEVNULL)
+                                "--listen", url, *(where or ["--device", device()]), "--dtype",
+                                str(dtype()).removeprefix("torch."), "--policy", policy, *extra], env=env,
+                               stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while time.time() < deadline:
         if process.poll() is not None:

@@ -9,20 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from common import CONFIGS, checkpoint, emit
+from common import CONFIGS, checkpoint, emit, free_port
 
 HERE = Path(__file__).resolve().parent
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -37,7 +30,7 @@ def main() -> None:
     checkpoint(args.model)  # written once, before the jobs read it
     for n in [int(j) for j in args.jobs.split(",")]:
         runs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.gpus),
-                                  "--master-port", str(_port()), str(HERE / "fsdp_job.py"), "--model", args.model,
+                                  "--master-port", str(free_port()), str(HERE / "fsdp_job.py"), "--model", args.model,
                                   "--lora", args.lora, "--seq-len", str(args.seq_len), "--duration",
                                   str(args.duration)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 for _ in range(n)]

@@ -22,6 +22,7 @@ import time
 import warnings
 from contextlib import nullcontext
 from functools import partial
+from pathlib import Path
 
 import torch
 from peft import get_peft_model
@@ -112,8 +113,10 @@ def _sharded(args, where: str, policy: str):
 def threads_executor(args):
     """(what the threads' clients attach to, the devices they compute on (round robin), what to close): --executor
     `local` (in-process, policy none: each client runs its GEMMs itself), `sharded:DEV,DEV[,...][/columns]`
-    (executor/sharded.py, this process rank 0), or `nccl:WHAT` / `gloo:WHAT` (WHAT: a device, or `sharded:...`,
-    served here; the clients, on --client-device's devices, attach over that transport)."""
+    (executor/sharded.py, this process rank 0), or `nccl:WHAT` / `gloo:WHAT` (WHAT: a device, or `sharded:...`):
+    a `symbiosis executor` process serving WHAT, the clients, on --client-device's devices, attached to it over
+    that transport. (An executor process of its own, as the paper's remote clients have: with the executor's
+    NCCL ranks in this process too, the first call hung on two H100s, 2026-11-26.)"""
     kind, _, where = args.executor.partition(":")
     if kind == "local":
         executor = symbiosis.Executor.from_pretrained(args.model_dir, device=device(), dtype=dtype(), policy="none")
@@ -122,16 +125,21 @@ def threads_executor(args):
         executor = _sharded(args, where, policy="none")
         return executor, [executor.device], [executor.close]
     if kind in ("nccl", "gloo"):
-        from symbiosis.transport.server import ExecutorServer
+        from common import free_port, start_executor
 
-        if where.startswith("sharded:"):  # clients on other devices: their calls are batched (the default policy)
-            executor = _sharded(args, where.removeprefix("sharded:"), policy="opportunistic")
+        if where.startswith("sharded:"):  # its calls from the clients batched (the executor's default policy)
+            devices, _, split = where.removeprefix("sharded:").partition("/")
+            placement = ["--devices", devices, "--split", split or "layers"]
         else:
-            executor = symbiosis.Executor.from_pretrained(args.model_dir, device=where, dtype=dtype())
-        closing = [executor.close]
-        server = ExecutorServer(executor, "tcp://127.0.0.1:0").start()
-        remote = symbiosis.connect(server.url.replace("tcp://", f"{kind}://"), timeout=300)
-        return remote, (args.client_device or device()).split(","), [server.stop, *closing]
+            placement = ["--device", where]
+        port = free_port()
+        process = start_executor(Path(args.model_dir), f"tcp://127.0.0.1:{port}", where=placement)
+        remote = symbiosis.connect(f"{kind}://127.0.0.1:{port}", timeout=300)
+
+        def stop() -> None:
+            process.terminate()
+            process.wait(60)
+        return remote, (args.client_device or device()).split(","), [stop]
     raise SystemExit(f"--executor {args.executor!r}: local, sharded:DEVICES[/columns], nccl:WHAT or gloo:WHAT")
 
 

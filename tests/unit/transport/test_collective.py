@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import symbiosis
-from helpers import batch
+from helpers import assert_same_step_on
 from symbiosis.errors import BadCall, ExecutorUnavailable, UnknownLayer
 from symbiosis.transport.server import ExecutorServer
 
