@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,13 @@ from pathlib import Path
 from common import CONFIGS, checkpoint, emit, free_port
 
 HERE = Path(__file__).resolve().parent
+
+
+def _cause(stderr: str) -> str:
+    """What a failed job died of: its last line that names an error (torchrun's summary, which ends its stderr,
+    says only which rank exited)."""
+    named = [line for line in stderr.splitlines() if re.search(r"(Error|Exception|out of memory)\b", line)]
+    return (named[-1] if named else stderr[-400:]).strip()[:400]
 
 
 def main() -> None:
@@ -38,7 +46,7 @@ def main() -> None:
         for run in runs:
             out, err = run.communicate()
             lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-            (results if run.returncode == 0 and lines else failures).append(lines[-1] if lines else err[-400:])
+            (results if run.returncode == 0 and lines else failures).append(lines[-1] if lines else _cause(err))
         line = dict(bench="fsdp_fleet", model=args.model, lora=args.lora, gpus=args.gpus, jobs=n, fits=not failures)
         if results and not failures:
             line.update(tokens_per_s=sum(r["tokens_per_s"] for r in results),

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 import warnings
@@ -158,6 +159,7 @@ def run_threads(args) -> None:
             step = make_step(model, args)
             train_loop(model, args, until=None, max_iters=3, step=step)
         tenants.append((model, step, stream))
+        print(f"tenant {i} built and warmed up at {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     if torch.cuda.is_available():  # captured steps run in their graphs' memory: the warm-ups' cache is idle
         torch.cuda.empty_cache()
     build_s = time.perf_counter() - started
