@@ -23,6 +23,7 @@ from __future__ import annotations
 import queue
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -173,6 +174,13 @@ class Engine:
         # the sampled tokens of the latest step, where the next step's decodes read their input
         self.last_tokens = torch.zeros(max_running, dtype=torch.long, device=self.device)
         self._in_flight: _InFlight | None = None
+        # Steps go to the GPU on a stream of their own, of the highest priority. Beside a training pass (the
+        # service's jobs, hosted training: ~1 s of kernels launched at once on their thread's stream) a step's
+        # kernels are then scheduled as the GPU frees room, instead of queueing behind every kernel the pass
+        # launched before them (H100: inter-token p99 1.26 s beside 8 jobs on one stream, PERFORMANCE section 11).
+        self.stream = torch.cuda.Stream(self.device, priority=-100) if self.device.type == "cuda" else None
+        if self.stream is not None:  # what was made above, on the current stream, before the first step reads it
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     @classmethod
     def from_pretrained(cls, model_path, device="cpu", dtype=None, tokenizer=None, **options) -> "Engine":
@@ -232,9 +240,16 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._incoming or self.scheduler.waiting or self.scheduler.running or self._in_flight)
 
+    def _on_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+
     def step(self) -> int:
         """Launch one step, then read the tokens of the step launched before it; returns how many tokens the new
         step runs."""
+        with self._on_stream():
+            return self._step()
+
+    def _step(self) -> int:
         with self._lock:
             incoming, self._incoming = self._incoming, []
         for request in incoming:
@@ -352,5 +367,6 @@ class Engine:
     def close(self) -> None:
         self._worker.stop()
         self._in_flight = None
-        for request in self.scheduler.running + self.scheduler.waiting + self._incoming:
-            self._end(request, Finished(None, GenerationError("the engine was closed")))
+        with self._on_stream():  # after the steps still on it (a failed request's KV is scrubbed)
+            for request in self.scheduler.running + self.scheduler.waiting + self._incoming:
+                self._end(request, Finished(None, GenerationError("the engine was closed")))

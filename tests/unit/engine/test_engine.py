@@ -326,6 +326,38 @@ def test_on_the_gpu_the_triton_kernels_give_plain_peft_tokens(models, decode_gra
     assert bool(engine.graphs and engine.graphs.recorded) == decode_graphs
 
 
+@pytest.mark.gpu
+def test_on_the_gpu_steps_run_on_their_own_stream_beside_other_work(models):
+    """The engine's thread launches its steps on its own high-priority stream; while another thread keeps the
+    default stream full of GEMMs (as a training pass does), every request still gets plain PEFT's tokens."""
+    import threading
+
+    checkpoint, adapters = models("llama")
+    engine = Engine.from_pretrained(checkpoint, device="cuda", dtype=torch.float32, kv_blocks=16, block_size=16)
+    assert engine.stream is not None and engine.stream != torch.cuda.default_stream()
+    busy, stop = torch.randn(2048, 2048, device="cuda"), threading.Event()
+
+    def flood():
+        while not stop.is_set():
+            for _ in range(20):
+                torch.mm(busy, busy)
+            torch.cuda.current_stream().synchronize()
+    flooding = threading.Thread(target=flood)
+    flooding.start()
+    engine.start()
+    try:
+        names = [None, "attn_r2", "everything_rs"]
+        handles = [engine.submit(prompt, SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3),
+                                 None if n is None else (n, adapters[n])) for prompt, n in zip(PROMPTS, names)]
+        completions = [handle.result(timeout=120) for handle in handles]
+    finally:
+        stop.set()
+        flooding.join()
+        engine.close()
+    for completion, prompt, name in zip(completions, PROMPTS, names):
+        _check(completion, _alone(checkpoint, adapters.get(name), prompt, 8, torch.float32), prompt, rtol=1e-3)
+
+
 BOTTLENECK_TARGETS = {"llama": ("self_attn.o_proj", "mlp.down_proj"), "gpt2": ("attn.c_proj", "mlp.c_proj")}
 
 
