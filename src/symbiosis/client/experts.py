@@ -16,7 +16,8 @@ sum over the k experts of each token. Per token t and its k chosen experts e wit
 The executor takes each projection as ONE call: the rows grouped by expert and the rows per expert
 (`Executor.submit_experts`; in process, or over tcp:// and nccl:// with the counts in the call's header), calls
 of several clients batched per projection and regrouped by expert, one grouped GEMM (`store.ExpertGroup`; a
-client alone in process runs it on its own thread, as a dense layer's `direct`). Over ipc:// (or through noise
+client alone in process runs it on its own thread, as a dense layer's `direct`, with the groups' offsets left on
+the device: no host synchronization per layer). Over ipc:// (or through noise
 masking) each chosen expert is a call of its own, under its layer id, which the executor batches per expert as
 per dense layer. Backward sends the output gradient and gets grad_x = g W_e
 per expert (nothing is saved on the executor). Experts no token chose cost nothing.
@@ -131,35 +132,59 @@ def split_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     num_tokens, top_k = top_k_index.shape
     expert_ids = top_k_index.reshape(-1)  # [S]: the (token, k) pairs, token-major
     order = torch.argsort(expert_ids, stable=True)  # pairs grouped by expert, each group in token order
-    # An id of num_experts (expert parallelism's sentinel in transformers) or above adds nothing, as there.
-    counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()
     rows = hidden_states[order // top_k]  # [S, H]
-    routed = sum(counts[:self.num_experts])
     hidden = hidden_states.shape[-1]
 
     def activation(h):
         return self._apply_gate(h) if self.has_gate else self.act_fn(h)
 
-    if getattr(session, "expert_group", None) is not None and session.expert_group(groups[first]) is not None:
-        kept, x = counts[:self.num_experts], rows[:routed]
-        h = activation(_add_lora(self, first, _grouped(session, groups[first], x, kept), x, kept))
-        h = _add_lora(self, "down_proj", _grouped(session, groups["down_proj"], h, kept), h, kept)
-        if getattr(self, "has_post_expert_norm", False):
-            h = self.post_expert_norm(h)
-        outputs = [h, h.new_zeros(rows.shape[0] - routed, hidden)]
+    def post(h):
+        return self.post_expert_norm(h) if getattr(self, "has_post_expert_norm", False) else h
+
+    on_device = _on_device_groups(self, session, groups, first, rows)
+    if on_device is not None:  # this thread's own grouped GEMMs, the groups' offsets on the device: no host wait
+        sorted_ids = expert_ids[order]
+        # An id of num_experts (expert parallelism's sentinel in transformers) or above adds nothing, as there: such
+        # pairs sort last, run with the last expert (so every row is written) and are zeroed.
+        last = self.num_experts - 1
+        per_expert = torch.zeros(self.num_experts, dtype=torch.long, device=rows.device)
+        per_expert.scatter_add_(0, sorted_ids.clamp(max=last), torch.ones_like(sorted_ids))
+        ends, chosen = per_expert.cumsum(0).to(torch.int32), sorted_ids.clamp(max=last)
+        h = activation(on_device[0].forward_by_offsets(rows, ends, chosen))
+        h = post(on_device[1].forward_by_offsets(h, ends, chosen))
+        sorted_outputs = torch.where((sorted_ids < self.num_experts)[:, None], h, 0)
     else:
-        outputs = []
-        for expert, chunk in enumerate(rows.split(counts)):
-            if expert >= self.num_experts or chunk.shape[0] == 0:
-                outputs.append(chunk.new_zeros(chunk.shape[0], hidden))
-                continue
-            only = [0] * expert + [chunk.shape[0]]  # counts with this expert's rows alone
-            h = activation(_add_lora(self, first, base_forward(calls[first][expert], chunk), chunk, only))
-            h = _add_lora(self, "down_proj", base_forward(calls["down_proj"][expert], h), h, only)
-            if getattr(self, "has_post_expert_norm", False):
-                h = self.post_expert_norm(h)
-            outputs.append(h)
-    weighted = torch.cat(outputs) * top_k_weights.reshape(-1)[order].unsqueeze(-1)  # [S, H]
+        counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()
+        routed = sum(counts[:self.num_experts])
+        if getattr(session, "expert_group", None) is not None and session.expert_group(groups[first]) is not None:
+            kept, x = counts[:self.num_experts], rows[:routed]
+            h = activation(_add_lora(self, first, _grouped(session, groups[first], x, kept), x, kept))
+            h = post(_add_lora(self, "down_proj", _grouped(session, groups["down_proj"], h, kept), h, kept))
+            outputs = [h, h.new_zeros(rows.shape[0] - routed, hidden)]
+        else:
+            outputs = []
+            for expert, chunk in enumerate(rows.split(counts)):
+                if expert >= self.num_experts or chunk.shape[0] == 0:
+                    outputs.append(chunk.new_zeros(chunk.shape[0], hidden))
+                    continue
+                only = [0] * expert + [chunk.shape[0]]  # counts with this expert's rows alone
+                h = activation(_add_lora(self, first, base_forward(calls[first][expert], chunk), chunk, only))
+                outputs.append(post(_add_lora(self, "down_proj", base_forward(calls["down_proj"][expert], h), h,
+                                              only)))
+        sorted_outputs = torch.cat(outputs)
+    weighted = sorted_outputs * top_k_weights.reshape(-1)[order].unsqueeze(-1)  # [S, H]
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return weighted[inverse].view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def _on_device_groups(self, session, groups: dict, first: str, rows: torch.Tensor):
+    """(first projection's, down projection's) `ExpertGroup` where this thread runs both on device offsets: an
+    in-process executor that lets it run them itself, a grouped GEMM for these inputs, no LoRA of the tenant's on the
+    experts (its terms are per expert, from host counts). Else None."""
+    if self.__dict__.get("symbiosis_lora") or getattr(session, "expert_group", None) is None:
+        return None
+    pair = (session.expert_group(groups[first], rows), session.expert_group(groups["down_proj"], rows))
+    if any(group is None or not group.runs_on_device_offsets(rows) for group in pair):
+        return None
+    return pair

@@ -51,10 +51,11 @@ class BaseLayer:
 
 
 def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """torch's grouped GEMM (one kernel for every expert): CUDA, Hopper or newer, bf16, widths of 16s."""
+    """torch's grouped GEMM (one kernel for every expert): CUDA, Hopper or newer, bf16, widths of 16s (x's width
+    is one of the weight's)."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
             and torch.cuda.get_device_capability(x.device) >= (9, 0)
-            and x.shape[1] % 16 == 0 and weight.shape[1] % 16 == 0 and weight.shape[2] % 16 == 0)
+            and weight.shape[1] % 16 == 0 and weight.shape[2] % 16 == 0)
 
 
 @dataclass
@@ -72,6 +73,19 @@ class ExpertGroup:
     @property
     def num_experts(self) -> int:
         return self.weight.shape[0]
+
+    def runs_on_device_offsets(self, x: torch.Tensor) -> bool:
+        """Whether `forward_by_offsets` runs for inputs like `x` (one grouped GEMM, no host synchronization)."""
+        return _grouped_mm_fits(x, self.weight)
+
+    def forward_by_offsets(self, x: torch.Tensor, ends: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """As `forward`, the groups given on the device: `ends` int32 [E] (expert e's rows end at ends[e]; the last
+        is x's row count) and `experts` [T] each row's expert (for the bias). Nothing is read back to the host, so
+        the caller's thread does not wait for the GPU and a CUDA graph can record it. x [T, in] -> [T, out]; its
+        gradient by autograd (the weights need none)."""
+        linear = self.spec.kind == "linear"
+        y = torch._grouped_mm(x, self.weight.transpose(1, 2) if linear else self.weight, offs=ends)
+        return y if self.bias is None else y + self.bias[experts]
 
     def _per_expert(self, x: torch.Tensor, counts: list[int], width: int, gemm) -> torch.Tensor:
         out = x.new_empty(x.shape[0], width)

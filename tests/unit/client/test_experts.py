@@ -176,6 +176,60 @@ def test_on_the_gpu_the_grouped_gemm_equals_one_gemm_per_expert():
         assert_close(grad.float(), loop.backward(g.float(), counts), f"{kind} backward", rtol=2e-2)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_with_the_groups_offsets_on_the_device_the_experts_equal_the_host_counted_path(arch, checkpoints, monkeypatch):
+    """A client alone on an in-process executor runs each projection as one grouped GEMM whose groups' offsets stay
+    on the device (no host synchronization). torch's grouped GEMM, here its CPU kernel in float32, against the
+    host-counted path: the same logits and adapter gradients, and an expert-parallel sentinel id adds nothing."""
+    from symbiosis.executor import store
+
+    path, auto_class = checkpoints(arch)
+    executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float32)
+    model = get_peft_model(symbiosis.from_pretrained(path, executor, auto_class=auto_class, dtype=torch.float32),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    inputs = batch(arch)
+    grouped = []
+    monkeypatch.setattr(store.ExpertGroup, "forward_by_offsets", _recording(store.ExpertGroup.forward_by_offsets,
+                                                                            grouped))
+    results = {}
+    for on_device in (True, False):
+        monkeypatch.setattr(store, "_grouped_mm_fits", lambda x, w, on=on_device: on and x.dtype == torch.float32)
+        model.zero_grad()
+        out = model(**inputs)
+        out.loss.backward()
+        results[on_device] = (out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                    if p.requires_grad})
+        assert bool(grouped) == on_device
+        grouped.clear()
+    (logits, grads), (host_logits, host_grads) = results[True], results[False]
+    assert_close(logits, host_logits, "logits", rtol=1e-5)
+    for name, grad in grads.items():
+        assert_close(grad, host_grads[name], name, rtol=1e-4)
+
+    experts = next(m for m in model.modules() if "symbiosis_expert_groups" in m.__dict__)
+    torch.manual_seed(0)
+    hidden = torch.randn(5, model.config.hidden_size)
+    chosen = torch.randint(0, experts.num_experts, (5, 2))
+    weights = torch.rand(5, 2)
+    sentinel = chosen.clone()
+    sentinel[1, 0] = sentinel[3, 1] = experts.num_experts  # pairs routed to another rank add nothing
+    outputs = {}
+    for on_device in (True, False):
+        monkeypatch.setattr(store, "_grouped_mm_fits", lambda x, w, on=on_device: on and x.dtype == torch.float32)
+        with torch.no_grad():
+            outputs[on_device] = (experts(hidden, sentinel, weights), experts(hidden, chosen, weights))
+    assert_close(outputs[True][0], outputs[False][0], "with sentinel ids", rtol=1e-5)
+    assert not torch.allclose(outputs[True][0], outputs[True][1])  # the sentinel pairs did drop out
+    executor.close()
+
+
+def _recording(method, calls: list):
+    def recorded(self, *args, **kwargs):
+        calls.append(self)
+        return method(self, *args, **kwargs)
+    return recorded
+
+
 @pytest.mark.parametrize("scheme", ["tcp", "gloo"])
 def test_over_tcp_and_nccl_each_projection_is_one_call_too(scheme, checkpoints):
     """tcp:// and nccl:// (here gloo://) carry a projection's rows per expert in the call's header: one call per
