@@ -170,6 +170,7 @@ def build(model_path, executor, state: StepState, kv: PagedKV, compile_layers: b
     import symbiosis
 
     model = symbiosis.from_pretrained(model_path, executor, device=executor.device, name="engine")
+    model.symbiosis_session.own_gemms = True  # a MoE model's experts: on the engine's thread, as its other layers
     head = model.get_output_embeddings()
     modules: dict[str, BaseLayerSpec] = {}
     linears: dict[str, EngineLinear] = {}

@@ -20,6 +20,9 @@ class InProcessSession(Session):
     def __init__(self, executor: Executor, client_id: str):
         self.executor = executor
         self.client_id = client_id
+        # True for a client whose calls are never worth batching with other clients' (the hosted engine: each of
+        # its steps is already the batch of its requests): it runs the executor's layers on its own thread always
+        self.own_gemms = False
         self.layer_specs = executor.layer_specs
         self.dtype = executor.dtype
         self._layers = executor.weights.layers
@@ -35,8 +38,7 @@ class InProcessSession(Session):
         Clients on threads of their own thus share the executor's weights without any hand-off, and a
         compiled client traces the GEMMs along with its own ops (docs/ARCHITECTURE.md)."""
         executor = self.executor
-        alone = len(executor.clients) == 1 or executor.policy.name == "none"
-        if not alone or x.device != executor.device or x.dtype != self.dtype:
+        if not self._runs_here(x):
             return None
         layer = self._layers.get(layer_id)
         if layer is not None and not getattr(layer, "local", True):
@@ -51,13 +53,18 @@ class InProcessSession(Session):
         group = self.executor.weights.experts.get(group_id)
         if x is None or group is None:
             return group
-        executor = self.executor
-        alone = len(executor.clients) == 1 or executor.policy.name == "none"
-        if not alone or x.device != executor.device or x.dtype != self.dtype:
+        if not self._runs_here(x):
             return None
         if not torch.compiler.is_compiling():
-            executor.stats.count_direct((group_id, "forward"), x.shape[0], self.client_id)
+            self.executor.stats.count_direct((group_id, "forward"), x.shape[0], self.client_id)
         return group
+
+    def _runs_here(self, x: torch.Tensor) -> bool:
+        """Whether this client runs a call on `x` itself: the executor would run it alone anyway, and `x` is on its
+        device in its dtype."""
+        executor = self.executor
+        alone = self.own_gemms or len(executor.clients) == 1 or executor.policy.name == "none"
+        return alone and x.device == executor.device and x.dtype == self.dtype
 
     def experts_forward(self, group_id: str, x: torch.Tensor, counts: list[int], inference: bool = False) -> torch.Tensor:
         future = self.executor.submit_experts(self.client_id, "forward", group_id, self._send(x), counts, inference,
