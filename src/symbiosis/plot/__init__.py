@@ -4,9 +4,9 @@ model.py: inference on the upper layers."""
 
 from symbiosis.plot.build import CorpusTooSmall, Stopped, build_table
 from symbiosis.plot.lookup import Plot
-from symbiosis.plot.model import PlotModel
+from symbiosis.plot.model import Generation, PlotModel, generate_many
 from symbiosis.plot.split import LowerLayers, UnsupportedModel, UpperModel
 from symbiosis.plot.table import PlotTable, PlotTableError
 
-__all__ = ["CorpusTooSmall", "LowerLayers", "Plot", "PlotModel", "PlotTable", "PlotTableError", "Stopped", "UnsupportedModel",
-           "UpperModel", "build_table"]
+__all__ = ["CorpusTooSmall", "Generation", "LowerLayers", "Plot", "PlotModel", "PlotTable", "PlotTableError", "Stopped", "UnsupportedModel",
+           "UpperModel", "build_table", "generate_many"]

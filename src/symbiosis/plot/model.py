@@ -6,6 +6,7 @@ tenant's adapter, when its model is wrapped by PEFT) compute the rest.
     logits = model.logits([[101, 7592, 102], [101, 2088, 102]])      # [B, T, vocab], or [B, labels] (encoder)
     for logits in model.pipelined(batches): ...                       # lookups of batch t+1 beside batch t
     tokens = model.generate(prompt, max_new_tokens=16)                # decoders: greedy, one lookup per new token
+    generate_many(upper, [Generation(plot, prompt, 16, "tenant-a"), ...])  # several prompts, tables, adapters at once
 
 Lookups are numpy work on the host (and the mapped table's pages); `pipelined` runs those of the next batch on a
 thread while the device runs the current batch's upper layers (HMI §6, Fig. 10).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -58,27 +60,70 @@ class PlotModel:
                 pending = next((lookups.submit(self.hidden, b) for b in batches), None)
                 yield self._upper(hidden, mask)
 
-    @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         """Greedy tokens after `prompt` (decoders): the prompt's representations at once, then each new token's
         from its one fragment, the upper layers on their KV cache."""
-        if self.plot.kind != "decoder":
-            raise ValueError("generation needs a decoder's tables")
-        tokens = list(prompt)
-        hidden, _ = self.hidden([tokens])
-        cache = {cache_argument(self.upper.model): DynamicCache(config=self.upper.model.config)}
-        new = []
-        for _ in range(max_new_tokens):
-            logits = self.upper.logits(hidden, None, use_cache=True, **cache)
-            new.append(int(logits[0, -1].argmax()))
-            tokens.append(new[-1])
-            last = self.plot.represent([tokens[-self.plot.n:]])[0][-1:]  # the fragment ending at the new token
-            hidden = torch.as_tensor(last, device=self.upper.device, dtype=self.upper.model.dtype)[None]
-        return new
+        return generate_many(self.upper, [Generation(self.plot, prompt, max_new_tokens)])[0]
+
+
+@dataclass
+class Generation:
+    """One prompt of `generate_many`: its tables, its tokens, how many to add, and its adapter (a PEFT adapter name
+    of the upper model; None: the model as it is)."""
+    plot: Plot
+    prompt: list[int]
+    max_new_tokens: int
+    adapter: str | None = None
+
+
+@torch.no_grad()
+def generate_many(upper: UpperModel, generations: list[Generation]) -> list[list[int]]:
+    """Greedy tokens for several prompts in one batch (decoders), each with its own tables, length and adapter:
+    the prompts' representations left-padded into [B, T, d] (mask and positions to match), then one step per new
+    token for all rows, each row's next input the fragment ending at its new token, looked up in its own tables.
+    Row by row the tokens each makes alone (rows that are done ride along until the longest is)."""
+    if not generations:
+        return []
+    if any(g.plot.kind != "decoder" for g in generations):
+        raise ValueError("generation needs a decoder's tables")
+    named = [g.adapter is not None for g in generations]
+    if any(named) and not all(named):
+        raise ValueError("either every prompt of a batch names its adapter or none does")
+    device, dtype = upper.device, upper.model.dtype
+    representations = [g.plot.represent([g.prompt])[0] for g in generations]
+    longest = max(r.shape[0] for r in representations)
+    hidden = torch.zeros(len(generations), longest, representations[0].shape[1], dtype=dtype)
+    mask = torch.zeros(len(generations), longest, dtype=torch.long)
+    for row, r in enumerate(representations):  # left-padded: every row's newest position is the last
+        hidden[row, longest - r.shape[0]:] = torch.from_numpy(r)
+        mask[row, longest - r.shape[0]:] = 1
+    hidden, mask = hidden.to(device), mask.to(device)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    options = {cache_argument(upper.model): DynamicCache(config=upper.model.config)}
+    if all(named):
+        options["adapter_names"] = [g.adapter for g in generations]
+    tokens = [list(g.prompt) for g in generations]
+    new: list[list[int]] = [[] for _ in generations]
+    steps = max(g.max_new_tokens for g in generations)
+    for step in range(steps):
+        logits = upper.logits(hidden, mask, use_cache=True, position_ids=positions, **options)
+        for row, token in enumerate(logits[:, -1].argmax(-1).tolist()):
+            tokens[row].append(token)
+            if len(new[row]) < generations[row].max_new_tokens:
+                new[row].append(token)
+        if step == steps - 1:
+            break
+        last = np.stack([g.plot.represent([t[-g.plot.n:]])[0][-1] for g, t in zip(generations, tokens)])
+        hidden = torch.as_tensor(last, device=device, dtype=dtype)[:, None]  # [B, 1, d]
+        mask = torch.cat([mask, mask.new_ones(len(generations), 1)], dim=1)
+        positions = positions[:, -1:] + 1
+    return new
 
 
 def cache_argument(model) -> str:
-    """What the model's forward calls its KV cache (`past_key_values` before transformers 5.2x, then `cache`)."""
+    """What the model's forward calls its KV cache (`past_key_values` before transformers 5.2x, then `cache`); of a
+    PEFT model, its base model's."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 

@@ -66,6 +66,8 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("symbiosis:e2e_request_latency_seconds", "From arrival to the last token.",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.hmi_batch = Histogram("symbiosis:hmi_generation_batch_size", "HMI generations run as one batch.",
+                                   buckets=(1, 2, 4, 8, 16, 32), registry=self.registry)
 
     def finished(self, tenant: str, model: str, generation, prompt_tokens: int) -> None:
         """`prompt_tokens`: each prompt once, however many choices it had (as usage counts them)."""

@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from matrix import make_checkpoint
-from symbiosis.plot import (CorpusTooSmall, LowerLayers, Plot, PlotModel, PlotTable, PlotTableError, UnsupportedModel,
-                            UpperModel, build_table)
+from symbiosis.plot import (CorpusTooSmall, Generation, LowerLayers, Plot, PlotModel, PlotTable, PlotTableError,
+                            UnsupportedModel, UpperModel, build_table, generate_many)
 
 LAYERS = {"llama": {"num_hidden_layers": 4}, "gpt2": {"n_layer": 4}, "gemma2": {"num_hidden_layers": 4},
           "bert": {"num_hidden_layers": 4}}
@@ -107,6 +107,44 @@ def test_generation_looks_up_one_fragment_per_token_and_agrees_with_whole_sequen
     batches = [[[5, 6, 7], [20, 21, 22, 23, 24]], [[11, 12]], [[9, 8, 7, 6]]]
     for got, batch in zip(model.pipelined(batches), batches, strict=True):
         assert torch.equal(got, model.logits(batch))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_batch_of_prompts_with_their_own_tables_and_adapters_makes_each_ones_tokens(checkpoint, root, arch,
+                                                                                       tmp_path):
+    """`generate_many`: prompts of different lengths, tables (a domain's and the root's) and LoRA adapters (PEFT's
+    mixed batch) in one batch, left-padded; each row's tokens are those its prompt makes alone."""
+    import peft
+
+    path = checkpoint(arch)
+    domain_lower = LowerLayers(path, 2, dtype=torch.float64)
+    with torch.no_grad():  # a domain's further pre-trained lower layers
+        next(p for n, p in domain_lower.model.named_parameters() if "mlp" in n and p.dim() == 2).mul_(1.5)
+    domain = build_table(domain_lower, CORPUS, tmp_path / "domain", alpha=50, root=root(arch), dtype="float64")
+    plots = {"root": Plot(root(arch)), "domain": Plot(root(arch), domain)}
+    upper = UpperModel(path, 2, dtype=torch.float64)
+    targets = ["q_proj", "v_proj"] if arch == "llama" else ["c_attn"]
+    for seed, name in enumerate(["a", "b"]):
+        torch.manual_seed(seed)
+        config = peft.LoraConfig(r=4, target_modules=targets, init_lora_weights=False)
+        if name == "a":
+            upper.model = peft.get_peft_model(upper.model, config, adapter_name=name)
+        else:
+            upper.model.add_adapter(name, config)
+        with torch.no_grad():
+            for n, p in upper.model.named_parameters():
+                if f"lora_B.{name}" in n:
+                    p.normal_(0, 0.5)
+    upper.model.eval()
+    generations = [Generation(plots["root"], [5, 6, 7], 4, "a"), Generation(plots["domain"], [20, 21, 22, 23, 24], 6, "b"),
+                   Generation(plots["root"], [11], 3, "b"), Generation(plots["domain"], [9, 8, 7, 6], 5, "a")]
+    together = generate_many(upper, generations)
+    for got, generation in zip(together, generations, strict=True):
+        upper.model.set_adapter(generation.adapter)
+        alone = generate_many(upper, [Generation(generation.plot, generation.prompt, generation.max_new_tokens)])[0]
+        assert got == alone and len(got) == generation.max_new_tokens
+    with pytest.raises(ValueError, match="every prompt of a batch names its adapter or none"):
+        generate_many(upper, [generations[0], Generation(plots["root"], [5], 2)])
 
 
 def test_domain_tables_keep_the_top_alpha_percent_and_fall_back_to_the_root(checkpoint, root, tmp_path):

@@ -12,7 +12,9 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import openai
@@ -124,6 +126,30 @@ def test_domains_and_models_through_the_cli_and_the_api(hmi_server, hmi_files, t
     expected = PlotModel(upper, Plot(PlotTable.open(hmi_files["plot_root"]), bio2)).generate(
         tokenizer("the cell")["input_ids"], 5)
     assert answer.json()["tokens"] == expected
+
+    # generations that wait together run as one batch, each with its own tokens (those it gets alone)
+    prompts = ["the cell", "a protein binds", "the gene is expressed in", "cells"]
+    alone = {p: _api(hmi_server, "alice", "POST", "/models/triage/generate", {"prompt": p, "max_tokens": 4}).json()
+             for p in prompts}
+    hmi = hmi_server.service.hmi
+    run_batch, gate = hmi._generator.work, threading.Event()
+    hmi._generator.work = lambda: (gate.wait(60), run_batch())
+    try:
+        with ThreadPoolExecutor(2 * len(prompts)) as pool:
+            answers = [pool.submit(_api, hmi_server, "alice", "POST", "/models/triage/generate",
+                                   {"prompt": p, "max_tokens": 4}) for p in prompts * 2]
+            deadline = time.monotonic() + 60
+            while len(hmi._waiting) < len(answers) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            gate.set()
+            assert [a.result().json()["tokens"] for a in answers] == [alone[p]["tokens"] for p in prompts * 2]
+    finally:
+        hmi._generator.work = run_batch
+    metrics = httpx.get(hmi_server.url + "/metrics", headers={"Authorization": f"Bearer {KEYS['admin']}"}).text
+    sizes = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+             if line.startswith("symbiosis:hmi_generation_batch_size_")}
+    assert sizes['symbiosis:hmi_generation_batch_size_bucket{le="8.0"}'] - \
+        sizes['symbiosis:hmi_generation_batch_size_bucket{le="4.0"}'] == 1  # the 8 waiting ones, one batch
     assert _api(hmi_server, "bob", "POST", "/models/triage/generate", {"prompt": "x"}).status_code == 404
 
     assert _cli(hmi_server, "alice", "domain", "delete", "bio", tmp_path=tmp_path).returncode == 0

@@ -22,21 +22,36 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
 from symbiosis.errors import SymbiosisError
-from symbiosis.plot import LowerLayers, Plot, PlotModel, PlotTable, UpperModel, build_table
+from symbiosis.plot import Generation, LowerLayers, Plot, PlotTable, UpperModel, build_table, generate_many
 from symbiosis.plot.build import Stopped
 from symbiosis.plot.train import Schedule, further_pretrain, train_adapter
 from symbiosis.serve.errors import ApiError
 from symbiosis.serve.hmi.store import DOMAINS_TABLE, KEY, MODELS_TABLE, HmiStore
+from symbiosis.worker import Worker
 
 log = logging.getLogger("symbiosis.serve.hmi")
 NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 ADMIN = "admin"
 LIMITS = {"steps": (1, 100_000), "batch_size": (1, 256), "window": (8, 8192), "rank": (1, 256)}
+
+
+MAX_BATCH = 32  # generations in one batch
+
+
+@dataclass(eq=False)
+class _Waiting:
+    """A generation request waiting for the generator thread: its model version's row, what to generate, where the
+    tokens go."""
+    row: dict
+    generation: Generation
+    answer: Future
 
 
 def _number(body: dict, key: str, default, kind=int, low=None, high=None):
@@ -57,12 +72,14 @@ class HmiService:
         self.directory = service.state.directory / "hmi"
         self.loaded_adapters = loaded_adapters
         self._tables: dict[str, PlotTable] = {}
-        self._lock = threading.Lock()  # the shared upper model: one adapter active at a time
-        self._upper = self._new_upper(probe=True)  # checks the cut is exact for this model
+        self._upper = self._new_upper(probe=True)  # checks the cut is exact for this model; the generator's alone
         if (self.root.kind, self.root.vocab, self.root.hidden) != (self._upper.kind, self._config.vocab_size,
                                                                     self._config.hidden_size):
             raise SymbiosisError(f"the PLOT root table {root} was built for another model")
         self._adapters: OrderedDict[str, None] = OrderedDict()  # model ids loaded in the shared upper model
+        # generations wait here; the generator thread runs those waiting as one batch (each its tables and adapter)
+        self._waiting: list[_Waiting] = []
+        self._generator = Worker("symbiosis-hmi-generate", lambda: bool(self._waiting), self._generate_batch)
         self._tasks: queue.Queue = queue.Queue()
         self._stopping: set[str] = set()  # ids whose step should stop (deleted, or the service closing)
         self._closing = False
@@ -91,8 +108,14 @@ class HmiService:
 
     def start(self) -> None:
         self._thread.start()
+        self._generator.start()
 
     def close(self) -> None:
+        self._generator.stop()
+        with self._generator.lock:
+            waiting, self._waiting = self._waiting, []
+        for generation in waiting:
+            generation.answer.set_exception(ApiError(503, "the service is shutting down", None, "unavailable"))
         self._closing = True
         self._tasks.put(None)
         if self._thread.is_alive():
@@ -216,11 +239,45 @@ class HmiService:
         if limit is not None and len(ids) + max_tokens > limit:
             raise ApiError(400, f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the model's context "
                                 f"of {limit}", "max_tokens")
-        with self._lock:
-            self._activate(row)
-            tokens = PlotModel(self._upper, plot).generate(ids, max_tokens)
+        waiting = _Waiting(row, Generation(plot, ids, max_tokens, row["model_id"]), Future())
+        with self._generator.lock:
+            self._waiting.append(waiting)
+            self._generator.lock.notify()
+        tokens = waiting.answer.result()
         return {"object": "hmi.generation", "model": name, "version": row["version"], "tokens": tokens,
                 "text": self.service.tokenizer.decode(tokens)}
+
+    def _generate_batch(self) -> None:
+        """The generator thread: the generations waiting, as one batch (at most MAX_BATCH, and no more models than
+        `loaded_adapters`), each row with its own tables and adapter; a failure fails that batch's requests."""
+        with self._generator.lock:
+            batch, models = [], set()
+            for waiting in self._waiting:
+                model = waiting.row["model_id"]
+                if len(batch) < MAX_BATCH and (model in models or len(models) < self.loaded_adapters):
+                    batch.append(waiting)
+                    models.add(model)
+            self._waiting = [w for w in self._waiting if w not in batch]
+        loaded = []
+        for waiting in batch:  # an adapter that cannot be loaded (its model deleted meanwhile) fails its own request
+            try:
+                self._load(waiting.row)
+                loaded.append(waiting)
+            except Exception as error:  # noqa: BLE001
+                waiting.answer.set_exception(error)
+        batch = loaded
+        if not batch:
+            return
+        self.service.metrics.hmi_batch.observe(len(batch))
+        try:
+            answers = generate_many(self._upper, [waiting.generation for waiting in batch])
+        except Exception as error:  # noqa: BLE001 -- this batch's requests get the error; the thread goes on
+            log.exception("an HMI generation batch of %d failed", len(batch))
+            for waiting in batch:
+                waiting.answer.set_exception(error)
+            return
+        for waiting, tokens in zip(batch, answers):
+            waiting.answer.set_result(tokens)
 
     def _plot(self, row: dict) -> Plot:
         domain_id = row["domain_id"]
@@ -234,9 +291,9 @@ class HmiService:
             self._tables[domain_id] = PlotTable.open(self._dir(DOMAINS_TABLE, domain_id) / "table")
         return Plot(self.root, self._tables[domain_id])
 
-    def _activate(self, row: dict) -> None:
-        """Make `row`'s adapter the shared upper model's active one (loading it, evicting the least recently
-        used beyond `loaded_adapters`)."""
+    def _load(self, row: dict) -> None:
+        """Load `row`'s adapter into the shared upper model under its model id, if it is not there, evicting the
+        least recently used beyond `loaded_adapters` (never one of the batch at hand: it holds no more models)."""
         import peft
 
         adapter_id, directory = row["model_id"], self._dir(MODELS_TABLE, row["model_id"]) / "adapter"
@@ -247,8 +304,8 @@ class HmiService:
             else:
                 self._upper.model = model = peft.PeftModel.from_pretrained(model, directory, adapter_name=adapter_id)
             self._adapters[adapter_id] = None
+            model.eval()  # PEFT's batches of several adapters are for inference
         self._adapters.move_to_end(adapter_id)
-        model.set_adapter(adapter_id)
         while len(self._adapters) > self.loaded_adapters:
             model.delete_adapter(self._adapters.popitem(last=False)[0])
 
