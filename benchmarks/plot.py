@@ -40,9 +40,21 @@ LOWER = 3
 
 
 def model_dir(workdir: Path, given: str | None) -> Path:
-    """--model-dir as given (e.g. a bf16 copy carried to a machine without the package), else the package's."""
+    """--model-dir (a float32 copy of it, where it holds half-precision weights: scripts/prepare-plot-carry's
+    carried copy), else the package's."""
     if given:
-        return Path(given)
+        from safetensors import safe_open
+        from transformers import AutoModel, AutoTokenizer
+
+        with safe_open(str(Path(given) / "model.safetensors"), "pt") as weights:
+            half = any(weights.get_slice(name).get_dtype() in ("F16", "BF16") for name in weights.keys())
+        if not half:
+            return Path(given)
+        target = workdir / "all-MiniLM-L6-v2-float32"
+        if not (target / "model.safetensors").exists():
+            AutoModel.from_pretrained(given, dtype=torch.float32).save_pretrained(target)
+            AutoTokenizer.from_pretrained(given).save_pretrained(target)
+        return target
     import all_minilm_l6_v2
 
     target = workdir / "all-MiniLM-L6-v2"

@@ -65,7 +65,8 @@ declare -A COMMAND=(
   [fine_tuning_jobs]="$PY benchmarks/fine_tuning_jobs.py --model llama-3.2-1b --jobs 8 --rate 8 --requests 128"
   [hmi_tiered]="$PY benchmarks/hmi.py --model llama-3.2-1b --tenants 10000 --clients 250 --requests 12500 --phases hot,tiered"
   [hmi_on_demand]="$PY benchmarks/hmi.py --model llama-3.2-1b --tenants 10000 --clients 250 --requests 12500 --phases on_demand,copies,placement,prefetch"
-  [plot]="$PY benchmarks/plot.py --device cuda"
+  [plot]="$PY benchmarks/plot.py --device cuda --model-dir .plotcarry/model --fortunes .plotcarry/fortunes"
+  # plot: the model and the fortunes files as scripts/prepare-plot-carry leaves them in .plotcarry (carried alone)
   [moe_train]="$PY benchmarks/multi_tenant.py --model qwen3-30b-a3b-12l --tenants 1,2,4,8 --duration 5 --clients threads"
   # two GPUs (issue: runs on two GPUs), by name only: not in ORDER. Clients on GPU 1 over nccl:// against the same
   # clients in process on GPU 0; the 13B executor sharded over both GPUs, whole layers and columns

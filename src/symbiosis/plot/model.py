@@ -68,12 +68,14 @@ class PlotModel:
 
 @dataclass
 class Generation:
-    """One prompt of `generate_many`: its tables, its tokens, how many to add, and its adapter (a PEFT adapter name
-    of the upper model; None: the model as it is)."""
+    """One prompt of `generate_many`: its tables, its tokens, how many to add, its adapter (a PEFT adapter name of
+    the upper model; None: the model as it is), and the prompt's representations [T, d] if already looked up (a
+    service looks them up as a request arrives, beside the batch the GPU is running)."""
     plot: Plot
     prompt: list[int]
     max_new_tokens: int
     adapter: str | None = None
+    representation: np.ndarray | None = None
 
 
 @torch.no_grad()
@@ -90,7 +92,8 @@ def generate_many(upper: UpperModel, generations: list[Generation]) -> list[list
     if any(named) and not all(named):
         raise ValueError("either every prompt of a batch names its adapter or none does")
     device, dtype = upper.device, upper.model.dtype
-    representations = [g.plot.represent([g.prompt])[0] for g in generations]
+    representations = [g.representation if g.representation is not None else g.plot.represent([g.prompt])[0]
+                       for g in generations]
     longest = max(r.shape[0] for r in representations)
     hidden = torch.zeros(len(generations), longest, representations[0].shape[1], dtype=dtype)
     mask = torch.zeros(len(generations), longest, dtype=torch.long)

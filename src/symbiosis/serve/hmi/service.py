@@ -239,7 +239,9 @@ class HmiService:
         if limit is not None and len(ids) + max_tokens > limit:
             raise ApiError(400, f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the model's context "
                                 f"of {limit}", "max_tokens")
-        waiting = _Waiting(row, Generation(plot, ids, max_tokens, row["model_id"]), Future())
+        # the prompt's lookups here, on the request's thread: beside the batch the generator is running
+        generation = Generation(plot, ids, max_tokens, row["model_id"], plot.represent([ids])[0])
+        waiting = _Waiting(row, generation, Future())
         with self._generator.lock:
             self._waiting.append(waiting)
             self._generator.lock.notify()
