@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -79,11 +79,13 @@ class Generation:
 
 
 @torch.no_grad()
-def generate_many(upper: UpperModel, generations: list[Generation]) -> list[list[int]]:
+def generate_many(upper: UpperModel, generations: list[Generation],
+                  done: Callable[[int, list[int]], None] | None = None) -> list[list[int]]:
     """Greedy tokens for several prompts in one batch (decoders), each with its own tables, length and adapter:
     the prompts' representations left-padded into [B, T, d] (mask and positions to match), then one step per new
     token for all rows, each row's next input the fragment ending at its new token, looked up in its own tables.
-    Row by row the tokens each makes alone (rows that are done ride along until the longest is)."""
+    Row by row the tokens each makes alone. Rows that are done ride along until the longest is; `done(row,
+    tokens)` hears of each as soon as it is (so that its answer need not wait for the longest)."""
     if not generations:
         return []
     if any(g.plot.kind != "decoder" for g in generations):
@@ -114,6 +116,8 @@ def generate_many(upper: UpperModel, generations: list[Generation]) -> list[list
             tokens[row].append(token)
             if len(new[row]) < generations[row].max_new_tokens:
                 new[row].append(token)
+                if done is not None and len(new[row]) == generations[row].max_new_tokens:
+                    done(row, new[row])
         if step == steps - 1:
             break
         last = np.stack([g.plot.represent([t[-g.plot.n:]])[0][-1] for g, t in zip(generations, tokens)])

@@ -138,7 +138,10 @@ def test_a_batch_of_prompts_with_their_own_tables_and_adapters_makes_each_ones_t
     upper.model.eval()
     generations = [Generation(plots["root"], [5, 6, 7], 4, "a"), Generation(plots["domain"], [20, 21, 22, 23, 24], 6, "b"),
                    Generation(plots["root"], [11], 3, "b"), Generation(plots["domain"], [9, 8, 7, 6], 5, "a")]
-    together = generate_many(upper, generations)
+    reported = []
+    together = generate_many(upper, generations, done=lambda row, tokens: reported.append((row, list(tokens))))
+    assert [row for row, _ in reported] == [2, 0, 3, 1]  # each as soon as its own tokens are done
+    assert sorted(reported) == list(enumerate(together))
     for got, generation in zip(together, generations, strict=True):
         upper.model.set_adapter(generation.adapter)
         alone = generate_many(upper, [Generation(generation.plot, generation.prompt, generation.max_new_tokens)])[0]

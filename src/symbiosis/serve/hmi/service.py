@@ -271,15 +271,14 @@ class HmiService:
         if not batch:
             return
         self.service.metrics.hmi_batch.observe(len(batch))
-        try:
-            answers = generate_many(self._upper, [waiting.generation for waiting in batch])
-        except Exception as error:  # noqa: BLE001 -- this batch's requests get the error; the thread goes on
+        try:  # each answered once its own tokens are done, not when the batch's longest is
+            generate_many(self._upper, [waiting.generation for waiting in batch],
+                          done=lambda row, tokens: batch[row].answer.set_result(list(tokens)))
+        except Exception as error:  # noqa: BLE001 -- this batch's unanswered requests get the error; the thread goes on
             log.exception("an HMI generation batch of %d failed", len(batch))
             for waiting in batch:
-                waiting.answer.set_exception(error)
-            return
-        for waiting, tokens in zip(batch, answers):
-            waiting.answer.set_result(tokens)
+                if not waiting.answer.done():
+                    waiting.answer.set_exception(error)
 
     def _plot(self, row: dict) -> Plot:
         domain_id = row["domain_id"]
