@@ -114,11 +114,16 @@ def main() -> None:
     capacity(args, memory, total_gib)
 
 
+def threads_policy(executor: str) -> str:
+    """The batching policy of a threads fleet's executor (tenant.py's `threads_executor`)."""
+    return "none" if executor == "local" else "opportunistic"
+
+
 def report(args, n, executor, ours, ours_gpu, profile, plain, plain_gpu, best_plain):
     """One fleet's line, against plain PEFT's fleet of n (or the largest that fitted); the new best plain fleet."""
     ours_tps = sum(r["tokens_per_s"] for r in ours)
     record = dict(bench="multi_tenant", model=args.model, tenants=n, clients=args.clients, executor=executor,
-                  policy="none" if args.clients == "threads" else args.policy, compile=args.compile,
+                  policy=threads_policy(executor) if args.clients == "threads" else args.policy, compile=args.compile,
                   compile_mode=args.compile_mode, capture=args.capture, chunked_loss=args.chunked_loss,
                   checkpointing=args.checkpointing,
                   symbiosis_tokens_per_s=round(ours_tps), symbiosis_gpu_gib=round(ours_gpu.used_gib, 1),

@@ -114,7 +114,8 @@ def _sharded(args, where: str, policy: str):
 def threads_executor(args):
     """(what the threads' clients attach to, the devices they compute on (round robin), what to close): --executor
     `local` (in-process, policy none: each client runs its GEMMs itself), `sharded:DEV,DEV[,...][/columns]`
-    (executor/sharded.py, this process rank 0), or `nccl:WHAT` / `gloo:WHAT` (WHAT: a device, or `sharded:...`):
+    (executor/sharded.py, this process rank 0, calls batched), or `nccl:WHAT` / `gloo:WHAT` (WHAT: a device, or
+    `sharded:...`):
     a `symbiosis executor` process serving WHAT, the clients, on --client-device's devices, attached to it over
     that transport. (An executor process of its own, as the paper's remote clients have: with the executor's
     NCCL ranks in this process too, the first call hung on two H100s, 2026-11-26.)"""
@@ -123,7 +124,9 @@ def threads_executor(args):
         executor = symbiosis.Executor.from_pretrained(args.model_dir, device=device(), dtype=dtype(), policy="none")
         return executor, [device()], [executor.close]
     if kind == "sharded":
-        executor = _sharded(args, where, policy="none")
+        # batched (opportunistic): a layer on another rank costs a round trip a call, which N clients' calls batched
+        # into one pay once; a client alone still runs the front's own layers itself
+        executor = _sharded(args, where, policy="opportunistic")
         return executor, [executor.device], [executor.close]
     if kind in ("nccl", "gloo"):
         from common import free_port, start_executor
