@@ -109,9 +109,10 @@ class Trainer:
             with torch.enable_grad() if backward else torch.no_grad():
                 hidden = self.model.get_decoder()(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
                                                   use_cache=False)[0]  # [B, L, H]
-                results, total, row = [], None, 0
+                # every datum's log-probabilities and loss stay on the device until the pass is launched: read back
+                # once at the end, not one synchronization per datum between their launches
+                outputs, total, row = [], None, 0
                 for work in works:
-                    logprobs, values = [], []
                     frozen_head = work.lora is None or self.head.layer_id not in work.lora.layers
                     for datum in work.datums:
                         n = len(datum.tokens)
@@ -123,14 +124,19 @@ class Trainer:
                             loss = losses.LOSSES[work.loss_fn](lp, inputs, work.config)
                         if work.backward:
                             total = loss if total is None else total + loss
-                        logprobs.append(lp.detach().cpu())
-                        values.append(float(loss.detach()))
+                        outputs.append((lp.detach(), loss.detach()))
                         row += 1
-                    results.append(Result(logprobs, values))
                 if total is not None:
                     total.backward()
         finally:
             self.state.end()
+        read = _to_host([t for pair in outputs for t in pair])
+        logprobs_read, losses_read = read[0::2], [float(loss) for loss in read[1::2]]
+        results, row = [], 0
+        for work in works:
+            end = row + len(work.datums)
+            results.append(Result(logprobs_read[row:end], losses_read[row:end]))
+            row = end
         return results
 
     def chunk_rows(self) -> int:
@@ -158,6 +164,20 @@ class Trainer:
             h, t = hidden[start:start + self.chunk_rows()], targets[start:start + self.chunk_rows()]
             pieces.append(checkpoint(score, h, t, use_reentrant=False) if torch.is_grad_enabled() else score(h, t))
         return torch.cat(pieces)
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor on the host, as it is (shape, dtype), in one copy per dtype: one wait for the device, not one a
+    tensor."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        by_dtype.setdefault(tensor.dtype, []).append(i)
+    for indices in by_dtype.values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in indices]).cpu()
+        for i, piece in zip(indices, flat.split([tensors[i].numel() for i in indices])):
+            out[i] = piece.view(tensors[i].shape)
+    return out
 
 
 def _picked(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
