@@ -2,8 +2,8 @@
 events delivered to the event loop, cancellation when the HTTP client goes, and the request's timings.
 
 The engine's thread puts each request's tokens, then one `Finished`, into an `_EventSink`, which hands them to the
-asyncio loop (`call_soon_threadsafe`); an HTTP request with several engine requests (`n` > 1, several prompts)
-reads all of them from one queue, tagged by choice index.
+asyncio loop through the loop's inbox (one wake-up per bunch of events, not per token); an HTTP request with
+several engine requests (`n` > 1, several prompts) reads all of them from one queue, tagged by choice index.
 """
 
 from __future__ import annotations
@@ -44,17 +44,55 @@ class Admission:
                 del self.running[tenant]
 
 
+class _LoopInbox:
+    """Events from other threads for one event loop, handed over in bunches: the first event since the loop last
+    emptied the inbox wakes it (`call_soon_threadsafe`: a write to its wake-up pipe); the rest of an engine step's
+    events for the loop's requests join that bunch, instead of one wake-up each (64 running requests: 64 a step)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._items: list[tuple[asyncio.Queue, object]] = []
+        self._lock = threading.Lock()
+
+    def put(self, queue: asyncio.Queue, item) -> None:
+        with self._lock:
+            self._items.append((queue, item))
+            if len(self._items) > 1:  # the loop is already called to empty the inbox
+                return
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed (the server stopping): its events are dropped
+            pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_INBOXES: dict[int, _LoopInbox] = {}  # id(loop) -> its inbox (uvloop's loops take no weak references)
+_INBOXES_LOCK = threading.Lock()
+
+
+def _inbox(loop: asyncio.AbstractEventLoop) -> _LoopInbox:
+    with _INBOXES_LOCK:
+        for key in [key for key, inbox in _INBOXES.items() if inbox.loop.is_closed()]:
+            del _INBOXES[key]
+        inbox = _INBOXES.get(id(loop))
+        if inbox is None or inbox.loop is not loop:
+            inbox = _INBOXES[id(loop)] = _LoopInbox(loop)
+        return inbox
+
+
 class _EventSink:
-    """`put` from the engine's thread, read on the loop. A closed loop (the server stopping) drops events."""
+    """`put` from the engine's thread, read on the loop (through the loop's inbox, in order)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int):
-        self.loop, self.queue, self.index = loop, queue, index
+        self.inbox, self.queue, self.index = _inbox(loop), queue, index
 
     def put(self, event) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, event))
-        except RuntimeError:  # the loop is closed
-            pass
+        self.inbox.put(self.queue, (self.index, event))
 
 
 @dataclass
