@@ -99,8 +99,12 @@ class CollectiveSession(RemoteSession):
         if not plane:
             raise ExecutorUnavailable("the executor did not open a data plane for this nccl:// client")
         host = urlparse(self.executor.url).hostname
-        self.group = _group(self.backend, host, int(plane["port"]), plane["prefix"], 1, self.executor.timeout,
-                            self.device)
+        try:
+            self.group = _group(self.backend, host, int(plane["port"]), plane["prefix"], 1, self.executor.timeout,
+                                self.device)
+        except (RuntimeError, ValueError) as e:  # the store or the executor's rank never answered in time
+            raise ExecutorUnavailable(f"the {self.backend}:// data plane could not be set up with the executor at "
+                                      f"{host}:{plane['port']}: {str(e).splitlines()[0] if str(e) else e!r}") from e
         _HOLDERS.add(self)
         self.wire_device = self.device if self.backend == "nccl" else torch.device("cpu")
 

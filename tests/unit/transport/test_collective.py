@@ -45,6 +45,30 @@ def test_a_bad_call_is_answered_and_the_data_plane_stays_in_step(served):
     session.close()
 
 
+def test_a_data_plane_that_cannot_be_set_up_fails_the_attach_clearly(served, monkeypatch):
+    """The executor's store port named in the attach reply answers nobody: the client's attach raises
+    ExecutorUnavailable naming the data plane, after its own timeout, and the executor keeps serving others."""
+    import socket
+
+    from symbiosis.transport import collective
+
+    path, _, executor, url = served
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]  # closed again: nothing listens there
+    admit = collective.DataPlanes.admit
+    monkeypatch.setattr(collective.DataPlanes, "admit", lambda self, client_id, request: {
+        **admit(self, client_id, request), "port": dead_port})
+    with pytest.raises(ExecutorUnavailable, match="gloo:// data plane could not be set up"):
+        symbiosis.connect(url, timeout=2).attach(executor.fingerprint, "unlucky")
+    monkeypatch.setattr(collective.DataPlanes, "admit", admit)
+    layer_id, spec = next(iter(executor.layer_specs.items()))
+    x = torch.randn(2, spec.in_features, dtype=torch.float64)
+    session = symbiosis.connect(url, timeout=20).attach(executor.fingerprint, "lucky")
+    assert torch.equal(session.forward(layer_id, x), executor.weights.layers[layer_id].forward(x))
+    session.close()
+
+
 def test_a_client_that_never_sends_its_tensor_is_detached_alone(served):
     path, _, executor, url = served
     remote = symbiosis.connect(url, timeout=20)
