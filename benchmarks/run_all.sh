@@ -26,7 +26,7 @@ declare -A LIMIT_S=(
   [gpu_tests]=240 [rtt]=90 [single_1b]=150 [single_1b_dora]=200 [single_13b]=330 [multi_1b]=330 [multi_1b_8]=200 [threads_1b_8]=420 [threads_1b_8_both]=480 [threads_1b_8_captured]=330 [anatomy_1b]=300 [anatomy_1b_chunked]=240 [threads_1b_8_chunked]=330 [threads_1b_8_autotuned]=520 [threads_1b_8_all_both]=560 [multi_13b]=420 [multi_1b_ckpt]=240 [multi_13b_ckpt]=570
   [policies]=300 [mixed]=240 [privacy]=320 [long_context]=330
   [engine_tests]=240 [sgmv]=180 [paged_attention]=240 [engine]=560 [hosted_training]=560
-  [serve]=560 [fine_tuning_jobs]=560 [hmi_tiered]=580 [hmi_on_demand]=580 [plot]=580 [moe_train]=560 [moe_decode]=560
+  [serve]=560 [fine_tuning_jobs]=560 [hmi_tiered]=580 [hmi_on_demand]=580 [plot]=580 [moe_train]=560 [moe_train_captured]=560 [moe_decode]=560
   [remote_2gpu]=240 [sharded_13b_2gpu]=560 [sharded_13b_2gpu_columns]=560 [fsdp_13b_2gpu]=420
   [sharded_remote_8gpu]=590 [fsdp_27b_8gpu]=590
 )
@@ -68,6 +68,8 @@ declare -A COMMAND=(
   [plot]="$PY benchmarks/plot.py --device cuda --model-dir .plotcarry/model --fortunes .plotcarry/fortunes"
   # plot: the model and the fortunes files as scripts/prepare-plot-carry leaves them in .plotcarry (carried alone)
   [moe_train]="$PY benchmarks/multi_tenant.py --model qwen3-30b-a3b-12l --tenants 1,2,4,8 --duration 5 --clients threads"
+  # the experts' offsets stay on the device now: a MoE client's step can be compiled and replayed as a CUDA graph
+  [moe_train_captured]="$PY benchmarks/multi_tenant.py --model qwen3-30b-a3b-12l --tenants 1,8 --duration 5 --clients threads --compile symbiosis --capture symbiosis --chunked-loss symbiosis"
   # two GPUs (issue: runs on two GPUs), by name only: not in ORDER. Clients on GPU 1 over nccl:// against the same
   # clients in process on GPU 0; the 13B executor sharded over both GPUs, whole layers and columns
   [remote_2gpu]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,4,8 --duration 5 --no-plain --clients threads --executor local --executor nccl:cuda:0 --client-device cuda:1"
@@ -83,7 +85,7 @@ declare -A COMMAND=(
 ORDER=(gpu_tests rtt single_1b single_1b_dora anatomy_1b anatomy_1b_chunked multi_1b multi_1b_8 threads_1b_8 threads_1b_8_captured
        threads_1b_8_chunked threads_1b_8_autotuned threads_1b_8_all_both threads_1b_8_both multi_1b_ckpt privacy policies mixed long_context single_13b multi_13b
        multi_13b_ckpt engine_tests sgmv paged_attention engine hosted_training serve fine_tuning_jobs hmi_tiered hmi_on_demand
-       plot moe_train moe_decode)
+       plot moe_train moe_train_captured moe_decode)
 
 for name in "${@:-${ORDER[@]}}"; do
   if [[ -z "${COMMAND[$name]:-}" ]]; then
