@@ -23,6 +23,15 @@ from numpy.lib.stride_tricks import sliding_window_view
 from symbiosis.plot.table import PlotTable, PlotTableError
 
 
+def checked_sequences(sequences: list[list[int]], vocab: int) -> list[np.ndarray]:
+    """The sequences as int64 arrays; `PlotTableError` unless each is 1 or more token ids of the vocabulary."""
+    arrays = [np.asarray(s, dtype=np.int64) for s in sequences]
+    for array in arrays:
+        if array.ndim != 1 or array.size == 0 or array.min() < 0 or array.max() >= vocab:
+            raise PlotTableError(f"a sequence must be 1 or more token ids in 0..{vocab - 1}")
+    return arrays
+
+
 class Plot:
     """A domain version's lookups: `domain` (its top alpha% fragments; None: the root alone) over `root`."""
 
@@ -57,12 +66,8 @@ class Plot:
 
     def represent(self, sequences: list[list[int]]) -> list[np.ndarray]:
         """Each sequence's stand-in for the lower layers' output, [T, hidden]."""
-        arrays = [np.asarray(s, dtype=np.int64) for s in sequences]
-        for array in arrays:
-            if array.ndim != 1 or array.size == 0 or array.min() < 0 or array.max() >= self.vocab:
-                raise PlotTableError(f"a sequence must be 1 or more token ids in 0..{self.vocab - 1}")
         aggregate = self._decoder if self.kind == "decoder" else self._encoder
-        return [aggregate(array) for array in arrays]
+        return [aggregate(array) for array in checked_sequences(sequences, self.vocab)]
 
     def _decoder(self, tokens: np.ndarray) -> np.ndarray:
         out = np.zeros((tokens.size, self.hidden), dtype=self.dtype)

@@ -23,12 +23,13 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from symbiosis.plot.device import DevicePlot
 from symbiosis.plot.lookup import Plot
 from symbiosis.plot.split import UpperModel
 
 
 class PlotModel:
-    def __init__(self, upper: UpperModel, plot: Plot):
+    def __init__(self, upper: UpperModel, plot: Plot | DevicePlot):
         if (upper.kind, upper.lower_layers) != (plot.kind, plot.root.lower_layers):
             raise ValueError(f"the tables are for the {plot.kind} cut at layer {plot.root.lower_layers}, the model is "
                              f"a {upper.kind} cut at layer {upper.lower_layers}")
@@ -40,6 +41,9 @@ class PlotModel:
 
     def hidden(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(the lower layers' stand-in [B, T, d], right-padded with zeros; attention mask [B, T])."""
+        if isinstance(self.plot, DevicePlot):  # looked up where the tables are, the whole batch at once
+            hidden, mask = self.plot.padded(sequences, self.upper.model.dtype)
+            return hidden.to(self.upper.device), mask.to(self.upper.device)
         return _pad(self.plot.represent(sequences), self.upper.device, self.upper.model.dtype)
 
     @torch.no_grad()

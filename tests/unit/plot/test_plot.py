@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from matrix import make_checkpoint
-from symbiosis.plot import (CorpusTooSmall, Generation, LowerLayers, Plot, PlotModel, PlotTable, PlotTableError,
+from symbiosis.plot import (CorpusTooSmall, DevicePlot, Generation, LowerLayers, Plot, PlotModel, PlotTable, PlotTableError,
                             UnsupportedModel, UpperModel, build_table, generate_many)
 
 LAYERS = {"llama": {"num_hidden_layers": 4}, "gpt2": {"n_layer": 4}, "gemma2": {"num_hidden_layers": 4},
@@ -148,6 +148,28 @@ def test_a_batch_of_prompts_with_their_own_tables_and_adapters_makes_each_ones_t
         assert got == alone and len(got) == generation.max_new_tokens
     with pytest.raises(ValueError, match="every prompt of a batch names its adapter or none"):
         generate_many(upper, [generations[0], Generation(plots["root"], [5], 2)])
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_lookups_on_a_device_equal_the_host_lookups(checkpoint, root, arch, tmp_path):
+    """`DevicePlot` (here on the CPU: the torch path a GPU runs) looks a padded batch up at once and gives what
+    `Plot.represent` gives each sequence: domain before root, back-off to shorter fragments, padding untouched."""
+    path = checkpoint(arch)
+    domain_lower = LowerLayers(path, 2, dtype=torch.float64)
+    with torch.no_grad():
+        next(p for n, p in domain_lower.model.named_parameters() if "dense" in n or "mlp" in n).mul_(1.5)
+    domain = build_table(domain_lower, CORPUS, tmp_path / "domain", alpha=50, root=root(arch), dtype="float64")
+    sequences = [[5, 6, 7, 8, 30, 9], [11, 12, 30], [20], [5, 6, 7], [40, 41, 5, 6, 7, 8, 9, 10, 3]]
+    for plot in (Plot(root(arch)), Plot(root(arch), domain)):
+        on_device = DevicePlot(plot, "cpu")
+        hidden, mask = on_device.padded(sequences)
+        assert hidden.shape == (5, 9, plot.hidden) and mask.sum(1).tolist() == [len(s) for s in sequences]
+        for row, (expected, sequence) in enumerate(zip(plot.represent(sequences), sequences)):
+            assert torch.allclose(hidden[row, :len(sequence)], torch.from_numpy(expected), rtol=1e-12, atol=1e-12)
+            assert not hidden[row, len(sequence):].any()
+    upper = UpperModel(path, 2, dtype=torch.float64)
+    host, device = PlotModel(upper, Plot(root(arch), domain)), PlotModel(upper, DevicePlot(Plot(root(arch), domain), "cpu"))
+    assert torch.allclose(host.logits(sequences), device.logits(sequences), rtol=1e-10)
 
 
 def test_domain_tables_keep_the_top_alpha_percent_and_fall_back_to_the_root(checkpoint, root, tmp_path):

@@ -1,0 +1,101 @@
+"""PLOT lookups on a device (a GPU): a `Plot`'s tables copied there once, a whole batch looked up at once.
+
+`Plot` (lookup.py) looks sequences up one by one in memory-mapped tables on the host, which suits tables larger than
+the GPU can spare and lookups that overlap the GPU's work. Where the tables fit on the device beside the model,
+`DevicePlot` does the same lookups there, for every sequence of a padded batch together: per fragment length and
+table, one `searchsorted` over the packed keys and one gather of the values, then the same aggregation as
+`Plot.represent` (the decoder's longest fragment ending at each token; the encoder's normalized sum over the covering
+fragments of the longest length that has any). The results equal `Plot.represent`'s (tested), so a model's lower
+layers cost a few kernels a batch instead of host work and a copy to the device.
+
+    device_plot = DevicePlot(Plot(root, domain), "cuda")
+    hidden, mask = device_plot.padded(sequences)          # [B, T, d] right-padded with zeros, [B, T]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from symbiosis.plot.lookup import Plot, checked_sequences
+
+
+class DevicePlot:
+    def __init__(self, plot: Plot, device):
+        self.plot, self.device = plot, torch.device(device)
+        self.kind, self.n, self.vocab, self.hidden, self.root = plot.kind, plot.n, plot.vocab, plot.hidden, plot.root
+        self.dtype = torch.from_numpy(np.zeros(0, dtype=plot.dtype)).dtype  # as Plot computes: at least float32
+        # per table, domain first: length -> (keys int64 [N] sorted, values [N, length, hidden] in the table's dtype)
+        self.tables = [{length: (torch.from_numpy(np.array(level.keys)).to(self.device),  # copies of the maps
+                                 torch.from_numpy(np.array(level.values)).to(self.device))
+                        for length, level in table.levels.items() if level.keys.size}
+                       for table in (plot.domain, plot.root) if table is not None]
+
+    def represent(self, sequences: list[list[int]]) -> list[np.ndarray]:
+        """As `Plot.represent`: each sequence's [T, hidden], on the host."""
+        hidden, _ = self.padded(sequences)
+        return [row[:len(s)].cpu().numpy() for row, s in zip(hidden, sequences)]
+
+    @torch.no_grad()
+    def padded(self, sequences: list[list[int]], dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the lower layers' stand-in [B, T, hidden] right-padded with zeros, in `dtype` (default: float32 or the
+        tables' wider dtype); attention mask [B, T] int64), on the device."""
+        arrays = checked_sequences(sequences, self.vocab)
+        if not arrays:
+            raise ValueError("no sequences to look up")
+        longest = max(a.size for a in arrays)
+        tokens = torch.zeros(len(arrays), longest, dtype=torch.long)
+        mask = torch.zeros(len(arrays), longest, dtype=torch.bool)
+        for row, array in enumerate(arrays):
+            tokens[row, :array.size] = torch.from_numpy(array)
+            mask[row, :array.size] = True
+        tokens, mask = tokens.to(self.device), mask.to(self.device)
+        hidden = self._decoder(tokens, mask) if self.kind == "decoder" else self._encoder(tokens, mask)
+        return hidden.to(dtype or self.dtype), mask.long()
+
+    def _find(self, windows: torch.Tensor, wanted: torch.Tensor):
+        """windows [B, S, G] (fragments), wanted bool [B, S] -> (values [B, S, G, hidden], found bool [B, S]): each
+        wanted fragment's representations from the first table that holds it."""
+        length = windows.shape[-1]
+        keys = torch.zeros(windows.shape[:-1], dtype=torch.long, device=self.device)
+        for column in range(length):  # packed as the tables' keys: first token most significant
+            keys = keys * self.vocab + windows[..., column]
+        values = torch.zeros(*windows.shape, self.hidden, dtype=self.dtype, device=self.device)
+        found = torch.zeros_like(wanted)
+        for table in self.tables:
+            if length not in table:
+                continue
+            table_keys, table_values = table[length]
+            rows = torch.searchsorted(table_keys, keys).clamp(max=table_keys.numel() - 1)
+            hit = wanted & ~found & (table_keys[rows] == keys)
+            values[hit] = table_values[rows[hit]].to(self.dtype)
+            found |= hit
+        return values, found
+
+    def _decoder(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # token i: the last position of the longest fragment ending at it that a table holds
+        out = torch.zeros(*tokens.shape, self.hidden, dtype=self.dtype, device=self.device)
+        done = ~mask  # padding needs nothing
+        for length in range(min(self.n, tokens.shape[1]), 0, -1):
+            windows = tokens.unfold(1, length, 1)  # [B, S, G]: the fragment starting at s ends at s + G - 1
+            values, found = self._find(windows, ~done[:, length - 1:])
+            out[:, length - 1:][found] = values[..., -1, :][found]
+            done[:, length - 1:] |= found
+        return out
+
+    def _encoder(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # token i: the mean of its representations in the covering fragments of the longest length with any found
+        total = torch.zeros(*tokens.shape, self.hidden, dtype=self.dtype, device=self.device)
+        counts = torch.zeros(tokens.shape, dtype=torch.long, device=self.device)
+        for length in range(min(self.n, tokens.shape[1]), 0, -1):
+            open_ = (counts == 0) & mask  # tokens no longer fragment has covered
+            if not bool(open_.any()):
+                break
+            windows = tokens.unfold(1, length, 1)
+            starts = windows.shape[1]
+            values, found = self._find(windows, mask[:, length - 1:])  # fragments inside their sequence
+            for offset in range(length):  # the fragment starting at s holds token s + offset at `offset`
+                keep = found & open_[:, offset:offset + starts]
+                total[:, offset:offset + starts] += values[:, :, offset] * keep[..., None]
+                counts[:, offset:offset + starts] += keep
+        return torch.where(mask[..., None], total / counts.clamp(min=1)[..., None], 0)
