@@ -116,7 +116,9 @@ def main() -> None:
 
 def threads_policy(executor: str) -> str:
     """The batching policy of a threads fleet's executor (tenant.py's `threads_executor`)."""
-    return "none" if executor == "local" else "opportunistic"
+    if executor == "local":
+        return "none"
+    return executor.partition("@")[2] or "opportunistic" if executor.startswith("sharded:") else "opportunistic"
 
 
 def report(args, n, executor, ours, ours_gpu, profile, plain, plain_gpu, best_plain):

@@ -103,18 +103,22 @@ def decode_loop(model, args, until: float | None, max_iters: int | None = None) 
     return times
 
 
-def _sharded(args, where: str, policy: str):
-    """`DEV,DEV[,...][/columns]`: a sharded executor, this process its front."""
+def _sharded(args, where: str):
+    """`DEV,DEV[,...][/columns][@POLICY]`: a sharded executor, this process its front; its batching policy
+    `opportunistic` unless named (a layer on another rank is a round trip a call, which N clients' calls batched
+    pay once; `none`: the front's own layers run on the clients' threads, each call alone)."""
     from symbiosis.executor.sharded import launch_sharded
 
+    where, _, policy = where.partition("@")
     devices, _, split = where.partition("/")
-    return launch_sharded(args.model_dir, devices.split(","), dtype(), split=split or "layers", policy=policy)
+    return launch_sharded(args.model_dir, devices.split(","), dtype(), split=split or "layers",
+                          policy=policy or "opportunistic")
 
 
 def threads_executor(args):
     """(what the threads' clients attach to, the devices they compute on (round robin), what to close): --executor
-    `local` (in-process, policy none: each client runs its GEMMs itself), `sharded:DEV,DEV[,...][/columns]`
-    (executor/sharded.py, this process rank 0, calls batched), or `nccl:WHAT` / `gloo:WHAT` (WHAT: a device, or
+    `local` (in-process, policy none: each client runs its GEMMs itself), `sharded:DEV,DEV[,...][/columns][@POLICY]`
+    (executor/sharded.py, this process rank 0, calls batched unless @none), or `nccl:WHAT` / `gloo:WHAT` (WHAT: a device, or
     `sharded:...`):
     a `symbiosis executor` process serving WHAT, the clients, on --client-device's devices, attached to it over
     that transport. (An executor process of its own, as the paper's remote clients have: with the executor's
@@ -124,9 +128,7 @@ def threads_executor(args):
         executor = symbiosis.Executor.from_pretrained(args.model_dir, device=device(), dtype=dtype(), policy="none")
         return executor, [device()], [executor.close]
     if kind == "sharded":
-        # batched (opportunistic): a layer on another rank costs a round trip a call, which N clients' calls batched
-        # into one pay once; a client alone still runs the front's own layers itself
-        executor = _sharded(args, where, policy="opportunistic")
+        executor = _sharded(args, where)
         return executor, [executor.device], [executor.close]
     if kind in ("nccl", "gloo"):
         from common import free_port, start_executor
