@@ -172,6 +172,17 @@ def test_lookups_on_a_device_equal_the_host_lookups(checkpoint, root, arch, tmp_
     assert torch.allclose(host.logits(sequences), device.logits(sequences), rtol=1e-10)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_on_the_gpu_the_lookups_equal_the_host_lookups(checkpoint, root, arch):
+    plot = Plot(root(arch))
+    sequences = [[5, 6, 7, 8, 30, 9], [11, 12, 30], [20], [40, 41, 5, 6, 7, 8, 9, 10, 3]]
+    hidden, _ = DevicePlot(plot, "cuda").padded(sequences)
+    assert hidden.is_cuda
+    for row, (expected, sequence) in enumerate(zip(plot.represent(sequences), sequences)):
+        assert torch.allclose(hidden[row, :len(sequence)].cpu(), torch.from_numpy(expected), rtol=1e-12, atol=1e-12)
+
+
 def test_domain_tables_keep_the_top_alpha_percent_and_fall_back_to_the_root(checkpoint, root, tmp_path):
     path = checkpoint("llama")
     domain_lower = LowerLayers(path, 2, dtype=torch.float64)
