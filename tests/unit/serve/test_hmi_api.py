@@ -228,3 +228,15 @@ def test_the_serve_command_turns_hmi_on_with_plot_root(hmi_files, tmp_path):
                          headers={"Authorization": f"Bearer {KEYS['alice']}"}).status_code == 404
     finally:
         terminate(process)
+
+
+def test_a_batch_takes_the_tenants_in_turn():
+    """A tenant with many generations waiting fills a batch only after every other tenant's next one."""
+    from symbiosis.serve.hmi.service import _round_robin, _Waiting
+
+    def waiting(tenant, i):
+        return _Waiting({"tenant": tenant, "model_id": f"{tenant}-model"}, None, None), (tenant, i)
+    arrivals = [waiting("flood", i) for i in range(5)] + [waiting("alice", 0), waiting("bob", 0), waiting("alice", 1)]
+    order = {id(item): label for item, label in arrivals}
+    assert [order[id(item)] for item in _round_robin([item for item, _ in arrivals])] == [
+        ("flood", 0), ("alice", 0), ("bob", 0), ("flood", 1), ("alice", 1), ("flood", 2), ("flood", 3), ("flood", 4)]

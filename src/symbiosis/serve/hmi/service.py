@@ -54,6 +54,15 @@ class _Waiting:
     answer: Future
 
 
+def _round_robin(waiting: list[_Waiting]) -> list[_Waiting]:
+    """The waiting generations with their tenants taking turns (each tenant's in arrival order)."""
+    by_tenant: dict[str, list[_Waiting]] = {}
+    for item in waiting:
+        by_tenant.setdefault(item.row["tenant"], []).append(item)
+    turns = max((len(items) for items in by_tenant.values()), default=0)
+    return [items[turn] for turn in range(turns) for items in by_tenant.values() if turn < len(items)]
+
+
 def _number(body: dict, key: str, default, kind=int, low=None, high=None):
     value = body.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
@@ -243,6 +252,8 @@ class HmiService:
         generation = Generation(plot, ids, max_tokens, row["model_id"], plot.represent([ids])[0])
         waiting = _Waiting(row, generation, Future())
         with self._generator.lock:
+            if not self._generator.running:
+                raise ApiError(503, "the service is shutting down", None, "unavailable")
             self._waiting.append(waiting)
             self._generator.lock.notify()
         tokens = waiting.answer.result()
@@ -254,7 +265,7 @@ class HmiService:
         `loaded_adapters`), each row with its own tables and adapter; a failure fails that batch's requests."""
         with self._generator.lock:
             batch, models = [], set()
-            for waiting in self._waiting:
+            for waiting in _round_robin(self._waiting):  # tenants in turn: a flood of one waits behind the others
                 model = waiting.row["model_id"]
                 if len(batch) < MAX_BATCH and (model in models or len(models) < self.loaded_adapters):
                     batch.append(waiting)
