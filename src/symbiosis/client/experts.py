@@ -146,10 +146,9 @@ def split_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
         sorted_ids = expert_ids[order]
         # An id of num_experts (expert parallelism's sentinel in transformers) or above adds nothing, as there: such
         # pairs sort last, run with the last expert (so every row is written) and are zeroed.
-        last = self.num_experts - 1
+        chosen = sorted_ids.clamp(max=self.num_experts - 1)
         per_expert = torch.zeros(self.num_experts, dtype=torch.long, device=rows.device)
-        per_expert.scatter_add_(0, sorted_ids.clamp(max=last), torch.ones_like(sorted_ids))
-        ends, chosen = per_expert.cumsum(0).to(torch.int32), sorted_ids.clamp(max=last)
+        ends = per_expert.scatter_add_(0, chosen, torch.ones_like(chosen)).cumsum(0).to(torch.int32)
         h = activation(on_device[0].forward_by_offsets(rows, ends, chosen))
         h = post(on_device[1].forward_by_offsets(h, ends, chosen))
         sorted_outputs = torch.where((sorted_ids < self.num_experts)[:, None], h, 0)

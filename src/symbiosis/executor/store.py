@@ -78,14 +78,15 @@ class ExpertGroup:
         """Whether `forward_by_offsets` runs for inputs like `x` (one grouped GEMM, no host synchronization)."""
         return _grouped_mm_fits(x, self.weight)
 
-    def forward_by_offsets(self, x: torch.Tensor, ends: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def forward_by_offsets(self, x: torch.Tensor, ends: torch.Tensor, experts: torch.Tensor | None,
+                           with_bias: bool = True) -> torch.Tensor:
         """As `forward`, the groups given on the device: `ends` int32 [E] (expert e's rows end at ends[e]; the last
         is x's row count) and `experts` [T] each row's expert (for the bias). Nothing is read back to the host, so
         the caller's thread does not wait for the GPU and a CUDA graph can record it. x [T, in] -> [T, out]; its
         gradient by autograd (the weights need none)."""
         linear = self.spec.kind == "linear"
         y = torch._grouped_mm(x, self.weight.transpose(1, 2) if linear else self.weight, offs=ends)
-        return y if self.bias is None else y + self.bias[experts]
+        return y if self.bias is None or not with_bias else y + self.bias[experts]
 
     def _per_expert(self, x: torch.Tensor, counts: list[int], width: int, gemm) -> torch.Tensor:
         out = x.new_empty(x.shape[0], width)
@@ -101,11 +102,9 @@ class ExpertGroup:
         linear = self.spec.kind == "linear"
         bias = self.bias if with_bias else None
         if _grouped_mm_fits(x, self.weight):
-            ends = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-            y = torch._grouped_mm(x, self.weight.transpose(1, 2) if linear else self.weight, offs=ends)
-            if bias is not None:
-                y = y + bias.repeat_interleave(torch.tensor(counts, device=x.device), dim=0)
-            return y
+            rows = torch.tensor(counts, device=x.device)
+            experts = None if bias is None else torch.arange(len(counts), device=x.device).repeat_interleave(rows)
+            return self.forward_by_offsets(x, rows.cumsum(0).to(torch.int32), experts, with_bias)
         b = (lambda e: None) if bias is None else (lambda e: bias[e])  # noqa: E731
         gemm = (lambda rows, e: F.linear(rows, self.weight[e], b(e))) if linear else \
             (lambda rows, e: rows @ self.weight[e] if bias is None else torch.addmm(bias[e], rows, self.weight[e]))

@@ -100,13 +100,7 @@ def generate_many(upper: UpperModel, generations: list[Generation],
     device, dtype = upper.device, upper.model.dtype
     representations = [g.representation if g.representation is not None else g.plot.represent([g.prompt])[0]
                        for g in generations]
-    longest = max(r.shape[0] for r in representations)
-    hidden = torch.zeros(len(generations), longest, representations[0].shape[1], dtype=dtype)
-    mask = torch.zeros(len(generations), longest, dtype=torch.long)
-    for row, r in enumerate(representations):  # left-padded: every row's newest position is the last
-        hidden[row, longest - r.shape[0]:] = torch.from_numpy(r)
-        mask[row, longest - r.shape[0]:] = 1
-    hidden, mask = hidden.to(device), mask.to(device)
+    hidden, mask = _pad(representations, device, dtype, left=True)  # every row's newest position is the last
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     options = {cache_argument(upper.model): DynamicCache(config=upper.model.config)}
     if all(named):
@@ -138,11 +132,13 @@ def cache_argument(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _pad(representations: list[np.ndarray], device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _pad(representations: list[np.ndarray], device, dtype, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, T, d] padded with zeros on the right, or the left; attention mask [B, T])."""
     longest = max(r.shape[0] for r in representations)
     hidden = torch.zeros(len(representations), longest, representations[0].shape[1], dtype=dtype)
     mask = torch.zeros(len(representations), longest, dtype=torch.long)
     for row, r in enumerate(representations):
-        hidden[row, :r.shape[0]] = torch.from_numpy(r)
-        mask[row, :r.shape[0]] = 1
+        place = slice(longest - r.shape[0], None) if left else slice(0, r.shape[0])
+        hidden[row, place] = torch.from_numpy(r)
+        mask[row, place] = 1
     return hidden.to(device), mask.to(device)
