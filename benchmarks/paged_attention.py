@@ -60,11 +60,12 @@ def run(batch: int, context: int, block_size: int, rng: random.Random) -> None:
     values = torch.randn_like(keys)
     q = torch.randn(batch, HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     kernel = attention._kernel(True, block_size)
-    mask = step.block_mask(None)
+    (layout,) = step.layouts
+    mask = layout.block_mask(None)
     flex = _time(lambda: kernel(q, keys[None], values[None], mask, None, HEAD_DIM ** -0.5))
 
     padded = -(-context // 256) * 256
-    context_slots = step.context_slots()[:, :padded]
+    context_slots = layout.context_slots()[:, :padded]
     context_slots = F.pad(context_slots, (0, padded - context_slots.shape[1]))
     allowed = (torch.arange(padded, device="cuda") < context)[None, None, None, :].expand(batch, 1, HEADS // KV_HEADS, padded)
     grouped = q.view(batch, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)

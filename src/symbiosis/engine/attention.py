@@ -4,10 +4,11 @@ The engine's model is an ordinary transformers model whose attention implementat
 the model's own attention module computes q, k, v (projections, q/k norms, rotary embedding with each token's own
 position) and hands them here, where the step's new keys and values are written into the pool at their slots and
 each chunk's queries attend over its request's context where it lies in the pool: torch's flex_attention with the
-step's block mask (`StepBatch.block_mask`: per chunk the pages of its block table, per key its position in its
-request). On a GPU flex_attention is compiled and reads the pool in place (its decoding kernel splits each
-request's pages over the SMs); on the CPU, where it runs unfused and evaluates every key it is given, each chunk's
-context is gathered first.
+step's block masks (`AttentionLayout.block_mask`: per row the pages of its chunk's block table, per key its
+position in its request), one call per layout of the step (its decodes, its prefill chunks: engine/batch.py). On
+a GPU flex_attention is compiled and reads the pool in place (its decoding kernel splits each request's pages over
+the SMs); on the CPU, where it runs unfused and evaluates every key it is given, each row's context is gathered
+first.
 Masks come from the step, not from transformers (none is made for an unknown implementation).
 
 The work is one custom operator, `symbiosis::paged_attention` (opaque to torch.compile, which compiles the decoder
@@ -32,8 +33,8 @@ from transformers import AttentionInterface
 NAME = "symbiosis_paged"
 PROBE = "symbiosis_probe"  # one token, as the model is built (probe_attention)
 PREFILL_BLOCK_M = 64  # query rows per prefill kernel tile (divides the block mask's QUERY_BLOCK of 128)
-RECOMPILE_LIMIT = 128  # one compiled kernel per (rows bucket, window, dtype) for decodes, also per queries bucket
-#                       for prefill steps (StepBatch lays them out in powers of two)
+RECOMPILE_LIMIT = 128  # one compiled kernel per (rows bucket, window, dtype) for decodes and for prefill rows
+#                       (StepBatch lays both out in powers of two of rows)
 
 
 def _decode_kernel(options: dict):
@@ -45,10 +46,9 @@ def _decode_kernel(options: dict):
 
 def _prefill_kernel(options: dict):  # its own code object: its own compile cache
     def prefill(q, k, v, block_mask, score_mod, scale):
-        # Queries are tiled by BLOCK_M, at most the chunk's (bucketed) length: with torch's H100 default of 128 rows
-        # a chunk of 64 or fewer queries found no kernel configuration (torch 2.11, bf16, head_dim 64 and 128).
-        # q.shape is static here (compiled per bucket), so this is a constant of each compiled kernel.
-        tiles = options if PREFILL_BLOCK_M is None else {**options, "BLOCK_M": min(PREFILL_BLOCK_M, q.shape[-2])}
+        # Queries tiled by PREFILL_BLOCK_M: with torch's H100 default of 128 rows, rows of 64 or fewer queries found
+        # no kernel configuration (torch 2.11, bf16, head_dim 64 and 128)
+        tiles = {**options, "BLOCK_M": min(PREFILL_BLOCK_M, q.shape[-2])}
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True,
                               kernel_options=tiles)
     return prefill
@@ -70,11 +70,11 @@ _compiled: dict[tuple, object] = {}
 
 
 def _kernel(one_query: bool, block_size: int):
-    """Compiled flex_attention, static in its shapes: one-token queries (the decoding kernel) in the row buckets
-    that graphs replay, prefill chunks in the (rows, queries) buckets StepBatch lays them out in. With a symbolic
-    query length (torch.compile's automatic dynamic shapes) flex_attention found no kernel configuration (H100,
-    torch 2.11: every prefill step after the second shape failed). The kernels tile keys by BLOCK_N, which must
-    divide the page (block) size; it is a constant of the compiled function."""
+    """Compiled flex_attention, static in its shapes: one-token queries (the decoding kernel) and prefill rows of
+    QUERY_BLOCK queries, in the row buckets StepBatch lays them out in (powers of two). With a symbolic query length
+    (torch.compile's automatic dynamic shapes) flex_attention found no kernel configuration (H100, torch 2.11: every
+    prefill step after the second shape failed). The kernels tile keys by BLOCK_N, which must divide the page
+    (block) size; it is a constant of the compiled function."""
     key = (one_query, block_size)
     if key not in _compiled:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
@@ -119,29 +119,38 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys: t
     """Writes the step's keys and values into the pool at their slots; returns [1, T, H, Dv] (sliding_window,
     softcap: 0 for none)."""
     step = _running.batch
-    heads, value_dim = query.shape[1], value.shape[-1]
     keys.index_copy_(1, step.slots, key[0].to(keys.dtype))
     values.index_copy_(1, step.slots, value[0].to(values.dtype))
-    sliding_window = sliding_window or None
-    if step.one_token_rows:  # row r is token r: no gather either way
+    score_mod = None if not softcap else _softcapped(softcap)
+    outputs = [(layout, _attend_layout(layout, query, keys, values, scale, sliding_window or None, score_mod))
+               for layout in step.layouts]
+    if len(outputs) == 1 and outputs[0][0].whole:  # [T, H, Dv] in flat order already
+        return outputs[0][1].unsqueeze(0)
+    out = query.new_empty(query.shape[2], query.shape[1], value.shape[-1])  # [T, H, Dv]
+    for layout, part in outputs:
+        out.index_copy_(0, layout.tokens, part)
+    return out.unsqueeze(0)
+
+
+def _attend_layout(layout, query, keys, values, scale, sliding_window, score_mod) -> torch.Tensor:
+    """[n, H, Dv]: the attention of the layout's tokens (`layout.tokens`, in that order)."""
+    heads, value_dim = query.shape[1], values.shape[-1]
+    if layout.one_token_rows:  # row r is token r: no gather either way
         q = query[0].transpose(0, 1).unsqueeze(2)  # [R, H, 1, D]
     else:
-        q = query[0][:, step.query_index].transpose(0, 1)  # [R, H, Q, D]
-    chunks, longest = q.shape[0], q.shape[2]
-    score_mod = None if not softcap else _softcapped(softcap)
-    if reads_in_place(q):  # the kernels read each chunk's pages of the pool
-        kernel = _kernel(longest == 1, step.block_size) if q.is_cuda else _unfused
-        out = kernel(q, keys[None], values[None], step.block_mask(sliding_window), score_mod, scale)
-    else:  # unfused flex_attention evaluates every key it is given: each chunk's own context, gathered
-        context = step.context_slots()  # [R, L]
-        block_mask = create_block_mask(step.context_mask(sliding_window), chunks, None, longest, context.shape[1],
+        q = query[0][:, layout.query_index].transpose(0, 1)  # [R, H, Q, D]
+    rows, queries = q.shape[0], q.shape[2]
+    if reads_in_place(q):  # the kernels read each row's pages of the pool
+        kernel = _kernel(queries == 1, layout.step.block_size) if q.is_cuda else _unfused
+        out = kernel(q, keys[None], values[None], layout.block_mask(sliding_window), score_mod, scale)
+    else:  # unfused flex_attention evaluates every key it is given: each row's own context, gathered
+        context = layout.context_slots()  # [R, L]
+        block_mask = create_block_mask(layout.context_mask(sliding_window), rows, None, queries, context.shape[1],
                                        device=q.device)
         out = _unfused(q, keys[:, context].transpose(0, 1), values[:, context].transpose(0, 1), block_mask,
                        score_mod, scale)
-    out = out.transpose(1, 2).reshape(chunks * longest, heads, value_dim)  # [R * Q, H, Dv]
-    if not step.one_token_rows:
-        out = out[step.query_rows]  # [T, H, Dv], flat order
-    return out.unsqueeze(0)
+    out = out.transpose(1, 2).reshape(rows * queries, heads, value_dim)  # [R * Q, H, Dv]
+    return out if layout.one_token_rows else out[layout.query_rows]
 
 
 @_attend.register_fake

@@ -6,24 +6,24 @@ token; a prefill is cut into chunks under the step's token budget). Chunks are l
 that each adapter's tokens are one contiguous segment for the SGMV kernels; requests without an adapter come
 last and are in no segment.
 
-Attention reads the KV pool in place (engine/attention.py): the step describes, per chunk, which pool blocks
-(pages) its queries read, as a flex_attention block mask over the pool, and, per page, whose it is and which of
-its owner's pages it is, so that each key's position in its request is known without a gathered copy.
+Attention reads the KV pool in place (engine/attention.py) in one call per *layout* (`AttentionLayout`): rows
+of queries, each row the queries of one chunk, with, per row, which pool blocks (pages) its queries read, as a
+flex_attention block mask over the pool, and, per page, whose it is and which of its owner's pages it is, so that
+each key's position in its request is known without a gathered copy. A step's one-token chunks (decodes) are one
+layout of one query per row; its longer chunks (prefills) another, cut into rows of QUERY_BLOCK queries. Both are
+padded to a power of two of rows, so the compiled kernels (static in their shapes) meet a few shapes: rows buckets
+alone, never (rows, longest prompt) pairs (H100, the serve benchmark: 56 prefill compilations over 4 minutes of
+Poisson traffic with the earlier (rows, queries) buckets).
 
-Shapes (R chunks, Q = longest chunk, B = QUERY_BLOCK, P = max_pages, N = pool pages + 1 (the trash page),
-K = rows sampled):
+Shapes (T tokens, K = rows sampled, N = pool pages + 1 (the trash page)):
     input_ids, positions, slots   [T]              token, its position in its request, its flat KV slot
     previous_rows                 [T]              -1, or the row of the step before's sampled tokens that holds this
                                                    token (it was not read back yet: input_ids holds 0 there)
-    query_index                    [R, Q]           flat token of each chunk's q-th query (padding: 0)
-    query_positions                [R, Q]           position of each chunk's q-th query (padding: 0)
-    query_rows                     [T]              row r * Q + q of the padded queries that each flat token is
-    kv_num_blocks                  [R, 1, Q/B]      how many pages the queries q*B .. q*B+B-1 of chunk r read ...
-    kv_indices                     [R, 1, Q/B, P]   ... and which: the first pages of r's block table
     page_owner, page_index         [N]              chunk that owns each page (-1: none), its index in that
                                                     chunk's block table
     sample_rows                    [K]              the flat rows whose logits are sampled (a chunk's last token,
                                                     when it reaches the end of what the request has so far)
+and per layout of R rows of Q queries (P = max_pages): see `AttentionLayout`.
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ import torch
 
 from symbiosis.kernels.sgmv import Segments
 
-QUERY_BLOCK = 128  # queries per block-mask row (flex_attention's default sparse block)
-SHORTEST_QUERY_BUCKET = 16  # the fewest query rows per chunk a prefill step's attention is laid out with
+QUERY_BLOCK = 128  # a prefill layout's queries per row: one block-mask row (flex_attention's default sparse block)
 
 
 def bucket(count: int) -> int:
@@ -101,20 +100,109 @@ def _upload(arrays: dict[str, object], device: torch.device) -> dict[str, torch.
     return tensors
 
 
+class AttentionLayout:
+    """One attention call over the pool: R rows of Q queries, row r the queries of one chunk (a decode's token, or
+    up to QUERY_BLOCK consecutive queries of a prefill chunk), padding rows and queries reading no page and never
+    gathered back.
+
+        query_index, query_positions  [R, Q]          flat token of row r's q-th query, its position (padding: 0)
+        tokens, query_rows            [n]             the flat tokens the layout computes, and the row r * Q + q of
+                                                      each in the padded queries
+        row_chunk                     [R]             the chunk (index in the step) of each row (padding: -2)
+        kv_num_blocks                 [R, 1, 1]       how many pages row r's queries read (up to its last query) ...
+        kv_indices                    [R, 1, 1, P]    ... and which: the first pages of its chunk's block table
+
+    `one_token_rows` (a padded decode step, engine/graphs.py): row r is flat token r, for every token: no gather."""
+
+    TENSORS = ("query_index", "query_positions", "tokens", "query_rows", "row_chunk", "kv_num_blocks", "kv_indices")
+
+    def __init__(self, name: str, tensors: dict[str, torch.Tensor], longest_pages: int, one_token_rows: bool,
+                 whole: bool, step: "StepBatch"):
+        for field in self.TENSORS:
+            setattr(self, field, tensors[f"{name}_{field}"])
+        self.longest_pages, self.one_token_rows, self.step = longest_pages, one_token_rows, step
+        self.whole = whole  # it computes every flat token, in flat order: its output needs no scatter
+        self._block_masks: dict[int | None, object] = {}
+
+    @staticmethod
+    def arrays(name: str, rows: list[tuple[int, int, int, int]], tables: list, queries: int, padded_rows: int,
+               block_size: int, num_pages: int, max_pages: int) -> tuple[dict[str, np.ndarray], int]:
+        """Host arrays of a layout of `rows` (chunk, flat first token, first position, queries) padded to
+        `padded_rows`, `queries` per row (chunk -2: a padding token's, reading no page); `tables`: each chunk's block
+        table. Returns (arrays, longest_pages)."""
+        count = max(len(rows), padded_rows)
+        query_index = np.zeros((count, queries), dtype=np.int64)
+        query_positions = np.zeros((count, queries), dtype=np.int64)
+        row_chunk = np.full(count, -2, dtype=np.int32)
+        kv_num_blocks = np.zeros((count, 1, 1), dtype=np.int32)
+        kv_indices = np.full((count, 1, 1, max_pages), num_pages, dtype=np.int32)  # padding: the trash page
+        tokens, query_rows, longest_pages = [], [], 0
+        for row, (chunk, first, start, length) in enumerate(rows):
+            pages = 0 if chunk < 0 else -(-(start + length) // block_size)  # chunk < 0: a padding token's row
+            query_index[row, :length] = np.arange(first, first + length)
+            query_positions[row, :length] = np.arange(start, start + length)
+            row_chunk[row] = chunk
+            kv_num_blocks[row, 0, 0] = pages
+            if pages:
+                kv_indices[row, 0, 0, :pages] = tables[chunk][:pages]
+            tokens += range(first, first + length)
+            query_rows += range(row * queries, row * queries + length)
+            longest_pages = max(longest_pages, pages)
+        return {f"{name}_query_index": query_index, f"{name}_query_positions": query_positions,
+                f"{name}_tokens": tokens, f"{name}_query_rows": query_rows, f"{name}_row_chunk": row_chunk,
+                f"{name}_kv_num_blocks": kv_num_blocks, f"{name}_kv_indices": kv_indices}, longest_pages
+
+    def copy_from(self, other: "AttentionLayout") -> None:
+        for field in self.TENSORS:
+            getattr(self, field).copy_(getattr(other, field))
+        self.longest_pages = other.longest_pages  # read on the host (context_slots)
+
+    def block_mask(self, sliding_window: int | None):
+        """flex_attention's BlockMask over the whole KV pool ([pages * block_size] keys, page = block): query q of
+        row r reads the key at pool slot k when k's page is r's chunk's and k's position in that chunk's request is
+        visible from q's. The pages listed per row make the GPU's kernels skip every other page."""
+        if sliding_window not in self._block_masks:
+            from torch.nn.attention.flex_attention import BlockMask
+
+            step, row_chunk, query_positions = self.step, self.row_chunk, self.query_positions
+            owner, index, size = step.page_owner, step.page_index, step.block_size
+
+            def visible(b, h, q, k):
+                page = k // size
+                return (owner[page] == row_chunk[b]) & _visible(index[page] * size + k % size, query_positions[b, q],
+                                                               sliding_window)
+
+            self._block_masks[sliding_window] = BlockMask.from_kv_blocks(
+                self.kv_num_blocks, self.kv_indices, BLOCK_SIZE=(QUERY_BLOCK, size), mask_mod=visible,
+                seq_lengths=(self.query_index.shape[1], owner.shape[0] * size), compute_q_blocks=False)
+        return self._block_masks[sliding_window]
+
+    def context_slots(self) -> torch.Tensor:
+        """[R, longest_pages * block_size]: the pool slot of each row's context position (the positions of pages
+        it does not read: slots of the trash page), for attention over gathered contexts (the CPU's)."""
+        size = self.step.block_size
+        pages = self.kv_indices[:, 0, 0, :self.longest_pages].long()
+        return (pages[:, :, None] * size + torch.arange(size, device=pages.device)).flatten(1)
+
+    def context_mask(self, sliding_window: int | None):
+        """The mask_mod over gathered contexts (`context_slots`): key k of row r is its request's position k."""
+        query_positions = self.query_positions
+        return lambda b, h, q, k: _visible(k, query_positions[b, q], sliding_window)
+
+
 class StepBatch:
     """`padded_rows`, for a decode step replayed from a CUDA graph (engine/graphs.py): every shape is fixed by the
     row count and nothing else: the chunks (one token each) are followed by padding rows (token 0 at position 0,
     written to the KV cache's trash slot, reading no page: their attention output is zero, their logits are
     never read), and the SGMV segments are one per chunk (length 1, never merged), padded with empty ones.
 
-    Any other step with a chunk of several tokens lays its attention out in buckets, R and Q rounded up to powers
-    of two (Q at least SHORTEST_QUERY_BUCKET): the compiled prefill attention is static in its shapes (with a
-    symbolic query length flex_attention found no kernel configuration: H100 runs 61-62 and this session's), so a
-    step's shapes must come from a small set. Padding query rows and chunks read no page and are never gathered
-    back; the flat tokens are not padded."""
+    Any other step lays its attention out in two layouts (`layouts`), each padded to a power of two of rows: its
+    one-token chunks, one query per row, and its longer chunks in rows of QUERY_BLOCK queries (the compiled
+    attention is static in its shapes: with a symbolic query length flex_attention found no kernel configuration
+    on the H100). The flat tokens are not padded."""
 
-    TENSORS = ("input_ids", "positions", "slots", "previous_rows", "query_index", "query_positions", "query_rows", "kv_num_blocks",
-               "kv_indices", "page_owner", "page_index", "sample_rows")  # what a replayed graph reads (copy_from)
+    TENSORS = ("input_ids", "positions", "slots", "previous_rows", "page_owner", "page_index",
+               "sample_rows")  # what a replayed graph reads (copy_from), besides its layout's
 
     def __init__(self, chunks: list[Chunk], block_size: int, num_pages: int, max_pages: int, device: torch.device,
                  padded_rows: int | None = None):
@@ -122,51 +210,46 @@ class StepBatch:
         # adapters first, grouped by slot; the base model's requests last
         self.chunks = chunks = sorted(chunks, key=lambda c: (c.slot is None, c.slot if c.slot is not None else 0))
         self.device, self.block_size = device, block_size
-        self.one_token_rows = padded_rows is not None  # row r of the attention's layout is flat token r
-        rows = len(chunks) if padded_rows is None else padded_rows
-        longest_query = max(len(c.tokens) for c in chunks)
-        if padded_rows is None and longest_query > 1:
-            rows, longest_query = bucket(rows), max(SHORTEST_QUERY_BUCKET, bucket(longest_query))
-        query_blocks = -(-longest_query // QUERY_BLOCK)
-        ids, positions, slots, query_index, sample_rows, previous_rows = [], [], [], [], [], []
-        query_positions = np.zeros((rows, longest_query), dtype=np.int64)
-        kv_num_blocks = np.zeros((rows, 1, query_blocks), dtype=np.int32)
-        kv_indices = np.full((rows, 1, query_blocks, max_pages), num_pages, dtype=np.int32)  # padding: the trash page
+        ids, positions, slots, sample_rows, previous_rows, firsts = [], [], [], [], [], []
         page_owner = np.full(num_pages + 1, -1, dtype=np.int32)
         page_index = np.zeros(num_pages + 1, dtype=np.int32)
-        self.longest_pages = 0
-        for row, chunk in enumerate(chunks):
+        for number, chunk in enumerate(chunks):
             table, end = chunk.request.blocks, chunk.start + len(chunk.tokens)
             pages = -(-end // block_size)
-            first = len(ids)
+            firsts.append(len(ids))
             ids += chunk.tokens
             previous_rows += [-1] * (len(chunk.tokens) - 1) + [-1 if chunk.from_row is None else chunk.from_row]
             positions += range(chunk.start, end)
             slots += [table[p // block_size] * block_size + p % block_size for p in range(chunk.start, end)]
-            query_index.append(list(range(first, len(ids))) + [0] * (longest_query - len(chunk.tokens)))
-            query_positions[row, :len(chunk.tokens)] = np.arange(chunk.start, end)
-            for block in range(-(-len(chunk.tokens) // QUERY_BLOCK)):  # the pages up to the block's last query
-                last = chunk.start + min((block + 1) * QUERY_BLOCK, len(chunk.tokens))
-                kv_num_blocks[row, 0, block] = -(-last // block_size)
-            kv_indices[row, 0, :, :pages] = table[:pages]
-            self.longest_pages = max(self.longest_pages, pages)
-            page_owner[table[:pages]] = row
+            page_owner[table[:pages]] = number
             page_index[table[:pages]] = np.arange(pages)
             if chunk.sample:
                 sample_rows.append(len(ids) - 1)
-        lengths = [len(c.tokens) for c in chunks]
+        tables = [c.request.blocks for c in chunks]
+        decodes = [(n, firsts[n], c.start, 1) for n, c in enumerate(chunks) if len(c.tokens) == 1]
+        prefills = [(n, firsts[n] + q0, c.start + q0, min(QUERY_BLOCK, len(c.tokens) - q0))
+                    for n, c in enumerate(chunks) if len(c.tokens) > 1 for q0 in range(0, len(c.tokens), QUERY_BLOCK)]
         if padded_rows is not None:
             trash = num_pages * block_size
-            for row in range(len(chunks), rows):
+            for row in range(len(chunks), padded_rows):  # padding tokens: rows of the decode layout, reading nothing
+                decodes.append((-2, len(ids), 0, 1))
                 ids.append(0)
                 previous_rows.append(-1)
                 positions.append(0)
                 slots.append(trash)
-                query_index.append([row])
                 sample_rows.append(row)
-            lengths += [1] * (rows - len(chunks))
-        else:
-            query_index += [[0] * longest_query] * (rows - len(chunks))
+        host = {"input_ids": ids, "positions": positions, "slots": slots, "previous_rows": previous_rows,
+                "sample_rows": sample_rows, "page_owner": page_owner, "page_index": page_index}
+        specs = []  # (name, rows, queries per row, padded rows)
+        if decodes:
+            specs.append(("decode", decodes, 1, len(decodes) if padded_rows is not None else bucket(len(decodes))))
+        if prefills:
+            specs.append(("prefill", prefills, QUERY_BLOCK, bucket(len(prefills))))
+        longest = {}
+        for name, rows, queries, padded in specs:
+            arrays, longest[name] = AttentionLayout.arrays(name, rows, tables, queries, padded, block_size, num_pages,
+                                                           max_pages)
+            host.update(arrays)
         self.sampled_chunks = [c for c in chunks if c.sample]
         self.token_runs = _runs([c.slot for c in chunks], [len(c.tokens) for c in chunks])  # host-side, as below
         if padded_rows is None:
@@ -175,16 +258,7 @@ class StepBatch:
         else:  # one token, one sampled row per chunk: the same segments for both
             adapted = [c.slot for c in chunks if c.slot is not None]
             token_segments = row_segments = None if not adapted else _segment_arrays(
-                [(row, row + 1, slot) for row, slot in enumerate(adapted)], pad_to=rows)
-
-        host = {"input_ids": ids, "positions": positions, "slots": slots, "previous_rows": previous_rows,
-                "query_index": query_index,
-                "query_positions": query_positions, "sample_rows": sample_rows,
-                # rows of the [R * Q] padded queries that are real, in flat token order (an index, not a mask: a
-                # boolean index makes the device count its rows before every layer's attention can return)
-                "query_rows": [r * longest_query + q for r, length in enumerate(lengths) for q in range(length)],
-                "kv_num_blocks": kv_num_blocks, "kv_indices": kv_indices, "page_owner": page_owner,
-                "page_index": page_index}
+                [(row, row + 1, slot) for row, slot in enumerate(adapted)], pad_to=padded_rows)
         # one upload per distinct segments (the padded layout's token and row segments are one object, so that
         # copy_from updates both)
         segment_arrays = {"token": token_segments}
@@ -196,18 +270,20 @@ class StepBatch:
         tensors = _upload(host, device)
         for name in self.TENSORS:
             setattr(self, name, tensors[name])
+        self.layouts = [AttentionLayout(name, tensors, longest[name], one_token_rows=padded_rows is not None,
+                                        whole=len(specs) == 1, step=self) for name, _, _, _ in specs]
         segments = {name: None if arrays is None else Segments(tensors[f"{name}_starts"], tensors[f"{name}_slots"],
                                                                arrays[2]) for name, arrays in segment_arrays.items()}
         self.token_segments = segments["token"]
         self.row_segments = segments.get("row", self.token_segments)
-        self._block_masks: dict[int | None, object] = {}
 
     def copy_from(self, other: "StepBatch") -> None:
-        """Take `other`'s values into this batch's tensors (same shapes), in place: a graph captured on this
-        batch then runs `other`."""
+        """Take `other`'s values into this batch's tensors (same shapes and layouts), in place: a graph captured on
+        this batch then runs `other`."""
         for name in self.TENSORS:
             getattr(self, name).copy_(getattr(other, name))
-        self.longest_pages = other.longest_pages  # read on the host (context_slots)
+        for mine, theirs in zip(self.layouts, other.layouts, strict=True):
+            mine.copy_from(theirs)
         if self.token_segments is not None:
             self.token_segments.starts.copy_(other.token_segments.starts)
             self.token_segments.slots.copy_(other.token_segments.slots)
@@ -215,35 +291,6 @@ class StepBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
-
-    def block_mask(self, sliding_window: int | None):
-        """flex_attention's BlockMask over the whole KV pool ([pages * block_size] keys, page = block): query q of
-        chunk r reads the key at pool slot k when k's page is r's and k's position in r is visible from q's. The
-        pages listed per query block make the GPU's kernels skip every other page."""
-        if sliding_window not in self._block_masks:
-            from torch.nn.attention.flex_attention import BlockMask
-
-            owner, index, query_positions, size = self.page_owner, self.page_index, self.query_positions, self.block_size
-
-            def visible(b, h, q, k):
-                page = k // size
-                return (owner[page] == b) & _visible(index[page] * size + k % size, query_positions[b, q], sliding_window)
-
-            self._block_masks[sliding_window] = BlockMask.from_kv_blocks(
-                self.kv_num_blocks, self.kv_indices, BLOCK_SIZE=(QUERY_BLOCK, size), mask_mod=visible,
-                seq_lengths=(self.query_index.shape[1], self.page_owner.shape[0] * size), compute_q_blocks=False)
-        return self._block_masks[sliding_window]
-
-    def context_slots(self) -> torch.Tensor:
-        """[R, longest_pages * block_size]: the pool slot of each chunk's context position (the positions of pages
-        it does not have: slots of the trash page), for attention over gathered contexts (the CPU's)."""
-        pages = self.kv_indices[:, 0, 0, :self.longest_pages].long()
-        return (pages[:, :, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten(1)
-
-    def context_mask(self, sliding_window: int | None):
-        """The mask_mod over gathered contexts (`context_slots`): key k of chunk r is r's position k."""
-        query_positions = self.query_positions
-        return lambda b, h, q, k: _visible(k, query_positions[b, q], sliding_window)
 
 
 def _visible(position, query_position, sliding_window: int | None):

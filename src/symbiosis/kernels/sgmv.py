@@ -371,46 +371,67 @@ _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 OVERLAP_TOKENS = 256
 
 
-def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_out: bool,
-                     a_pool: torch.Tensor, b_pool: torch.Tensor, scales: torch.Tensor, starts: torch.Tensor,
-                     slots: torch.Tensor, max_len: int, slices: list[int]) -> torch.Tensor:
-    """y = x W^T + b (x W + b with `in_out`: transformers' Conv1D keeps W as [in, out]), plus every segment's LoRA:
-    `lora_apply(y, x, a_pool, b_pool, scales, Segments(starts, slots, max_len), slices=slices)`.
+def _base(x, weight, bias, in_out: bool) -> torch.Tensor:
+    """x W^T + b (x W + b with `in_out`: transformers' Conv1D keeps W as [in, out])."""
+    if in_out:
+        return torch.addmm(bias, x, weight) if bias is not None else x @ weight
+    return torch.nn.functional.linear(x, weight, bias)
 
-    As a torch operator (`linear_with_lora_op`), torch.compile keeps it whole (the launch plan is host code) and
-    fuses what lies around it.
-    On a GPU, for decode-sized calls (at most OVERLAP_TOKENS tokens), the LoRA runs on a side stream beside the
-    base GEMM, into a delta added at the end: the LoRA's small kernels are bound by their latency and the GEMM by
-    memory, so the two overlap (H100, Llama-3-8B, batch 8, 8 distinct adapters: a decode step 8.09 -> 7.87 ms).
-    Larger calls (prefill) add in place after the GEMM: there the delta's extra pass over [T, out] costs more."""
+
+def linear_and_lora_delta(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_out: bool,
+                          a_pool: torch.Tensor, b_pool: torch.Tensor, scales: torch.Tensor, starts: torch.Tensor,
+                          slots: torch.Tensor, max_len: int, slices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x W^T + b, delta) where delta [T, out] holds every segment's LoRA, `lora_apply(zeros, x, a_pool, b_pool,
+    scales, Segments(starts, slots, max_len), slices=slices)`, and zeros outside the segments; the caller adds them.
+
+    On a GPU the LoRA runs on a side stream beside the base GEMM: the LoRA's small kernels are bound by their
+    latency and the GEMM by memory, so the two overlap (H100, Llama-3-8B, batch 8, 8 distinct adapters: a decode
+    step 8.09 -> 7.87 ms). Returning the two apart lets compiled code fold the add into the kernel that reads the
+    sum next (the norm, the residual add, the MLP's activation) instead of launching it on the step's critical path
+    (128 launches a Llama-3-8B decode step)."""
     segments = Segments(starts, slots, max_len)
-    slices = tuple(slices)
-
-    def base():
-        return torch.addmm(bias, x, weight) if in_out and bias is not None else x @ weight if in_out \
-            else torch.nn.functional.linear(x, weight, bias)
-
-    if not x.is_cuda or x.shape[0] > OVERLAP_TOKENS:
-        y = base()
-        lora_apply(y, x, a_pool, b_pool, scales, segments, slices=slices)
-        return y
-    main = torch.cuda.current_stream(x.device)
-    side = _side_streams.get(x.device) or _side_streams.setdefault(x.device, torch.cuda.Stream(x.device))
     # made on the main stream and dropped there after the join: the allocator needs no word of the side stream
     delta = torch.empty(x.shape[0], b_pool.shape[1], dtype=x.dtype, device=x.device)
+    if not x.is_cuda:
+        delta.zero_()
+        lora_apply(delta, x, a_pool, b_pool, scales, segments, slices=tuple(slices))
+        return _base(x, weight, bias, in_out), delta
+    main = torch.cuda.current_stream(x.device)
+    side = _side_streams.get(x.device) or _side_streams.setdefault(x.device, torch.cuda.Stream(x.device))
     side.wait_stream(main)
     with torch.cuda.stream(side):
         delta.zero_()
-        lora_apply(delta, x, a_pool, b_pool, scales, segments, slices=slices)
-    y = base()
+        lora_apply(delta, x, a_pool, b_pool, scales, segments, slices=tuple(slices))
+    y = _base(x, weight, bias, in_out)
     main.wait_stream(side)
+    return y, delta
+
+
+def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_out: bool,
+                     a_pool: torch.Tensor, b_pool: torch.Tensor, scales: torch.Tensor, starts: torch.Tensor,
+                     slots: torch.Tensor, max_len: int, slices: list[int]) -> torch.Tensor:
+    """y = x W^T + b (x W + b with `in_out`), plus every segment's LoRA:
+    `lora_apply(y, x, a_pool, b_pool, scales, Segments(starts, slots, max_len), slices=slices)`.
+
+    Decode-sized calls on a GPU (at most OVERLAP_TOKENS tokens) run their LoRA beside the GEMM
+    (`linear_and_lora_delta`); larger calls (prefill) add in place after the GEMM: there the delta's extra pass
+    over [T, out] costs more than the overlap gains."""
+    if not x.is_cuda or x.shape[0] > OVERLAP_TOKENS:
+        y = _base(x, weight, bias, in_out)
+        lora_apply(y, x, a_pool, b_pool, scales, Segments(starts, slots, max_len), slices=tuple(slices))
+        return y
+    y, delta = linear_and_lora_delta(x, weight, bias, in_out, a_pool, b_pool, scales, starts, slots, max_len, slices)
     return y.add_(delta)
 
 
-# the same as a torch operator, for code that torch.compile traces (eager code calls the function: no dispatch)
-linear_with_lora_op = torch.library.custom_op("symbiosis::linear_with_lora", mutates_args=())(linear_with_lora)
+# As a torch operator, for code that torch.compile traces (compiled decode steps; eager code calls the functions:
+# no dispatch): the launch plan is host code, so the compiler keeps the call whole and fuses what lies around it.
+linear_and_lora_delta_op = torch.library.custom_op("symbiosis::linear_and_lora_delta",
+                                                   mutates_args=())(linear_and_lora_delta)
 
 
-@linear_with_lora_op.register_fake
+@linear_and_lora_delta_op.register_fake
 def _(x, weight, bias, in_out, a_pool, b_pool, scales, starts, slots, max_len, slices):
-    return x.new_empty(x.shape[0], b_pool.shape[1])
+    out = b_pool.shape[1]
+    return x.new_empty(x.shape[0], out), x.new_empty(x.shape[0], out)
+

@@ -1,5 +1,6 @@
-"""One step's layout: prefill steps' attention in (rows, queries) buckets, padding that reads nothing and is never
-gathered back; decodes whose input token is still on the device."""
+"""One step's layout: decodes and prefill chunks in two attention layouts whose shapes are powers of two of rows
+alone (the compiled kernels meet a few shapes), padding that reads nothing and is never gathered back; decodes whose
+input token is still on the device."""
 
 from __future__ import annotations
 
@@ -7,29 +8,53 @@ from types import SimpleNamespace
 
 import torch
 
-from symbiosis.engine.batch import SHORTEST_QUERY_BUCKET, Chunk, StepBatch, bucket
+from symbiosis.engine.batch import QUERY_BLOCK, Chunk, StepBatch, bucket
 
 
 def _chunk(blocks, start, tokens, slot=None, sample=True, from_row=None):
     return Chunk(SimpleNamespace(blocks=blocks), start, tokens, slot, sample, from_row)
 
 
-def test_prefill_steps_lay_their_attention_out_in_buckets():
-    chunks = [_chunk([0, 1], 0, list(range(5, 10))), _chunk([2, 3, 4], 4, list(range(20, 37)), slot=1),
-              _chunk([5], 2, [7])]
-    batch = StepBatch(chunks, block_size=8, num_pages=8, max_pages=4, device=torch.device("cpu"))
-    rows, queries = batch.query_index.shape
-    assert (rows, queries) == (bucket(3), max(SHORTEST_QUERY_BUCKET, bucket(17))) == (4, 32)
-    # every flat token is gathered back from exactly its own row and query, padding never
-    lengths = [len(c.tokens) for c in batch.chunks]
-    expected = [r * queries + q for r, n in enumerate(lengths) for q in range(n)]
-    assert batch.query_rows.tolist() == expected and batch.num_tokens == sum(lengths)
-    assert batch.kv_num_blocks[len(chunks):].eq(0).all(), "a padding row reads no page"
-    assert not batch.one_token_rows and batch.previous_rows.eq(-1).all()
+def _batch(chunks, **kwargs):
+    return StepBatch(chunks, block_size=8, num_pages=40, max_pages=36, device=torch.device("cpu"), **kwargs)
+
+
+def test_a_mixed_step_lays_decodes_and_prefill_rows_out_apart_each_in_a_bucket_of_rows():
+    long = list(range(3, 3 + QUERY_BLOCK + 40))  # two prefill rows
+    chunks = [_chunk([0, 1], 0, list(range(5, 10))), _chunk(list(range(2, 25)), 4, long, slot=1),
+              _chunk([30], 2, [7]), _chunk([31], 5, [8], slot=1)]
+    batch = _batch(chunks)
+    decode, prefill = batch.layouts
+    assert decode.query_index.shape == (bucket(2), 1) and prefill.query_index.shape == (bucket(3), QUERY_BLOCK)
+    lengths = [len(c.tokens) for c in batch.chunks]  # the step's order: adapters first
+    firsts = [sum(lengths[:n]) for n in range(len(lengths))]
+    # every flat token is computed by exactly one layout, from exactly its own row and query; padding never
+    computed = sorted(decode.tokens.tolist() + prefill.tokens.tolist())
+    assert computed == list(range(batch.num_tokens)) == list(range(sum(lengths)))
+    for layout in batch.layouts:
+        queries = layout.query_index.shape[1]
+        for token, row in zip(layout.tokens.tolist(), layout.query_rows.tolist()):
+            assert layout.query_index[row // queries, row % queries] == token
+            chunk = layout.row_chunk[row // queries]
+            assert layout.query_positions[row // queries, row % queries] == \
+                batch.chunks[chunk].start + token - firsts[chunk]
+    # a prefill row reads the pages up to its last query, a padding row none
+    assert prefill.kv_num_blocks[:3, 0, 0].tolist() == [-(-(4 + QUERY_BLOCK) // 8), -(-(4 + len(long)) // 8), 1]
+    assert prefill.kv_num_blocks[3:].eq(0).all() and decode.kv_num_blocks[2:].eq(0).all()
+    assert prefill.row_chunk[3:].eq(-2).all()
+    assert batch.previous_rows.eq(-1).all() and not any(layout.whole for layout in batch.layouts)
+
+
+def test_prefill_shapes_do_not_follow_prompt_lengths():
+    shapes = {_batch([_chunk(list(range(20)), 0, [1] * length)]).layouts[0].query_index.shape
+              for length in (2, 17, 100, QUERY_BLOCK)}
+    assert shapes == {(1, QUERY_BLOCK)}
 
 
 def test_decodes_take_a_token_still_on_the_device_from_its_row():
     chunks = [_chunk([0], 3, [0], from_row=2), _chunk([1], 5, [11]), _chunk([2], 1, [0], from_row=0)]
-    batch = StepBatch(chunks, block_size=8, num_pages=8, max_pages=4, device=torch.device("cpu"), padded_rows=4)
-    assert batch.one_token_rows and batch.num_tokens == 4
+    batch = _batch(chunks, padded_rows=4)
+    (layout,) = batch.layouts
+    assert layout.one_token_rows and layout.whole and batch.num_tokens == 4
+    assert layout.kv_num_blocks[3].eq(0).all() and layout.row_chunk[3] == -2, "the padding row reads no page"
     assert batch.previous_rows.tolist() == [2, -1, 0, -1] and batch.input_ids.tolist() == [0, 11, 0, 0]

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 import symbiosis
 from symbiosis.client.bottleneck import attach_bottleneck, random_bottleneck, save_bottleneck
 from symbiosis.engine import Engine, GenerationError, SamplingParams, attention, layers
+from symbiosis.engine import batch as batch_layout
 from symbiosis.engine import compiled as compiled_layers
 from symbiosis.errors import AdapterError, BadCall, UnsupportedAdapter
 
@@ -69,6 +70,18 @@ def test_attention_read_in_place_from_the_pool_changes_no_token(models, arch, de
     _mixed_batch(models, arch, decode_graphs=decode_graphs)
 
 
+@pytest.mark.parametrize("arch, in_place", [("llama", True), ("gemma2", True), ("qwen2", False)])
+def test_prefill_chunks_over_several_attention_rows_change_no_token(models, arch, in_place, monkeypatch):
+    """A prefill chunk longer than a row of queries (QUERY_BLOCK, 4 here) spans several rows of the step's prefill
+    layout, each reading its chunk's pages up to its own last query (Gemma2: within its sliding window too), beside
+    the decode layout of the other requests' tokens."""
+    monkeypatch.setattr(batch_layout, "QUERY_BLOCK", 4)
+    if in_place:
+        monkeypatch.setattr(attention, "reads_in_place", lambda query: True)
+    engine = _mixed_batch(models, arch, max_batch_tokens=32)
+    assert engine.steps > 0
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_compiled_decoder_layers_change_no_token_and_compile_once_per_step_shape(models, arch):
     """Decode steps through torch.compile'd decoder layers (the CPU's inductor): the same tokens and log-probabilities;
@@ -109,11 +122,11 @@ def test_members_of_a_fused_group_called_apart_compute_alone(models, monkeypatch
     _mixed_batch(models, "llama")
 
 
-def _mixed_batch(models, arch, rtol=1e-9, **options):
+def _mixed_batch(models, arch, rtol=1e-9, max_batch_tokens=8, **options):
     checkpoint, adapters = models(arch)
     # 4-token blocks and an 8-token budget: prompts are prefilled in chunks beside other requests' decodes
-    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, max_batch_tokens=8,
-                                    **options)
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4,
+                                    max_batch_tokens=max_batch_tokens, **options)
     names = [None, *adapters]
     jobs = [(prompt, names[i % len(names)]) for i, prompt in enumerate(PROMPTS + PROMPTS[:2])]
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3)
