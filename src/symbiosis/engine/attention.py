@@ -139,6 +139,9 @@ def _attend_layout(layout, query, keys, values, scale, sliding_window, score_mod
         q = query[0].transpose(0, 1).unsqueeze(2)  # [R, H, 1, D]
     else:
         q = query[0][:, layout.query_index].transpose(0, 1)  # [R, H, Q, D]
+    # One memory layout whatever made q (a graph step's compiled layers, an eager step's gather): the compiled
+    # kernels guard on strides, and decodes in mixed steps compiled again every row bucket the graphs had (H100)
+    q = q.contiguous()
     rows, queries = q.shape[0], q.shape[2]
     if reads_in_place(q):  # the kernels read each row's pages of the pool
         kernel = _kernel(queries == 1, layout.step.block_size) if q.is_cuda else _unfused

@@ -3,7 +3,8 @@
 `Plot` (lookup.py) looks sequences up one by one in memory-mapped tables on the host, which suits tables larger than
 the GPU can spare and lookups that overlap the GPU's work. Where the tables fit on the device beside the model,
 `DevicePlot` does the same lookups there, for every sequence of a padded batch together: per fragment length and
-table, one `searchsorted` over the packed keys and one gather of the values, then the same aggregation as
+table, one `searchsorted` over the packed keys and one gather of the values (dense selects throughout: the host
+never waits for the device mid-batch), then the same aggregation as
 `Plot.represent` (the decoder's longest fragment ending at each token; the encoder's normalized sum over the covering
 fragments of the longest length that has any). The results equal `Plot.represent`'s (tested), so a model's lower
 layers cost a few kernels a batch instead of host work and a copy to the device.
@@ -68,7 +69,8 @@ class DevicePlot:
             table_keys, table_values = table[length]
             rows = torch.searchsorted(table_keys, keys).clamp(max=table_keys.numel() - 1)
             hit = wanted & ~found & (table_keys[rows] == keys)
-            values[hit] = table_values[rows[hit]].to(self.dtype)
+            # dense selects, not boolean indexing: a boolean index makes the host wait for the device's count
+            values = torch.where(hit[..., None, None], table_values[rows].to(self.dtype), values)
             found |= hit
         return values, found
 
@@ -79,7 +81,7 @@ class DevicePlot:
         for length in range(min(self.n, tokens.shape[1]), 0, -1):
             windows = tokens.unfold(1, length, 1)  # [B, S, G]: the fragment starting at s ends at s + G - 1
             values, found = self._find(windows, ~done[:, length - 1:])
-            out[:, length - 1:][found] = values[..., -1, :][found]
+            out[:, length - 1:] = torch.where(found[..., None], values[..., -1, :], out[:, length - 1:])
             done[:, length - 1:] |= found
         return out
 
@@ -88,9 +90,7 @@ class DevicePlot:
         total = torch.zeros(*tokens.shape, self.hidden, dtype=self.dtype, device=self.device)
         counts = torch.zeros(tokens.shape, dtype=torch.long, device=self.device)
         for length in range(min(self.n, tokens.shape[1]), 0, -1):
-            open_ = (counts == 0) & mask  # tokens no longer fragment has covered
-            if not bool(open_.any()):
-                break
+            open_ = (counts == 0) & mask  # tokens no longer fragment has covered (every length runs: no host wait)
             windows = tokens.unfold(1, length, 1)
             starts = windows.shape[1]
             values, found = self._find(windows, mask[:, length - 1:])  # fragments inside their sequence

@@ -77,6 +77,8 @@ class Service:
             self.hmi = HmiService(self, **hmi)
 
     def start(self) -> "Service":
+        if self.engine.device.type == "cuda":  # compile and record every step shape now, not on the first requests
+            self.engine.warm_up()
         self.engine.start()
         if self.training_queue is not None:
             self.training_queue.start()

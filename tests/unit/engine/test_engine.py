@@ -82,6 +82,25 @@ def test_prefill_chunks_over_several_attention_rows_change_no_token(models, arch
     assert engine.steps > 0
 
 
+def test_warm_up_makes_every_decode_shape_before_the_first_request_and_leaves_nothing_behind(models):
+    checkpoint, adapters = models("llama")
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, max_running=6,
+                                    decode_graphs=True)
+    engine.warm_up()
+    assert sorted(rows for rows, adapted, _ in engine.graphs.recorded) == [1, 2, 4, 8]
+    assert engine.pool.free == engine.pool.num_blocks and not engine.has_work()
+    name = "mlp_r8"
+    completion = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3),
+                                 [(name, adapters[name])])[0]
+    _check(completion, _alone(checkpoint, adapters[name], PROMPTS[2], 6), PROMPTS[2])
+    engine.start()
+    try:
+        with pytest.raises(RuntimeError, match="before its thread starts"):
+            engine.warm_up()
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_compiled_decoder_layers_change_no_token_and_compile_once_per_step_shape(models, arch):
     """Decode steps through torch.compile'd decoder layers (the CPU's inductor): the same tokens and log-probabilities;
