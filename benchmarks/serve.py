@@ -101,7 +101,8 @@ async def _http_client(url: str, key: str, jobs: list[dict], times: list[float],
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 response.raise_for_status()
                 async for line in response.aiter_lines():
-                    if line.startswith("data: {"):
+                    # a token's chunk; the last chunk (finish_reason, empty text) is no token
+                    if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["finish_reason"] is None:
                         records[i]["tokens"].append(time.perf_counter() - start)
         await asyncio.gather(*(one(i) for i in range(len(jobs))))
         return summary(records, time.perf_counter() - start)
