@@ -15,7 +15,8 @@ layer-wise prefetch), `on_demand` (random tenants, host tier off: each placement
 waits for all of its copies before it starts), `copies` (how many whole model copies the GPU holds: computed
 from the free memory and the model's bytes, not run), `placement` (the CPU time of issuing one adapter's
 placement: what the step that needs it pays on the engine's thread), `prefetch` (copy time of one adapter alone, against the
-latency a new adapter adds to a prefill step with and without layer-wise waits).
+latency a new adapter adds to a prefill step with and without layer-wise waits, on an idle engine and, `loaded_*`, for
+a request that joins 16 decoding requests).
 """
 
 from __future__ import annotations
@@ -99,8 +100,19 @@ def prefill_ms(engine: Engine, directory: Path, name: str, prompt: list[int]) ->
     return (time.perf_counter() - started) * 1000
 
 
-def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: int, samples: int) -> dict:
-    """Copy time alone (host tier -> a slot, synchronized) against what a new adapter adds to a prefill."""
+def first_token_ms(engine: Engine, directory: Path, name: str, prompt: list[int]) -> float:
+    """Submit to first token of one request, whatever else the running engine is doing."""
+    started = time.perf_counter()
+    next(iter(engine.submit(prompt, SamplingParams(max_tokens=1), (name, directory))))
+    return (time.perf_counter() - started) * 1000
+
+
+def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: int, samples: int,
+             background: int = 16) -> dict:
+    """Copy time alone (host tier -> a slot, synchronized) against what a new adapter adds to a prefill: alone on
+    an idle engine (prefill_ms), and as the first token of a request that joins `background` decoding requests
+    (`loaded_*`: the engine's thread then builds and launches each step while the one before runs on the GPU, where a
+    placement's host work and its copies have the running step beside them)."""
     store, rng = engine.adapters, random.Random(7)
     prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
     fresh = iter(range(len(directories) - 1, -1, -1))  # tenants the bursts are least likely to have left resident
@@ -119,20 +131,33 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
     result = {"copy_ms": float(np.median(copies))}
     # The two ways of waiting, interleaved sample by sample: a drift of the GPU's clocks or of the engine's state
     # then lands on both (run on the H100 one after the other, their resident prefills differed by 10 ms).
-    times = {(layerwise, kind): [] for layerwise in (True, False) for kind in ("resident", "new")}
-    for _ in range(samples):
+    for load, measure in (("", prefill_ms), ("loaded_", first_token_ms)):
+        running = []
+        if load:  # decoding requests of the resident adapter, until cancelled (a row is left for the timed one)
+            params = SamplingParams(max_tokens=min(4096, (engine.context_limit or 8192) - 64), ignore_eos=True)
+            count = min(background, engine.scheduler.max_running - 1)
+            running = [engine.submit(prompt[:64], params, ("t0", directories[0])) for _ in range(count)]
+            for handle in running:
+                next(iter(handle))
+        times = {(layerwise, kind): [] for layerwise in (True, False) for kind in ("resident", "new")}
+        for _ in range(samples):
+            for layerwise in (True, False):
+                store.layerwise = layerwise
+                i = next(fresh)
+                store.load(f"t{i}", directories[i])
+                times[layerwise, "resident"].append(measure(engine, directories[0], "t0", prompt))  # t0 stays put
+                times[layerwise, "new"].append(measure(engine, directories[i], f"t{i}", prompt))
+        for handle in running:
+            handle.cancel()
+        for handle in running:
+            for _ in handle:  # to its end: the engine is idle again
+                pass
         for layerwise in (True, False):
-            store.layerwise = layerwise
-            i = next(fresh)
-            store.load(f"t{i}", directories[i])
-            times[layerwise, "resident"].append(prefill_ms(engine, directories[0], "t0", prompt))  # t0 stays put
-            times[layerwise, "new"].append(prefill_ms(engine, directories[i], f"t{i}", prompt))
-    for layerwise in (True, False):
-        resident, new = times[layerwise, "resident"], times[layerwise, "new"]
-        added = float(np.median(np.array(new) - np.array(resident)))  # paired: each new prefill with its neighbour
-        key = "layerwise" if layerwise else "whole_step"
-        result.update({f"{key}_resident_ms": float(np.median(resident)), f"{key}_new_ms": float(np.median(new)),
-                       f"{key}_added_ms": added, f"{key}_hidden": 1 - added / result["copy_ms"]})
+            resident, new = times[layerwise, "resident"], times[layerwise, "new"]
+            added = float(np.median(np.array(new) - np.array(resident)))  # paired: each new one with its neighbour
+            key = load + ("layerwise" if layerwise else "whole_step")
+            result.update({f"{key}_resident_ms": float(np.median(resident)), f"{key}_new_ms": float(np.median(new)),
+                           f"{key}_added_ms": added, f"{key}_hidden": 1 - added / result["copy_ms"]})
     store.layerwise = True
     return result
 
