@@ -359,6 +359,37 @@ def test_on_the_gpu_the_triton_kernels_give_plain_peft_tokens(models, decode_gra
 
 
 @pytest.mark.gpu
+def test_on_the_gpu_long_prompts_over_several_prefill_rows_give_plain_peft_tokens(tmp_path):
+    """Prompts of 300 and 700 tokens (rows of 128 queries in the prefill layout, the longer one in two chunks of a
+    512-token budget) beside a short one and its decodes, float32 on CUDA with the compiled kernels and the engine's
+    warm-up, against plain transformers + PEFT."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float64),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                init_lora_weights=False))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.normal_(0, 0.3)
+    model.save_pretrained(tmp_path / "adapter")
+    engine = Engine.from_pretrained(tmp_path / "base", device="cuda", dtype=torch.float32, kv_blocks=64,
+                                    block_size=64, max_batch_tokens=512, max_running=8)
+    engine.warm_up()
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (300, 700, 9)]
+    adapters = [("adapter", tmp_path / "adapter"), None, ("adapter", tmp_path / "adapter")]
+    completions = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3), adapters)
+    for completion, prompt, adapter in zip(completions, prompts, adapters):
+        expected = _alone(tmp_path / "base", None if adapter is None else adapter[1], prompt, 6, torch.float32)
+        _check(completion, expected, prompt[:8], rtol=1e-3)
+
+
+@pytest.mark.gpu
 def test_on_the_gpu_steps_run_on_their_own_stream_beside_other_work(models):
     """The engine's thread launches its steps on its own high-priority stream; while another thread keeps the
     default stream full of GEMMs (as a training pass does), every request still gets plain PEFT's tokens."""
