@@ -177,12 +177,19 @@ def main() -> None:
     run_http(url, key, warm, arrivals(len(warm), 64.0), names)
     for rate in [float(r) for r in args.rates.split(",")]:
         jobs, times = workload(args.requests, args.adapters, vocab), arrivals(args.requests, rate)
+        # the service process's CPU time (every thread: the engine's, the event loop's) per generated token: what
+        # the HTTP layer adds to it is the Python that competes with the engine's thread for the GIL
+        cpu = time.process_time()
         direct = run_direct(service, jobs, times, names)
+        direct["server_cpu_ms_per_token"] = 1e3 * (time.process_time() - cpu) / max(1, direct["generated"])
+        cpu = time.process_time()
         http = run_http(url, key, jobs, times, names)
+        http["server_cpu_ms_per_token"] = 1e3 * (time.process_time() - cpu) / max(1, http["generated"])
         emit(**common, rate=rate, path="engine", **direct)
         emit(**common, rate=rate, path="http", **http, throughput_ratio=http["tokens_per_s"] / direct["tokens_per_s"],
              ttft_p50_ratio=http["ttft_p50_ms"] / direct["ttft_p50_ms"],
-             itl_p50_ratio=http["itl_p50_ms"] / direct["itl_p50_ms"])
+             itl_p50_ratio=http["itl_p50_ms"] / direct["itl_p50_ms"],
+             http_cpu_ms_per_token=http["server_cpu_ms_per_token"] - direct["server_cpu_ms_per_token"])
     server.should_exit = True
     service.close()
 
