@@ -76,8 +76,10 @@ def drive(tenants: int, start_tenant, length: int, duration: float, on_start=lam
     return sum(trained), time.perf_counter() - start
 
 
-def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: float, vocab: int) -> dict:
-    """Every tenant a thread submitting forward_backward then optim_step to one TrainingQueue."""
+def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: float, vocab: int,
+               profile: str | None = None) -> dict:
+    """Every tenant a thread submitting forward_backward then optim_step to one TrainingQueue. `profile`: write a
+    torch.profiler table of the window (every thread's operators, the GPU's kernels) there."""
     from symbiosis.executor.executor import Executor
     from symbiosis.train import HostedLora, LoraSpec, Trainer, Work
     from symbiosis.train.scheduler import Operation, TrainingQueue
@@ -116,7 +118,22 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
         return step, lambda: None
 
     passes = []
+    activities = [torch.profiler.ProfilerActivity.CPU] + \
+        ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    profiler = None
+    if profile:  # the passes run on the training queue's thread: every thread's operators, not the starter's alone
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+        profiler = torch.profiler.profile(activities=activities, experimental_config=config)
+
+    if profiler is not None:  # from this thread (kineto wants the thread that made it); the warm-up steps are in
+        profiler.start()
     trained, wall = drive(tenants, start_tenant, length, duration, on_start=lambda: passes.append(queue.passes))
+    if profiler is not None:
+        profiler.stop()
+        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        Path(profile).write_text(f"{tenants} tenants, {queue.passes - passes[0]} passes in {wall:.2f} s\n" +
+                                 profiler.key_averages().table(sort_by=key, row_limit=40) + "\n" +
+                                 profiler.key_averages().table(sort_by="cpu_time_total", row_limit=40))
     result = {"tokens_per_s": trained / wall, "passes_per_s": (queue.passes - passes[0]) / wall,
               "peak_gib": peak_gib()}
     queue.stop()
@@ -230,12 +247,18 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--paths", default="engine,sdk", help="engine (the Python API), sdk (tinker over HTTP)")
     parser.add_argument("--fleet", default="8,16", help="PEFT process fleets to run (empty: none)")
+    parser.add_argument("--profile", help="write a torch.profiler table of 2 s of the Python API at the most tenants "
+                                          "here (and run nothing else)")
     args = parser.parse_args()
     model_dir = checkpoint(args.model)
     vocab = CONFIGS[args.model]["vocab_size"]
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     common = dict(bench="hosted_training", model=args.model, rank=args.rank, seq_len=args.seq_len, gpu=gpu)
     counts = [int(n) for n in args.tenants.split(",")]
+    if args.profile:
+        emit(**common, system="symbiosis engine API, profiled", tenants=max(counts),
+             **engine_api(model_dir, max(counts), args.rank, args.seq_len, 2.0, vocab, profile=args.profile))
+        return
     for n in counts:
         if "engine" in args.paths:
             emit(**common, system="symbiosis engine API", tenants=n,
