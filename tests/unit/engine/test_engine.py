@@ -48,6 +48,18 @@ def _check(completion, expected, prompt, rtol=1e-9):
         assert [i for i, _ in token.top_logprobs] == top.indices.tolist()
 
 
+def _save_random_lora(base, target_modules: list[str], directory) -> None:
+    """A rank-4 LoRA on `target_modules` of the checkpoint `base`, large enough to change tokens, saved by PEFT."""
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=target_modules,
+                                                init_lora_weights=False))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.normal_(0, 0.3)
+    model.save_pretrained(directory)
+
+
 @pytest.mark.parametrize("arch", ENGINE_ARCHS)
 def test_a_mixed_batch_equals_each_request_alone(models, arch):
     _mixed_batch(models, arch)
@@ -171,14 +183,7 @@ def test_head_lora_in_replayed_decode_steps_follows_the_batch_as_it_changes(mode
     (the sampled rows') must be the new batch's, as the other layers' are."""
     checkpoint, adapters = models("llama")
     torch.manual_seed(5)
-    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64),
-                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"],
-                                                init_lora_weights=False))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_" in n:
-                p.normal_(0, 0.3)
-    model.save_pretrained(tmp_path / "head")
+    _save_random_lora(checkpoint, ["q_proj", "lm_head"], tmp_path / "head")
     adapters = {**adapters, "head": tmp_path / "head"}
     engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, decode_graphs=True)
     jobs = [(PROMPTS[0], "head", 2), (PROMPTS[1], "attn_r2", 7), (PROMPTS[2], None, 4), (PROMPTS[3], "head", 7)]
@@ -369,14 +374,7 @@ def test_on_the_gpu_long_prompts_over_several_prefill_rows_give_plain_peft_token
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
     LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
-    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float64),
-                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                                                init_lora_weights=False))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_" in n:
-                p.normal_(0, 0.3)
-    model.save_pretrained(tmp_path / "adapter")
+    _save_random_lora(tmp_path / "base", ["q_proj", "v_proj", "down_proj"], tmp_path / "adapter")
     engine = Engine.from_pretrained(tmp_path / "base", device="cuda", dtype=torch.float32, kv_blocks=64,
                                     block_size=64, max_batch_tokens=512, max_running=8)
     engine.warm_up()
