@@ -142,10 +142,14 @@ class HostedLora:
         parameters = self.parameters()
         grads = [p.grad for p in parameters if p.grad is not None]
         # On a GPU the total norm takes a few multi-tensor launches, not one per tensor (128 for a 1B model's
-        # q/k/v/o): the training queue runs every tenant's step on its one thread, one after another.
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        if grad_clip_norm > 0 and grads:
-            torch.nn.utils.clip_grad_norm_(parameters, grad_clip_norm)
+        # q/k/v/o): the training queue runs every tenant's step on its one thread, one after another. Clipping
+        # computes the same norm (before it clips) and returns it.
+        if not grads:
+            norm = torch.zeros(())
+        elif grad_clip_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads)
         for group in self.optimizer.param_groups:
             group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
         self.optimizer.step()
