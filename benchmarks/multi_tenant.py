@@ -48,7 +48,9 @@ def main() -> None:
                         help="which fleets compute the loss with symbiosis.causal_lm_loss (no whole logits)")
     parser.add_argument("--executor", action="append",
                         help="--clients threads: what they attach to: local (in-process, the default), "
-                             "sharded:cuda:0,cuda:1[/columns] (executor/sharded.py), nccl:cuda:0 with --client-device "
+                             "sharded:cuda:0,cuda:1[/columns] (executor/sharded.py: a process per device), "
+                             "peers:cuda:0,cuda:1[/columns] (executor/peers.py: every GPU driven by this process), "
+                             "nccl:cuda:0 with --client-device "
                              "cuda:1 (clients on another GPU). Given several times: each fleet in turn, each line with "
                              "its iteration time against the first's")
     parser.add_argument("--client-device", help="--executor nccl:...: where the clients compute (comma-separated: "
@@ -118,7 +120,8 @@ def threads_policy(executor: str) -> str:
     """The batching policy of a threads fleet's executor (tenant.py's `threads_executor`)."""
     if executor == "local":
         return "none"
-    return executor.partition("@")[2] or "opportunistic" if executor.startswith("sharded:") else "opportunistic"
+    return executor.partition("@")[2] or "opportunistic" if executor.startswith(("sharded:", "peers:")) \
+        else "opportunistic"
 
 
 def report(args, n, executor, ours, ours_gpu, profile, plain, plain_gpu, best_plain):

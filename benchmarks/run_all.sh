@@ -74,8 +74,8 @@ declare -A COMMAND=(
   # two GPUs (issue: runs on two GPUs), by name only: not in ORDER. Clients on GPU 1 over nccl:// against the same
   # clients in process on GPU 0; the 13B executor sharded over both GPUs, whole layers and columns
   [remote_2gpu]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,4,8 --duration 5 --no-plain --clients threads --executor local --executor nccl:cuda:0 --client-device cuda:1"
-  [sharded_13b_2gpu]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 24 --duration 5 --no-plain --clients threads --checkpointing --executor sharded:cuda:0,cuda:1 --executor sharded:cuda:0,cuda:1@none"
-  [sharded_13b_2gpu_columns]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 24 --duration 5 --no-plain --clients threads --checkpointing --executor sharded:cuda:0,cuda:1/columns"
+  [sharded_13b_2gpu]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 24 --duration 5 --no-plain --clients threads --checkpointing --executor peers:cuda:0,cuda:1"
+  [sharded_13b_2gpu_columns]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 24 --duration 5 --no-plain --clients threads --checkpointing --executor peers:cuda:0,cuda:1/columns"
   [fsdp_13b_2gpu]="$PY benchmarks/fsdp_fleet.py --model llama-2-13b --jobs 1,2,3 --gpus 2 --duration 10"
   # eight GPUs, by name only: Gemma-2-27B's executor over GPUs 0-3, 8 clients on GPUs 4-7 over nccl:// (bs 2, seq 64),
   # against FSDP2 + PEFT jobs over all eight

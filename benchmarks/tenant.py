@@ -103,22 +103,22 @@ def decode_loop(model, args, until: float | None, max_iters: int | None = None) 
     return times
 
 
-def _sharded(args, where: str):
-    """`DEV,DEV[,...][/columns][@POLICY]`: a sharded executor, this process its front; its batching policy
-    `opportunistic` unless named (a layer on another rank is a round trip a call, which N clients' calls batched
-    pay once; `none`: the front's own layers run on the clients' threads, each call alone)."""
-    from symbiosis.executor.sharded import launch_sharded
-
+def _sharded(args, where: str, launch):
+    """`DEV,DEV[,...][/columns][@POLICY]`: an executor over several devices (`launch`: sharded.launch_sharded, a
+    process per device after the first, this one the front; or peers.on_devices, every GPU driven by this
+    process); its batching policy `opportunistic` unless named (a layer on another device costs a transfer a call,
+    which N clients' calls batched pay once; `none`: the front's own layers run on the clients' threads, each call
+    alone)."""
     where, _, policy = where.partition("@")
     devices, _, split = where.partition("/")
-    return launch_sharded(args.model_dir, devices.split(","), dtype(), split=split or "layers",
-                          policy=policy or "opportunistic")
+    return launch(args.model_dir, devices.split(","), dtype(), split=split or "layers", policy=policy or "opportunistic")
 
 
 def threads_executor(args):
     """(what the threads' clients attach to, the devices they compute on (round robin), what to close): --executor
     `local` (in-process, policy none: each client runs its GEMMs itself), `sharded:DEV,DEV[,...][/columns][@POLICY]`
-    (executor/sharded.py, this process rank 0, calls batched unless @none), or `nccl:WHAT` / `gloo:WHAT` (WHAT: a device, or
+    (executor/sharded.py, this process rank 0, calls batched unless @none), `peers:...` (the same, every GPU driven
+    by this process: executor/peers.py), or `nccl:WHAT` / `gloo:WHAT` (WHAT: a device, or
     `sharded:...`):
     a `symbiosis executor` process serving WHAT, the clients, on --client-device's devices, attached to it over
     that transport. (An executor process of its own, as the paper's remote clients have: with the executor's
@@ -127,8 +127,11 @@ def threads_executor(args):
     if kind == "local":
         executor = symbiosis.Executor.from_pretrained(args.model_dir, device=device(), dtype=dtype(), policy="none")
         return executor, [device()], [executor.close]
-    if kind == "sharded":
-        executor = _sharded(args, where)
+    if kind in ("sharded", "peers"):
+        from symbiosis.executor.peers import on_devices
+        from symbiosis.executor.sharded import launch_sharded
+
+        executor = _sharded(args, where, launch_sharded if kind == "sharded" else on_devices)
         return executor, [executor.device], [executor.close]
     if kind in ("nccl", "gloo"):
         from common import free_port, start_executor
@@ -146,7 +149,8 @@ def threads_executor(args):
             process.terminate()
             process.wait(60)
         return remote, (args.client_device or device()).split(","), [stop]
-    raise SystemExit(f"--executor {args.executor!r}: local, sharded:DEVICES[/columns], nccl:WHAT or gloo:WHAT")
+    raise SystemExit(f"--executor {args.executor!r}: local, sharded:DEVICES[/columns], peers:DEVICES[/columns], "
+                     "nccl:WHAT or gloo:WHAT")
 
 
 def run_threads(args) -> None:
@@ -214,7 +218,7 @@ def main() -> None:
     parser.add_argument("--name", default="tenant")
     parser.add_argument("--tenants", type=int, default=1, help="--mode threads: how many clients")
     parser.add_argument("--executor", default="local", help="--mode threads: what the clients attach to "
-                        "(local, sharded:DEVICES[/columns], nccl:DEVICE, gloo:DEVICE)")
+                        "(local, sharded:DEVICES[/columns], peers:DEVICES[/columns], nccl:DEVICE, gloo:DEVICE)")
     parser.add_argument("--client-device", help="--mode threads over nccl/gloo: where the clients compute "
                         "(comma-separated: round robin)")
     parser.add_argument("--compile", action="store_true", help="torch.compile each tenant's model")

@@ -56,12 +56,18 @@ def executor_command(args: argparse.Namespace) -> int:
         serve_shard(int(os.environ["RANK"]), args.model, args.devices.split(","), args.dtype, split=args.split)
         return 0
     try:
-        if args.devices:  # sharded: under torchrun this is rank 0; else this process launches the shards
+        if args.devices:  # under torchrun this is rank 0; GPUs alone: this process drives them all; else it
+            # launches a shard process per device after the first
+            from symbiosis.executor.peers import on_devices
             from symbiosis.executor.sharded import front, launch_sharded
 
             devices = args.devices.split(",")
-            executor = front(args.model, devices, args.dtype, split=args.split, **options) if "RANK" in os.environ \
-                else launch_sharded(args.model, devices, args.dtype, split=args.split, **options)
+            if "RANK" in os.environ:
+                executor = front(args.model, devices, args.dtype, split=args.split, **options)
+            elif all(d.startswith("cuda") for d in devices):
+                executor = on_devices(args.model, devices, args.dtype, split=args.split, **options)
+            else:
+                executor = launch_sharded(args.model, devices, args.dtype, split=args.split, **options)
         else:
             device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
             executor = symbiosis.Executor.from_pretrained(args.model, device=device, dtype=args.dtype, **options)
@@ -282,9 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     executor.add_argument("--listen", help="ipc:///path/to/socket or tcp://host:port")
     executor.add_argument("--device", default=None, help="cuda:0, cpu, ... (default: cuda:0 if there is a GPU)")
     executor.add_argument("--devices", default=None,
-                          help="shard the base layers over these devices (cuda:0,cuda:1 or cpu,cpu; torch.distributed): "
-                               "this process launches a shard per device after the first, or, under torchrun, each "
-                               "rank takes the device of its rank and rank 0 listens")
+                          help="spread the base layers over these devices: GPUs of this machine (cuda:0,cuda:1) are "
+                               "driven by this process; otherwise (cpu,cpu; torch.distributed) it launches a shard "
+                               "process per device after the first, or, under torchrun, each rank takes the device of "
+                               "its rank and rank 0 listens")
     executor.add_argument("--split", choices=["layers", "columns"], default="layers",
                           help="with --devices: whole decoder layers per device, or every layer's output columns over "
                                "all devices")

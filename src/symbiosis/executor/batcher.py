@@ -4,6 +4,11 @@ Clients submit calls from any thread (in-process sessions, transport servers); o
 compute. It asks the policy what to run, concatenates the chosen calls along the token dimension (no
 padding: [T1, d] ++ [T2, d] -> [T1+T2, d]), runs the layer once, splits the result back per call and
 resolves each call's future.
+
+CUDA streams: a caller's tensor is read on the stream the batch runs on (the worker's, or a layer's own: a layer
+on another GPU of this process, executor/peers.py) only after an event its caller's stream recorded at submit,
+and the caller's stream waits for the batch's event when it takes the result (`StreamFuture`). Tenants on
+threads and streams of their own thus share batches without any host synchronization.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -21,12 +27,29 @@ from symbiosis.executor.policy import ACTIVE_WINDOW, ClientCounts, Decision, Pol
 from symbiosis.executor.stats import ExecutorStats
 
 RunBatch = Callable[..., torch.Tensor]  # (key, [T, d_in], counts per expert or None) -> [T, d_out]
+HomeStream = Callable[[QueueKey], "torch.cuda.Stream | None"]  # where a key's batches run (None: the worker's)
+
+
+class StreamFuture(Future):
+    """A call's future. Where its output was made on another CUDA stream than its caller's, `result()` makes the
+    calling thread's current stream wait for it, and tells the allocator that stream uses it."""
+
+    computed: "torch.cuda.Event | None" = None  # recorded on the stream that made the output
+
+    def result(self, timeout: float | None = None) -> torch.Tensor:
+        out = super().result(timeout)
+        if self.computed is not None:
+            stream = torch.cuda.current_stream(out.device)
+            stream.wait_event(self.computed)
+            out.record_stream(stream)
+        return out
 
 
 @dataclass
 class PendingCall(QueuedCall):
     tensor: torch.Tensor = None
-    future: Future = field(default_factory=Future)
+    future: StreamFuture = field(default_factory=StreamFuture)
+    ready: "torch.cuda.Event | None" = None  # recorded on the caller's stream once `tensor` is written
     gate: Callable[[], None] | None = None  # queues on the GPU what reading `tensor` must wait for
     segments: list[int] | None = None  # a MoE projection's call: rows per expert, `tensor` grouped by expert
 
@@ -58,8 +81,10 @@ def _split_rows(y: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
 
 
 class Batcher:
-    def __init__(self, run_batch: RunBatch, policy: Policy, attached: Callable[[], int], stats: ExecutorStats):
+    def __init__(self, run_batch: RunBatch, policy: Policy, attached: Callable[[], int], stats: ExecutorStats,
+                 home_stream: HomeStream | None = None):
         self.run_batch = run_batch
+        self.home_stream = home_stream or (lambda key: None)
         self.policy = policy
         self.attached = attached
         self.stats = stats
@@ -78,8 +103,12 @@ class Batcher:
         runs on the caller's thread, saving the hand-off to the worker: the in-process fast path. `gate` is
         called right before the call's input is read (a pipelined client's input may not be there yet).
         `segments`: a MoE projection's call, its rows per expert (calls of one key all have them)."""
+        ready = None
+        if tensor.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(tensor.device))
         call = PendingCall(client_id, tensor.shape[0], inference, time.perf_counter(), gate is None, tensor, gate=gate,
-                           segments=segments)
+                           segments=segments, ready=ready)
         with self._cond:
             self.last_call[client_id] = call.arrived
             self.queues.by_key.setdefault(key, []).append(call)
@@ -88,7 +117,7 @@ class Batcher:
             if batch is None:
                 self._cond.notify()
         if batch is not None:
-            self._run(*batch)
+            self._run(*batch, on_caller=True)
         return call.future
 
     @property
@@ -162,12 +191,22 @@ class Batcher:
                 self._worker_running = False
                 self.stats.add_busy("batcher", time.perf_counter() - started)
 
-    def _run(self, key: QueueKey, calls: list[PendingCall]) -> None:
+    def _run(self, key: QueueKey, calls: list[PendingCall], on_caller: bool = False) -> None:
+        home = self.home_stream(key)
+        with torch.cuda.stream(home) if home is not None else nullcontext():
+            self._run_on(key, calls, on_stream=calls[0].ready is not None and (home is not None or not on_caller))
+
+    def _run_on(self, key: QueueKey, calls: list[PendingCall], on_stream: bool) -> None:
+        """`on_stream`: the batch runs on another stream than its callers' (this thread's current one)."""
         now = time.perf_counter()
+        stream = torch.cuda.current_stream(calls[0].tensor.device) if on_stream else None
         try:
             for call in calls:
                 if call.gate is not None:
                     call.gate()
+                if stream is not None:
+                    stream.wait_event(call.ready)
+                    call.tensor.record_stream(stream)
             started = self.stats.timer()  # after the gates: the GPU time of the GEMM, not of waiting for input
             # [T1, d] ++ [T2, d] ++ ... -> [sum T, d]; one GEMM; split back.
             x = calls[0].tensor if len(calls) == 1 else torch.cat([c.tensor for c in calls])
@@ -182,10 +221,15 @@ class Batcher:
         except Exception as error:  # e.g. out of memory: retry alone, so one large call fails alone
             if len(calls) > 1:
                 for call in calls:
-                    self._run(key, [call])
+                    self._run_on(key, [call], on_stream)
                 return
             calls[0].future.set_exception(error)
             return
         self.stats.record(key, [now - c.arrived for c in calls], x.shape[0], started)
+        done = None
+        if stream is not None:
+            done = torch.cuda.Event()
+            done.record(stream)
         for call, out in zip(calls, outputs):
+            call.future.computed = done
             call.future.set_result(out)

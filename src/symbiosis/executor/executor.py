@@ -73,7 +73,8 @@ class Executor:
         self._lock = threading.Lock()
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.stats = ExecutorStats(device)
-        self.batcher = Batcher(self._run_batch, self.policy, lambda: len(self.clients), self.stats)
+        self.batcher = Batcher(self._run_batch, self.policy, lambda: len(self.clients), self.stats,
+                               getattr(weights, "home_stream", None))  # layers on other GPUs (executor/peers.py)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device: str | torch.device = "cpu",

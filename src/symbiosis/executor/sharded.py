@@ -239,7 +239,8 @@ class SplitLayer:
 
 
 class ShardedWeights:
-    """The front's view of every base layer: its own (`BaseWeights`) and the shards' (`RemoteLayer`s)."""
+    """The front's view of every base layer: its own (`BaseWeights`) and the shards' (`RemoteLayer`s, or the
+    `PeerLayer`s of other GPUs of this process, executor/peers.py)."""
 
     def __init__(self, local: BaseWeights, remote: dict[str, RemoteLayer], links: list[_Link]):
         self.local, self.links = local, links
@@ -248,6 +249,16 @@ class ShardedWeights:
         self.nbytes = local.nbytes  # on this device; each shard holds its own share
         self.groups = local.groups
         self.experts = local.experts  # the front's; a shard's experts are called one by one
+        self._homes: dict[str, object] = {}  # layer id -> home_stream's answer
+
+    def home_stream(self, key) -> "torch.cuda.Stream | None":
+        """The stream a batch of `key` = (layer id, op) runs on: a peer's (executor/peers.py), else None (the
+        batcher's own)."""
+        layer_id = key[0]
+        if layer_id not in self._homes:
+            peer = getattr(self.layers.get(layer_id.split(GROUP_SEPARATOR, 1)[0]), "peer", None)
+            self._homes[layer_id] = None if peer is None else peer.home
+        return self._homes[layer_id]
 
     def tensor(self, name: str) -> torch.Tensor | None:
         return self.local.tensor(name)
@@ -271,6 +282,9 @@ class ShardedWeights:
             return MemberLayers(spec, members)  # each member split over the ranks
         if all(isinstance(m, RemoteLayer) for m in members) and len({m.link.rank for m in members}) == 1:
             return RemoteLayer(spec, first.link, first.dtype, first.device)  # the shard checks it is a group
+        peer = getattr(first, "peer", None)  # a GPU of this process (peers.py): its own groups
+        if peer is not None and all(getattr(m, "peer", None) is peer for m in members):
+            return first.group(layer_id)
         return None
 
     def stop(self) -> None:

@@ -8,7 +8,7 @@ a process group of its own, two ranks (the executor 0, the client 1), made from 
 id: clients come and go without a world-wide group. Per call, in this order on both sides:
 
     client:   post send(x)  ->  request {op, layer, rows, cols} and wait for the reply  ->  recv(y) if it says ok
-    executor: recv(x) (the client's own worker thread)  ->  the executor computes  ->  post send(y), then reply
+    executor: recv(x) (the client's own worker thread)  ->  the executor computes  ->  reply, then send(y)
 
 Like `tcp://`'s messages (auth.py), the tensors travel unencrypted (NCCL's always do): on a network you do not
 trust, carry both inside a tunnel. The executor receives a call's input only once its
@@ -72,12 +72,16 @@ def _group(backend: str, host: str, port: int, prefix: str, rank: int, timeout_s
         group = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
     else:
         group = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
-    # NCCL makes a pair's communicator at the pair's first send or recv, blocking until both ranks join. The
-    # first call must not be that: a client posts its send before its request goes out, and the executor posts
-    # the matching recv only once the request came, so each would wait for the other for ever. Both sides wait
-    # for each other here anyway (attach), so the communicator is made here, by a one-element message.
+    # NCCL makes a pair's communicator at the pair's first send or recv, and connects each direction at the first
+    # message that goes that way: both block the calling thread until the other rank does the same. No call may
+    # be first: a client posts its send before its request goes out, and the executor posts the matching recv only
+    # once the request came (each would wait for the other for ever); likewise the executor's first send and the
+    # client's recv, which waits for the reply. Both sides wait for each other here anyway (attach): a one-element
+    # message each way makes the communicator and both directions' connections here.
     token = torch.zeros(1, device=device if backend == "nccl" else "cpu")
-    (group.send([token], 0, 0) if rank == 1 else group.recv([token], 1, 0)).wait(timeout)
+    peer = 1 - rank
+    for sender in (1, 0):
+        (group.send([token], peer, 0) if rank == sender else group.recv([token], peer, 0)).wait(timeout)
     return group
 
 
@@ -120,7 +124,9 @@ class CollectiveSession(RemoteSession):
             header["counts"] = counts
         started = time.perf_counter()
         sending = self.group.send([sent], 0, 0)
+        log.debug("client %s: %s %s: input posted, requesting", self.client_id, op, layer_id)
         self._request(header)  # raises the executor's error: then nothing else comes on the data plane
+        log.debug("client %s: %s %s: answered, receiving", self.client_id, op, layer_id)
         sending.wait()
         result = torch.empty(sent.shape[0], out_width, dtype=self.dtype, device=self.wire_device)
         self.group.recv([result], 0, 0).wait()
@@ -176,6 +182,7 @@ class _ClientPlane:
 
     def _one(self, identity: bytes, header: dict) -> None:
         x = torch.empty(header["rows"], header["cols"], dtype=self.executor.dtype, device=self.wire_device)
+        log.debug("client %s: %s %s: receiving its input", self.client_id, header["op"], header["layer"])
         self.group.recv([x], 1, 0).wait(self.timeout)
         try:
             future = submit(self.executor, self.client_id, header, x)
@@ -183,9 +190,11 @@ class _ClientPlane:
         except Exception as error:  # the call's own error (a bad layer, out of memory): answered, nothing sent
             self.answer(identity, wire.error_reply(header.get("id"), error))
             return
-        sending = self.group.send([y], 1, 0)
+        log.debug("client %s: %s %s: computed, sending", self.client_id, header["op"], header["layer"])
+        # The reply first: the client posts its recv once it has it, and a send may block until that recv is
+        # posted (NCCL's connection set-up, should a message ever need a connection attach did not make).
         self.answer(identity, {"id": header.get("id"), "ok": True})
-        sending.wait(self.timeout)
+        self.group.send([y], 1, 0).wait(self.timeout)
 
     def close(self) -> None:
         self.calls.put(None)
