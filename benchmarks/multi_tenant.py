@@ -51,7 +51,9 @@ def main() -> None:
                              "sharded:cuda:0,cuda:1[/columns] (executor/sharded.py: a process per device), "
                              "peers:cuda:0,cuda:1[/columns] (executor/peers.py: every GPU driven by this process), "
                              "nccl:cuda:0 with --client-device "
-                             "cuda:1 (clients on another GPU). Given several times: each fleet in turn, each line with "
+                             "cuda:1 (clients on another GPU). --clients processes: local (an executor process on "
+                             "this benchmark's device) or devices:cuda:0,cuda:1[/columns] (an executor process over "
+                             "them, symbiosis executor --devices). Given several times: each fleet in turn, each line with "
                              "its iteration time against the first's")
     parser.add_argument("--client-device", help="--executor nccl:...: where the clients compute (comma-separated: "
                         "round robin)")
@@ -60,8 +62,8 @@ def main() -> None:
                         help="no plain PEFT fleets (their baseline is another benchmark's: fsdp_fleet.py)")
     args = parser.parse_args()
     args.executor = args.executor or ["local"]
-    if args.clients == "processes" and args.executor != ["local"]:
-        parser.error("--executor applies to symbiosis clients on threads (--clients threads)")
+    if args.clients == "processes" and any(e != "local" and not e.startswith("devices:") for e in args.executor):
+        parser.error("client processes attach to an executor process: --executor local or devices:DEV,DEV[/columns]")
     if args.clients == "processes" and "none" not in (args.compile, args.capture):
         parser.error("--compile and --capture apply to symbiosis clients on threads (--clients threads)")
     path = checkpoint(args.model)
@@ -170,7 +172,9 @@ def symbiosis_processes(args, common: dict, n: int, path, url: str, executor: st
                         ) -> tuple[list[dict], FleetGpu, dict]:
     """N client processes on an executor process; with where the fleet's time went."""
     before_executor = gpu_memory_mib()  # the executor's weights and context count as the fleet's memory
-    executor = start_executor(path, url, args.policy)
+    devices, _, split = executor.removeprefix("devices:").partition("/")
+    executor = start_executor(path, url, args.policy, where=None if devices == "local" else
+                              ["--devices", devices, "--split", split or "layers"])
     try:
         window = ExecutorWindow(url)
         ours, ours_gpu = run_fleet([dict(common, mode="symbiosis", url=url, name=f"t{i}",
