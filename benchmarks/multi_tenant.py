@@ -55,8 +55,8 @@ def main() -> None:
                              "this benchmark's device) or devices:cuda:0,cuda:1[/columns] (an executor process over "
                              "them, symbiosis executor --devices). Given several times: each fleet in turn, each line with "
                              "its iteration time against the first's")
-    parser.add_argument("--client-device", help="--executor nccl:...: where the clients compute (comma-separated: "
-                        "round robin)")
+    parser.add_argument("--client-device", help="--executor nccl:... or --clients processes: where the clients "
+                        "compute (comma-separated: round robin)")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (batch 2)")
     parser.add_argument("--no-plain", action="store_true",
                         help="no plain PEFT fleets (their baseline is another benchmark's: fsdp_fleet.py)")
@@ -177,7 +177,8 @@ def symbiosis_processes(args, common: dict, n: int, path, url: str, executor: st
                               ["--devices", devices, "--split", split or "layers"])
     try:
         window = ExecutorWindow(url)
-        ours, ours_gpu = run_fleet([dict(common, mode="symbiosis", url=url, name=f"t{i}",
+        on = args.client_device.split(",") if args.client_device else [None]
+        ours, ours_gpu = run_fleet([dict(common, mode="symbiosis", url=url, name=f"t{i}", client_device=on[i % len(on)],
                                      chunked_loss=args.chunked_loss != "none") for i in range(n)],
                                    args.duration, on_go=window.start, baseline_mib=before_executor)
         profile = window.shares()  # where the time went: executor threads, GEMMs; and the clients' waits

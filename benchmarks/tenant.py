@@ -219,8 +219,8 @@ def main() -> None:
     parser.add_argument("--tenants", type=int, default=1, help="--mode threads: how many clients")
     parser.add_argument("--executor", default="local", help="--mode threads: what the clients attach to "
                         "(local, sharded:DEVICES[/columns], peers:DEVICES[/columns], nccl:DEVICE, gloo:DEVICE)")
-    parser.add_argument("--client-device", help="--mode threads over nccl/gloo: where the clients compute "
-                        "(comma-separated: round robin)")
+    parser.add_argument("--client-device", help="where the client computes (--mode threads over nccl/gloo: the "
+                        "clients, round robin over a comma-separated list)")
     parser.add_argument("--compile", action="store_true", help="torch.compile each tenant's model")
     parser.add_argument("--compile-mode", help="torch.compile's mode (default: its default)")
     parser.add_argument("--capture", action="store_true", help="each tenant's step as a CUDA graph (CapturedStep)")
@@ -239,6 +239,8 @@ def main() -> None:
     torch.manual_seed(hash(args.name) % 1000)
     if args.mode == "threads":
         return run_threads(args)
+    if args.client_device and torch.cuda.is_available():  # this process's GPU ("cuda" means it from here on)
+        torch.cuda.set_device(args.client_device)
     started = time.perf_counter()
     model = build(args)
     build_s = time.perf_counter() - started  # attach, load, and (masked) computing the noise pools
