@@ -5,14 +5,16 @@ compute. It asks the policy what to run, concatenates the chosen calls along the
 padding: [T1, d] ++ [T2, d] -> [T1+T2, d]), runs the layer once, splits the result back per call and
 resolves each call's future.
 
-CUDA streams: a caller's tensor is read on the stream the batch runs on (the worker's, or a layer's own: a layer
-on another GPU of this process, executor/peers.py) only after an event its caller's stream recorded at submit,
-and the caller's stream waits for the batch's event when it takes the result (`StreamFuture`). Tenants on
-threads and streams of their own thus share batches without any host synchronization.
+CUDA streams: a batch runs on the stream of the thread that runs it (the worker's default stream, an inline
+caller's own) or on its layer's own (a layer on another GPU of this process, executor/peers.py). A call made on
+another stream is read there only after an event its caller's stream recorded at submit, and its caller's stream
+waits for the batch's event when it takes the result (`StreamFuture`). Tenants on threads and streams of their
+own thus share batches without any host synchronization; callers on the default stream pay nothing for it.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from concurrent.futures import Future
@@ -50,8 +52,19 @@ class PendingCall(QueuedCall):
     tensor: torch.Tensor = None
     future: StreamFuture = field(default_factory=StreamFuture)
     ready: "torch.cuda.Event | None" = None  # recorded on the caller's stream once `tensor` is written
+    stream_id: int | None = None  # the caller's stream (CUDA), which wrote `tensor`
     gate: Callable[[], None] | None = None  # queues on the GPU what reading `tensor` must wait for
     segments: list[int] | None = None  # a MoE projection's call: rows per expert, `tensor` grouped by expert
+
+
+def _current_stream_id(device: torch.device) -> int:
+    """The calling thread's current stream on `device`, as an id (no Stream object made: this is per call)."""
+    return torch._C._cuda_getCurrentStream(device.index if device.index is not None else torch.cuda.current_device())[0]
+
+
+@functools.cache
+def _default_stream_id(device: torch.device) -> int:
+    return torch.cuda.default_stream(device).stream_id
 
 
 def _by_expert(calls: list[PendingCall], x: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
@@ -103,12 +116,14 @@ class Batcher:
         runs on the caller's thread, saving the hand-off to the worker: the in-process fast path. `gate` is
         called right before the call's input is read (a pipelined client's input may not be there yet).
         `segments`: a MoE projection's call, its rows per expert (calls of one key all have them)."""
-        ready = None
-        if tensor.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(tensor.device))
+        ready, stream_id = None, None
+        if tensor.is_cuda:  # an event only where the batch may run on another stream than this caller's
+            stream_id = _current_stream_id(tensor.device)
+            if stream_id != _default_stream_id(tensor.device) or self.home_stream(key) is not None:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(tensor.device))
         call = PendingCall(client_id, tensor.shape[0], inference, time.perf_counter(), gate is None, tensor, gate=gate,
-                           segments=segments, ready=ready)
+                           segments=segments, ready=ready, stream_id=stream_id)
         with self._cond:
             self.last_call[client_id] = call.arrived
             self.queues.by_key.setdefault(key, []).append(call)
@@ -117,7 +132,7 @@ class Batcher:
             if batch is None:
                 self._cond.notify()
         if batch is not None:
-            self._run(*batch, on_caller=True)
+            self._run(*batch)
         return call.future
 
     @property
@@ -191,22 +206,28 @@ class Batcher:
                 self._worker_running = False
                 self.stats.add_busy("batcher", time.perf_counter() - started)
 
-    def _run(self, key: QueueKey, calls: list[PendingCall], on_caller: bool = False) -> None:
+    def _run(self, key: QueueKey, calls: list[PendingCall]) -> None:
         home = self.home_stream(key)
         with torch.cuda.stream(home) if home is not None else nullcontext():
-            self._run_on(key, calls, on_stream=calls[0].ready is not None and (home is not None or not on_caller))
+            self._run_on(key, calls)
 
-    def _run_on(self, key: QueueKey, calls: list[PendingCall], on_stream: bool) -> None:
-        """`on_stream`: the batch runs on another stream than its callers' (this thread's current one)."""
+    def _run_on(self, key: QueueKey, calls: list[PendingCall]) -> None:
+        """The batch on this thread's current stream; calls made on other streams ordered against it by events."""
         now = time.perf_counter()
-        stream = torch.cuda.current_stream(calls[0].tensor.device) if on_stream else None
+        device = calls[0].tensor.device
+        running = _current_stream_id(device) if device.type == "cuda" else None
+        foreign = [c for c in calls if c.stream_id != running]  # made on another stream than the batch runs on
+        stream = torch.cuda.current_stream(device) if foreign else None
         try:
             for call in calls:
                 if call.gate is not None:
                     call.gate()
-                if stream is not None:
+            for call in foreign:
+                if call.ready is not None:
                     stream.wait_event(call.ready)
-                    call.tensor.record_stream(stream)
+                else:  # made on the default stream, which records no event
+                    stream.wait_stream(torch.cuda.default_stream(device))
+                call.tensor.record_stream(stream)
             started = self.stats.timer()  # after the gates: the GPU time of the GEMM, not of waiting for input
             # [T1, d] ++ [T2, d] ++ ... -> [sum T, d]; one GEMM; split back.
             x = calls[0].tensor if len(calls) == 1 else torch.cat([c.tensor for c in calls])
@@ -221,15 +242,15 @@ class Batcher:
         except Exception as error:  # e.g. out of memory: retry alone, so one large call fails alone
             if len(calls) > 1:
                 for call in calls:
-                    self._run_on(key, [call], on_stream)
+                    self._run_on(key, [call])
                 return
             calls[0].future.set_exception(error)
             return
         self.stats.record(key, [now - c.arrived for c in calls], x.shape[0], started)
-        done = None
-        if stream is not None:
+        if foreign:
             done = torch.cuda.Event()
             done.record(stream)
+            for call in foreign:
+                call.future.computed = done
         for call, out in zip(calls, outputs):
-            call.future.computed = done
             call.future.set_result(out)

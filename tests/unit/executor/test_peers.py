@@ -1,6 +1,6 @@
 """The base layers over several devices of one process (executor/peers.py): the single executor's numbers, for
-every layer's calls and a split model's training step; on two GPUs within bf16 rounding; tenants on threads and
-CUDA streams of their own get their own results from shared batches."""
+every layer's calls and a split model's training step (on two GPUs: test_sharded.py); tenants on threads and CUDA
+streams of their own get their own results from shared batches."""
 
 from __future__ import annotations
 
@@ -53,23 +53,6 @@ def test_a_gpu_listed_twice_is_refused(checkpoints):
     path, _ = checkpoints("llama")
     with pytest.raises(ValueError, match="each GPU once"):
         on_devices(path, ["cuda:0", "cuda:0"])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("split", ["layers", "columns"])
-def test_on_two_gpus_of_one_process_the_layers_equal_one_gpu(split, checkpoints):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
-    path, _ = checkpoints("llama")
-    single = symbiosis.Executor.from_pretrained(path, device="cuda:0", dtype=torch.bfloat16)
-    spread = on_devices(path, ["cuda:0", "cuda:1"], dtype=torch.bfloat16, split=split)
-    try:
-        close = lambda a, b, what: assert_close(a.float(), b.float(), what, 2e-2)  # noqa: E731
-        _every_call_agrees(spread.attach(spread.fingerprint, "a"), single.attach(single.fingerprint, "a"),
-                           single.layer_specs, close, "cuda:0", torch.bfloat16)
-    finally:
-        spread.close()
-        single.close()
 
 
 @pytest.mark.gpu

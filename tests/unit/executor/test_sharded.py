@@ -14,6 +14,7 @@ import symbiosis
 from helpers import assert_close, assert_same_step_on, batch
 from matrix import make_checkpoint
 from symbiosis.errors import ExecutorUnavailable
+from symbiosis.executor.peers import on_devices
 from symbiosis.executor.sharded import launch_sharded, place
 
 
@@ -200,13 +201,15 @@ def test_under_torchrun_each_rank_takes_its_device_and_rank_0_serves(checkpoints
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", ["layers", "columns"])
-def test_on_two_gpus_over_nccl_the_sharded_executor_equals_one_gpu(split, checkpoints):
-    """NCCL between two GPUs, bf16: every layer's calls within bf16 rounding of the single-GPU executor's."""
+@pytest.mark.parametrize("launch", [launch_sharded, on_devices], ids=["processes", "one_process"])
+def test_on_two_gpus_the_sharded_executor_equals_one_gpu(split, launch, checkpoints):
+    """Two GPUs (NCCL between processes, or both driven by one), bf16: every layer's calls within bf16 rounding
+    of the single-GPU executor's."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     path, _ = checkpoints("llama")
     single = symbiosis.Executor.from_pretrained(path, device="cuda:0", dtype=torch.bfloat16)
-    sharded = launch_sharded(path, ["cuda:0", "cuda:1"], dtype=torch.bfloat16, split=split)
+    sharded = launch(path, ["cuda:0", "cuda:1"], dtype=torch.bfloat16, split=split)
     try:
         ours, theirs = sharded.attach(sharded.fingerprint, "a"), single.attach(single.fingerprint, "a")
         torch.manual_seed(0)
