@@ -16,15 +16,19 @@ read by the SGMV kernels; the layers of a fused group (q/k/v, gate/up: engine/la
     a[S, G*R, in] (member g's rows g*R ..), b[S, out_1 + .. + out_G, R] (its output rows), scale[S, G].
 The input embedding, when targeted, has a[S, vocab, R] and b[S, R, dim].
 
-Copies run on a side stream, layer after layer in the model's order, each pool's copies followed by an event
-(`Pools.ready`): an eagerly run step waits, at each layer, only for that layer's own copy, so the copy of layer i+1
-runs while layer i computes (layer-wise prefetch). A step replayed from a CUDA graph cannot wait inside the graph:
-it waits for every pending copy first (`wait_all`).
+Copies run on a side stream, in PLACEMENT_WAVES waves of layers in the model's order. An adapter's host buffer holds
+its layers in that order, so a wave is one range of it: one host-to-device copy into a staging buffer on the
+device, then one fused device copy into every pool row of the wave (`_Wave`, its views made once per slot and
+adapter layout): a handful of calls on the engine's thread per placement, not one per tensor. Each wave's copies
+are followed by an event (`Pools.ready`): an eagerly run step waits, at each layer, only for its own wave's copy,
+so later waves land while earlier layers compute (layer-wise prefetch). A step replayed from a CUDA graph cannot
+wait inside the graph: it waits for every pending copy first (`wait_all`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -49,6 +53,7 @@ SPLIT_CLIENT_HINT = ("the engine runs LoRA adapters; run this one exactly on a s
 # LoraConfig fields whose non-default value changes the math beyond plain LoRA
 PLACEMENT_WAVES = 4  # a placement's LoRA copies go in this many waves, in model order, each with its event: layer
 #                     i computes while later waves land, for a handful of launches per placement
+WAVE_CACHE = 4096  # waves whose views are kept: (slot, adapter layout, wave) triples
 REFUSED_OPTIONS = ("use_dora", "lora_bias", "modules_to_save", "trainable_token_indices", "target_parameters",
                    "layer_replication", "use_qalora", "bias")
 PLAIN = (None, False, "none", [], {})  # what those fields hold in a plain LoRA config
@@ -59,7 +64,6 @@ class LoRALayer:
     a: torch.Tensor  # [r, in]
     b: torch.Tensor  # [out, r]
     scale: float
-    scale_tensor: torch.Tensor | None = None  # [1] float32 (pinned on a GPU host): what a placement copies
 
 
 @dataclass
@@ -81,6 +85,28 @@ class HostAdapter:
     embedding: LoRALayer | None  # a [r, vocab], b [dim, r]
     nbytes: int = 0  # of its one host buffer
     bottlenecks: dict[str, BottleneckLayer] = field(default_factory=dict)  # base layer id -> its bottleneck
+    # Its one host buffer: every layer's A then B in the model's order (a run of layers is one range of it), then
+    # the embedding's and the bottlenecks' tensors; and every layer's scale, float32 [layers (+ embedding), 1]
+    buffer: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+
+    @functools.cached_property
+    def layout(self) -> tuple:
+        """What a placement's views depend on: its layers and their ranks (adapters alike share them)."""
+        return tuple((layer_id, lora.a.shape[0]) for layer_id, lora in self.layers.items())
+
+
+@dataclass
+class _Wave:
+    """One wave of placing adapters of one layout into one slot (`AdapterStore._wave`): what to copy where."""
+    copies: list[tuple[list, list]]  # (pool views, staging views): the dense ones, then the strided ones
+    zeros: list  # pool rows beyond each layer's rank
+    scale_targets: list
+    scale_sources: list  # views of the staged scales
+    members: list  # (pool id, member) of each layer
+    pools: list  # the pools written, each once
+    span: tuple[int, int]  # where the wave's tensors are in an adapter's buffer (elements)
+    scales: tuple[int, int]  # which of its scales (layers first..end)
 
 
 class _Copied:
@@ -181,8 +207,12 @@ class AdapterStore:
         self._pending: list[_Copied] = []  # pools with a copy event since the last wait_all
         self._lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._rows_cache: dict[tuple, tuple] = {}  # (slot, layer id, rank) -> _rows
+        self._rows_cache: dict[tuple, object] = {}  # (slot, layer id, rank) -> _rows; ("scale", slot, pool, member)
+        self._waves: OrderedDict[tuple, _Wave] = OrderedDict()  # (slot, layout, wave) -> its lists, least recent first
         self._rows_version = 0
+        # where a placement's tensors land first, on the device: one host-to-device copy a wave, not one a tensor
+        self._staging = torch.empty(0, device=device, dtype=dtype)
+        self._staging_scales = torch.empty(0, 1, device=device, dtype=torch.float32)
 
     @property
     def host_budget(self) -> int:
@@ -296,6 +326,8 @@ class AdapterStore:
         """One host buffer for all of an adapter's tensors: one (pinned) allocation, so thousands of adapters
         cost thousands of allocations, not hundreds of thousands. `loras`: (module, embedded, a, b, scale);
         `bottlenecks`: layer id -> (down, down_bias, up, up_bias, scale, act)."""
+        order = {layer_id: i for i, layer_id in enumerate(self.specs)}  # layers in the model's order, the embedding last
+        loras = sorted(loras, key=lambda lora: len(order) if lora[1] else order[self.modules[lora[0]].layer_id])
         tensors = [t for _, _, a, b, _ in loras for t in (a, b)] + [t for b in bottlenecks.values() for t in b[:4]]
         buffer = torch.empty(sum(t.numel() for t in tensors), dtype=self.dtype, pin_memory=self.device.type == "cuda")
         views, at = [], 0
@@ -306,8 +338,8 @@ class AdapterStore:
         scales = torch.tensor([scale for *_, scale in loras], dtype=torch.float32).reshape(-1, 1)
         scales = scales.pin_memory() if self.device.type == "cuda" and len(loras) else scales
         layers, embedding = {}, None
-        for (module, embedded, _, _, scale), scale_tensor in zip(loras, scales):
-            lora = LoRALayer(next(views), next(views), scale, scale_tensor)
+        for module, embedded, _, _, scale in loras:
+            lora = LoRALayer(next(views), next(views), scale)
             if embedded:
                 embedding = lora
             else:
@@ -316,7 +348,7 @@ class AdapterStore:
                   for layer_id, b in bottlenecks.items()}
         in_order = lambda found: {i: found[i] for i in self.specs if i in found}  # noqa: E731 -- the model's order
         return HostAdapter(name, key, in_order(layers), embedding, buffer.numel() * buffer.element_size(),
-                           in_order(placed))
+                           in_order(placed), buffer, scales)
 
     def _bottlenecks(self, name: str, tensors: dict[str, torch.Tensor], config: dict) -> dict[str, tuple]:
         """layer id -> (down [r, out], down_bias [r], up [out, r], up_bias [out], scale, act), checked."""
@@ -412,11 +444,16 @@ class AdapterStore:
         entry = self._slots.pop(slot)
         del self._by_key[entry.adapter.key]
         scales = []  # a later adapter may not target these layers: they must add zero
+        self._fresh_views()
         for pool_id, member in entry.members:
             if member == "bottleneck":
                 scales.append(self.bottleneck_pools[pool_id].scales[slot:slot + 1])
             else:
-                scales.append(self.pools[pool_id].scales[slot, member:member + 1])
+                key = ("scale", slot, pool_id, member)
+                view = self._rows_cache.get(key)
+                if view is None:
+                    view = self._rows_cache[key] = self.pools[pool_id].scales[slot, member:member + 1]
+                scales.append(view)
         if scales:
             torch._foreach_zero_(scales)
         if entry.adapter.embedding is not None:
@@ -443,14 +480,18 @@ class AdapterStore:
             self.pools_version += 1
         return pools
 
+    def _fresh_views(self) -> None:
+        """Drop cached views once a pool is made (a view of an older pool may be stale)."""
+        if self._rows_version != self.pools_version:
+            self._rows_cache.clear()
+            self._waves.clear()
+            self._rows_version = self.pools_version
+
     def _rows(self, slot: int, layer_id: str, r: int) -> tuple:
         """Where a rank-r LoRA of `layer_id` goes in `slot`: (A rows [r, in], B columns [out, r], the rest of the
         slot's rows to zero, its scale [1]); views made once (making a view costs microseconds of CPU, and a
         placement needs hundreds)."""
         key = (slot, layer_id, r)
-        if self._rows_version != self.pools_version:  # a new pool: views of the old ones may be stale
-            self._rows_cache.clear()
-            self._rows_version = self.pools_version
         rows = self._rows_cache.get(key)
         if rows is None:
             pool_id, member, first = self.placement[layer_id]
@@ -461,30 +502,64 @@ class AdapterStore:
             rows = self._rows_cache[key] = (a_rows[:r], b_rows[:, :r], rest, pools.scales[slot, member:member + 1])
         return rows
 
-    def _place_loras(self, slot: int, layers: list[tuple[str, LoRALayer]], members: set, stream) -> None:
-        """One wave of a placement: these layers' A and B rows and scales, each kind one fused call (the copies
-        are issued from C++, not one Python call each: the CPU time of a placement is on the step's path), then
-        one event that the wave's pools wait on."""
-        targets, sources, zeros, scale_targets, scale_sources, waved = [], [], [], [], [], []
-        for layer_id, lora in layers:
+    def _wave(self, slot: int, adapter: HostAdapter, index: int, first: int, end: int) -> "_Wave":
+        """The copies of layers first..end of `adapter` (a wave) into `slot`: from the staging buffers to the
+        pools' rows, as views made once per (slot, layout, wave) and kept (least recently used out past
+        WAVE_CACHE)."""
+        key = (slot, adapter.layout, index)
+        wave = self._waves.get(key)
+        if wave is not None:
+            self._waves.move_to_end(key)
+            return wave
+        dense, strided, zeros, scale_targets, scale_sources, members, pools = ([], []), ([], []), [], [], [], [], {}
+        layers = list(adapter.layers.items())[first:end]
+        for i, (layer_id, lora) in enumerate(layers, start=first):
             pool_id, member, _ = self.placement[layer_id]
-            pools = self._pool(pool_id)
             a_target, b_target, rest, scale = self._rows(slot, layer_id, lora.a.shape[0])
-            targets += [a_target, b_target]
-            sources += [lora.a, lora.b]
+            for target, source in ((a_target, lora.a), (b_target, lora.b)):  # the staging holds the buffer's layout
+                staged = self._staging[source.storage_offset():source.storage_offset() + source.numel()]
+                group = dense if target.is_contiguous() else strided  # the fused copy takes dense tensors only
+                group[0].append(target)
+                group[1].append(staged.view(source.shape))
             zeros += rest
             scale_targets.append(scale)
-            scale_sources.append(lora.scale_tensor)
-            members.add((pool_id, member))
-            waved.append(pools)
-        torch._foreach_copy_(targets, sources, non_blocking=True)
-        if zeros:
-            torch._foreach_zero_(zeros)
-        torch._foreach_copy_(scale_targets, scale_sources, non_blocking=True)
+            scale_sources.append(self._staging_scales[i])
+            members.append((pool_id, member))
+            pools[pool_id] = self.pools[pool_id]
+        a, b = layers[0][1].a, layers[-1][1].b
+        span = (a.storage_offset(), b.storage_offset() + b.numel())
+        wave = self._waves[key] = _Wave([g for g in (dense, strided) if g[0]], zeros, scale_targets, scale_sources,
+                                        members, list(pools.values()), span, (first, end))
+        while len(self._waves) > WAVE_CACHE:
+            self._waves.popitem(last=False)
+        return wave
+
+    def _stage(self, adapter: HostAdapter) -> None:
+        """Staging buffers large enough for `adapter` (made on the copy stream: only its copies use them)."""
+        if self._staging.numel() < adapter.buffer.numel() or self._staging_scales.shape[0] < adapter.scales.shape[0]:
+            self._staging = torch.empty(max(self._staging.numel(), adapter.buffer.numel()), device=self.device,
+                                        dtype=self.dtype)
+            self._staging_scales = torch.empty(max(self._staging_scales.shape[0], adapter.scales.shape[0]), 1,
+                                               device=self.device, dtype=torch.float32)
+            self._waves.clear()  # their sources were views of the old buffers
+
+    def _place_wave(self, adapter: HostAdapter, wave: "_Wave", members: set, stream) -> None:
+        """One wave of a placement: its range of the adapter's buffer and its scales to the device in one copy
+        each, then each kind of tensor to the pools in one fused call (a copy or a launch per tensor would cost the
+        engine's thread microseconds each, on the step's path), then one event that the wave's pools wait on."""
+        (lo, hi), (first, end) = wave.span, wave.scales
+        self._staging[lo:hi].copy_(adapter.buffer[lo:hi], non_blocking=True)
+        self._staging_scales[first:end].copy_(adapter.scales[first:end], non_blocking=True)
+        for targets, sources in wave.copies:
+            torch._foreach_copy_(targets, sources)
+        if wave.zeros:
+            torch._foreach_zero_(wave.zeros)
+        torch._foreach_copy_(wave.scale_targets, wave.scale_sources)
+        members.update(wave.members)
         if stream is not None:
             ready = torch.cuda.Event()
             ready.record(stream)
-            for pools in {id(p): p for p in waved}.values():  # a fused group's pool once
+            for pools in wave.pools:  # a fused group's pool once
                 pools.ready = ready
                 self._pending.append(pools)
 
@@ -498,10 +573,16 @@ class AdapterStore:
         self._pending = [pools for pools in self._pending if pools.ready is not None]  # eager steps waited on some
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             members = set()
-            layers = list(adapter.layers.items())  # in the model's order
-            wave = -(-len(layers) // PLACEMENT_WAVES) if layers else 1
-            for start in range(0, len(layers), wave):
-                self._place_loras(slot, layers[start:start + wave], members, stream)
+            for layer_id in adapter.layers:  # every pool made first: making one drops the cached views
+                self._pool(self.placement[layer_id][0])
+            self._fresh_views()
+            if adapter.layers:
+                self._stage(adapter)
+                count = len(adapter.layers)
+                size = -(-count // PLACEMENT_WAVES)
+                for index, first in enumerate(range(0, count, size)):
+                    self._place_wave(adapter, self._wave(slot, adapter, index, first, min(first + size, count)),
+                                     members, stream)
             for layer_id, layer in adapter.bottlenecks.items():
                 pools, r = self._bottleneck_pool(layer_id), layer.down.shape[0]
                 for pool, tensor in ((pools.down[slot], layer.down), (pools.down_bias[slot], layer.down_bias)):

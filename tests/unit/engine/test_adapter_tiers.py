@@ -66,6 +66,9 @@ def test_an_adapter_is_one_host_buffer_in_model_order_and_a_slot_costs_slot_byte
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
     model_order = [layer_id for layer_id in engine.adapters.specs if layer_id in adapter.layers]
     assert list(adapter.layers) == model_order
+    spans = [(t.storage_offset(), t.numel()) for t in tensors]  # packed in that order: a run of layers (a wave of
+    assert spans[0][0] == 0 and all(at + n == after for (at, n), (after, _) in zip(spans, spans[1:]))  # a placement)
+    assert adapter.scales.shape == (len(adapter.layers), 1)  # is one range of the buffer, its scales one of those
     store = engine.adapters
     lora = sum(p.a.numel() + p.b.numel() for p in [store._pool(i) for i in store.pool_shapes]) * 8 + \
         sum(p.scales.numel() * 4 for p in store.pools.values())
