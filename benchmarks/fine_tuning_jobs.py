@@ -93,7 +93,7 @@ def main() -> None:
                       training={"max_pass_tokens": args.max_pass_tokens, "checkpoint_every": args.checkpoint_every,
                                 "max_running_jobs": args.jobs, "max_running_jobs_per_tenant": 1}).start()
     start_s = time.perf_counter() - started  # with the engine's warm-up (every step shape compiled, on a GPU)
-    server, url, names = serve_on_loopback(service, "infer", directories)
+    server, url, names, _ = serve_on_loopback(service, "infer", directories)
 
     vocab = CONFIGS[args.model]["vocab_size"]
     common = dict(bench="fine_tuning_jobs", model=args.model, jobs=args.jobs, batch_size=args.batch_size,

@@ -123,6 +123,9 @@ class Timing:
         return now
 
 
+_GONE = object()  # put in a generation's queue when its HTTP client has gone
+
+
 class Generation:
     """The engine requests of one HTTP request: `await start()`, then read `events()` inside `async with`,
     whose end cancels whatever still runs (the HTTP client went, or an error), which frees its KV blocks in the
@@ -165,27 +168,47 @@ class Generation:
     def done(self) -> bool:
         return all(c.finish_reason is not None or c.error is not None for c in self.choices)
 
-    async def events(self, disconnected=None, poll: float = 0.5):
-        """Yields (choice, Token or None at its end) until every choice has ended. `disconnected`: an async
-        callable, asked every `poll` seconds while nothing comes; when it says so the requests are cancelled and
-        the iteration stops."""
-        while not self.done:
-            try:
-                index, event = await asyncio.wait_for(self.queue.get(), poll) if disconnected else await self.queue.get()
-            except asyncio.TimeoutError:
-                if await disconnected():
+    async def bunches(self, disconnected=None, poll: float = 0.5):
+        """Yields lists of (choice, Token or None at its end): every event there is whenever one comes (at
+        saturation a stream gets several at once, and sends them as one write), until every choice has ended.
+        `disconnected`: an async callable, asked every `poll` seconds by a watcher (not at every token); when it
+        says so the requests are cancelled and the iteration stops."""
+        watcher = asyncio.create_task(self._watch(disconnected, poll)) if disconnected else None
+        try:
+            while not self.done:
+                items = [await self.queue.get()]
+                while not self.queue.empty():
+                    items.append(self.queue.get_nowait())
+                if _GONE in items:
                     self.cancel()
                     return
-                continue
-            choice = self.choices[index]
-            if isinstance(event, Finished):
-                choice.finish_reason, choice.error = event.reason, event.error
-                yield choice, None
-            else:
-                self._last[index] = self.timing.token(self._last.get(index))
-                choice.tokens.append(event)
-                choice.text += event.text
-                yield choice, event
+                yield [self._take(index, event) for index, event in items]
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+
+    async def events(self, disconnected=None, poll: float = 0.5):
+        """`bunches`, one event at a time."""
+        async for bunch in self.bunches(disconnected, poll):
+            for item in bunch:
+                yield item
+
+    async def _watch(self, disconnected, poll: float) -> None:
+        while not self.done:
+            await asyncio.sleep(poll)
+            if await disconnected():
+                self.queue.put_nowait(_GONE)
+                return
+
+    def _take(self, index: int, event) -> tuple[Choice, Token | None]:
+        choice = self.choices[index]
+        if isinstance(event, Finished):
+            choice.finish_reason, choice.error = event.reason, event.error
+            return choice, None
+        self._last[index] = self.timing.token(self._last.get(index))
+        choice.tokens.append(event)
+        choice.text += event.text
+        return choice, event
 
     @property
     def completion_tokens(self) -> int:

@@ -225,10 +225,16 @@ async def _stream(service, tenant: str, body, generation, distinct_prompts: int,
     """SSE chunks as tokens come; an error mid-way is sent as an `error` event (the openai client raises it)."""
     identifier = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created, kind = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
+    # every chunk is {"id", "object", "created", "model", "choices", "system_fingerprint"[, "usage"]}: the fields
+    # around the choices encoded once
+    head = _sse({"id": identifier, "object": kind, "created": created, "model": body.model, "choices": None})
+    head = head[:head.rindex(b"null")]
+    tail = b',"system_fingerprint":' + json.dumps(service.fingerprint).encode()
 
     def chunk(choices, **extra):
-        return _sse({"id": identifier, "object": kind, "created": created, "model": body.model, "choices": choices,
-                     "system_fingerprint": service.fingerprint, **extra})
+        more = b"".join(b',"%s":%s' % (k.encode(), json.dumps(v, separators=(",", ":")).encode())
+                        for k, v in extra.items())
+        return head + json.dumps(choices, separators=(",", ":")).encode() + tail + more + b"}\n\n"
 
     failed = False
     try:
@@ -237,26 +243,30 @@ async def _stream(service, tenant: str, body, generation, distinct_prompts: int,
                 yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for c in generation.choices])
             offsets = [0] * len(generation.choices)
-            async for choice, token in generation.events():
-                if token is None:
-                    if choice.error is not None:
-                        failed = True
-                        error = ApiError(500 if getattr(choice.error, "retryable", True) else 422, str(choice.error),
-                                         code="generation_failed")
-                        yield _sse(error.body())
-                        return
-                    yield chunk([{"index": choice.index, "finish_reason": choice.finish_reason, "logprobs": None,
-                                  **({"delta": {}} if chat else {"text": ""})}])
-                    continue
-                if chat:
-                    logprobs = _chat_logprobs(service, [token]) if body.logprobs else None
-                    piece = {"delta": {"content": token.text}}
-                else:
-                    logprobs = None if body.logprobs is None else _completion_logprobs(service, [token],
-                                                                                       offsets[choice.index])
-                    piece = {"text": token.text}
-                offsets[choice.index] += len(token.text)
-                yield chunk([{"index": choice.index, **piece, "logprobs": logprobs, "finish_reason": None}])
+            async for bunch in generation.bunches():  # the events there are, as one write
+                parts = []
+                for choice, token in bunch:
+                    if token is None:
+                        if choice.error is not None:
+                            failed = True
+                            error = ApiError(500 if getattr(choice.error, "retryable", True) else 422,
+                                             str(choice.error), code="generation_failed")
+                            yield b"".join(parts) + _sse(error.body())
+                            return
+                        parts.append(chunk([{"index": choice.index, "finish_reason": choice.finish_reason,
+                                             "logprobs": None, **({"delta": {}} if chat else {"text": ""})}]))
+                        continue
+                    if chat:
+                        logprobs = _chat_logprobs(service, [token]) if body.logprobs else None
+                        piece = {"delta": {"content": token.text}}
+                    else:
+                        logprobs = None if body.logprobs is None else _completion_logprobs(service, [token],
+                                                                                           offsets[choice.index])
+                        piece = {"text": token.text}
+                    offsets[choice.index] += len(token.text)
+                    parts.append(chunk([{"index": choice.index, **piece, "logprobs": logprobs,
+                                         "finish_reason": None}]))
+                yield b"".join(parts)
             if body.include_usage():
                 yield chunk([], usage=_usage(generation, distinct_prompts))
             yield b"data: [DONE]\n\n"
