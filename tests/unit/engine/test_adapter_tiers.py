@@ -104,3 +104,23 @@ def test_on_the_gpu_each_layer_waits_for_its_own_copy_and_tiers_agree(models):
         store.stats.__init__()
         _tier_walk(engine, adapters)
         assert _run(engine, adapters, "everything_rs") == placed_first
+
+
+def test_a_placement_is_a_few_copies_whose_pool_rows_are_dense_at_the_pools_rank(models):
+    """Each wave: one copy of its range of the host buffer, then the pool rows from the staging buffer in one fused
+    copy when every row is dense (an adapter of the pools' rank; a lower rank's B columns are strided, copied
+    apart); the tokens agree either way."""
+    checkpoint, adapters = models("llama")
+    outputs = []
+    for max_rank, dense in ((8, True), (64, False)):
+        engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, adapter_slots=1,
+                                        max_lora_rank=max_rank)
+        outputs.append(_run(engine, adapters, "mlp_r8"))
+        waves = list(engine.adapters._waves.values())
+        assert waves and all(len(wave.copies) == (1 if dense else 2) for wave in waves)
+        assert all(t.is_contiguous() for t in waves[0].copies[0][0])
+        assert all(t.shape == s.shape for wave in waves for targets, sources in wave.copies
+                   for t, s in zip(targets, sources))
+    assert outputs[0][0] == outputs[1][0]
+    for (ours, top), (theirs, their_top) in zip(outputs[0][1], outputs[1][1]):
+        assert abs(ours - theirs) < 1e-9
