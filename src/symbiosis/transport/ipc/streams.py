@@ -70,10 +70,17 @@ class StreamRules:
         return False
 
     def gate(self, client, seq: int) -> Callable[[], None] | None:
-        """What the executor's stream must wait for before the call's GEMM: its input flag."""
+        """What the stream the call's GEMM runs on must wait for first: its input flag."""
         if client.flags is None:
             return None
-        return partial(streamops.wait_geq, self.stream, client.flags.tensor.data_ptr(), seq, self.device_index)
+        return partial(self._wait_input, client.flags.tensor.data_ptr(), seq)
+
+    def _wait_input(self, address: int, seq: int) -> None:
+        # Called by the thread about to run the call, on the stream it will run on: the executor's, or the
+        # stream of its own that a layer on another GPU of this process runs on (executor/peers.py), which must
+        # see the flag itself (an event of the executor's stream recorded before this wait would not carry it).
+        stream = torch.cuda.current_stream(self.torch_stream.device)
+        streamops.wait_geq(stream.cuda_stream, address, seq, self.device_index)
 
     def answered(self, client, seq: int, ran: Callable[[], None]) -> None:
         """Behind the call's output copy (or at once, for a failed call): its output flag; `ran` once the
