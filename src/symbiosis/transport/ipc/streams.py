@@ -79,8 +79,9 @@ class StreamRules:
         # Called by the thread about to run the call, on the stream it will run on: the executor's, or the
         # stream of its own that a layer on another GPU of this process runs on (executor/peers.py), which must
         # see the flag itself (an event of the executor's stream recorded before this wait would not carry it).
-        stream = torch.cuda.current_stream(self.torch_stream.device)
-        streamops.wait_geq(stream.cuda_stream, address, seq, self.device_index)
+        stream = self.stream if self.torch_stream is None else \
+            torch.cuda.current_stream(self.torch_stream.device).cuda_stream
+        streamops.wait_geq(stream, address, seq, self.device_index)
 
     def answered(self, client, seq: int, ran: Callable[[], None]) -> None:
         """Behind the call's output copy (or at once, for a failed call): its output flag; `ran` once the
