@@ -155,6 +155,30 @@ def test_pipelined_calls_train_exactly_and_a_dead_executor_releases_the_stream(c
         process.wait()
 
 
+def test_pipelined_calls_to_an_executor_over_two_gpus_train_exactly(checkpoints, tmp_path):
+    """The base over both GPUs of the executor's process (executor/peers.py): a pipelined client's calls for the
+    second GPU's layers run on a stream of their own, which waits for each call's input flag itself; three AdamW
+    steps equal the in-process ones."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path, _ = checkpoints("llama")
+    expected = _adamw_steps(_lora_model(path, symbiosis.Executor.from_pretrained(path, device="cuda",
+                                                                                 dtype=torch.float32)), "cuda")
+    url = f"ipc://{tmp_path}/two-gpus.sock"
+    process = start_executor(path, url, tmp_path, "opportunistic", 30, "cuda:0", "float32", None,
+                             "--devices", "cuda:0,cuda:1")
+    try:
+        model = _lora_model(path, symbiosis.connect(url, token=TOKEN, timeout=30))
+        assert model.base_model.model.symbiosis_session.pipelined
+        for name, value in _adamw_steps(model, "cuda").items():
+            assert _rel(value, expected[name]) < 1e-5, name
+        model.base_model.model.symbiosis_session.close()
+    finally:
+        process.kill()
+        process.wait()
+
+
 def test_one_pipelined_client_per_process_and_device(checkpoints, tmp_path):
     """Sessions of one process share its CUDA stream, and the executor may take their calls in another order
     than that stream queued them: so only the first is pipelined, the second waits for its answers (through
