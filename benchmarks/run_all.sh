@@ -27,7 +27,7 @@ declare -A LIMIT_S=(
   [policies]=300 [mixed]=240 [privacy]=320 [long_context]=330
   [engine_tests]=240 [sgmv]=180 [paged_attention]=240 [engine]=560 [hosted_training]=560 [hosted_training_profile]=300
   [serve]=590 [fine_tuning_jobs]=560 [hmi_tiered]=580 [hmi_on_demand]=580 [plot]=580 [moe_train]=560 [moe_train_captured]=560 [moe_decode]=560
-  [remote_2gpu]=240 [sharded_13b_2gpu]=560 [processes_13b_2gpu]=480 [sharded_13b_2gpu_columns]=560 [fsdp_13b_2gpu]=420
+  [gpu_tests_2gpu]=240 [remote_2gpu]=240 [sharded_13b_2gpu]=560 [processes_13b_2gpu]=480 [sharded_13b_2gpu_columns]=560 [fsdp_13b_2gpu]=420
   [sharded_remote_8gpu]=590 [fsdp_27b_8gpu]=590
 )
 declare -A COMMAND=(
@@ -73,6 +73,7 @@ declare -A COMMAND=(
   [moe_train_captured]="$PY benchmarks/multi_tenant.py --model qwen3-30b-a3b-12l --tenants 1,8 --duration 5 --clients threads --compile symbiosis --capture symbiosis --chunked-loss symbiosis"
   # two GPUs (issue: runs on two GPUs), by name only: not in ORDER. Clients on GPU 1 over nccl:// against the same
   # clients in process on GPU 0; the 13B executor sharded over both GPUs, whole layers and columns
+  [gpu_tests_2gpu]="$PY -m pytest -q -m gpu tests/unit/executor/test_peers.py tests/unit/executor/test_sharded.py tests/unit/transport/test_collective.py tests/integration/test_gpu.py -p no:cacheprovider"
   [remote_2gpu]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,4,8 --duration 5 --no-plain --clients threads --executor local --executor nccl:cuda:0 --client-device cuda:1"
   [sharded_13b_2gpu]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 24 --duration 5 --no-plain --clients threads --checkpointing --executor peers:cuda:0,cuda:1"
   [processes_13b_2gpu]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 20 --duration 5 --no-plain --checkpointing --executor devices:cuda:0,cuda:1"
