@@ -64,8 +64,8 @@ def main() -> None:
     args.executor = args.executor or ["local"]
     if args.clients == "processes" and any(e != "local" and not e.startswith("devices:") for e in args.executor):
         parser.error("client processes attach to an executor process: --executor local or devices:DEV,DEV[/columns]")
-    if args.clients == "processes" and "none" not in (args.compile, args.capture):
-        parser.error("--compile and --capture apply to symbiosis clients on threads (--clients threads)")
+    if args.clients == "processes" and args.capture != "none":
+        parser.error("--capture applies to symbiosis clients on threads (--clients threads)")
     path = checkpoint(args.model)
     total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0.0
     url = "ipc:///tmp/symbiosis-multi.sock"
@@ -179,6 +179,7 @@ def symbiosis_processes(args, common: dict, n: int, path, url: str, executor: st
         window = ExecutorWindow(url)
         on = args.client_device.split(",") if args.client_device else [None]
         ours, ours_gpu = run_fleet([dict(common, mode="symbiosis", url=url, name=f"t{i}", client_device=on[i % len(on)],
+                                     compile=args.compile != "none", compile_mode=args.compile_mode,
                                      chunked_loss=args.chunked_loss != "none") for i in range(n)],
                                    args.duration, on_go=window.start, baseline_mib=before_executor)
         profile = window.shares()  # where the time went: executor threads, GEMMs; and the clients' waits

@@ -27,7 +27,7 @@ declare -A LIMIT_S=(
   [policies]=300 [mixed]=240 [privacy]=320 [long_context]=330
   [engine_tests]=240 [sgmv]=180 [paged_attention]=240 [engine]=560 [hosted_training]=560 [hosted_training_profile]=300
   [serve]=590 [fine_tuning_jobs]=560 [hmi_tiered]=580 [hmi_on_demand]=580 [plot]=580 [moe_train]=560 [moe_train_captured]=560 [moe_decode]=560
-  [gpu_tests_2gpu]=240 [remote_2gpu]=240 [sharded_13b_2gpu]=560 [processes_13b_2gpu]=480 [sharded_13b_2gpu_columns]=560 [fsdp_13b_2gpu]=420
+  [gpu_tests_2gpu]=240 [remote_2gpu]=240 [sharded_13b_2gpu]=560 [processes_13b_2gpu]=480 [processes_13b_2gpu_compiled]=560 [sharded_13b_2gpu_columns]=560 [fsdp_13b_2gpu]=420
   [sharded_remote_8gpu]=590 [fsdp_27b_8gpu]=590
 )
 declare -A COMMAND=(
@@ -77,6 +77,7 @@ declare -A COMMAND=(
   [remote_2gpu]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,4,8 --duration 5 --no-plain --clients threads --executor local --executor nccl:cuda:0 --client-device cuda:1"
   [sharded_13b_2gpu]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 24 --duration 5 --no-plain --clients threads --checkpointing --executor peers:cuda:0,cuda:1"
   [processes_13b_2gpu]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 20 --duration 5 --no-plain --checkpointing --executor devices:cuda:0,cuda:1"
+  [processes_13b_2gpu_compiled]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 20 --duration 5 --no-plain --checkpointing --compile symbiosis --executor devices:cuda:0,cuda:1"
   [sharded_13b_2gpu_columns]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 24 --duration 5 --no-plain --clients threads --checkpointing --executor peers:cuda:0,cuda:1/columns"
   [fsdp_13b_2gpu]="$PY benchmarks/fsdp_fleet.py --model llama-2-13b --jobs 1,2,3 --gpus 2 --duration 10"
   # eight GPUs, by name only: Gemma-2-27B's executor over GPUs 0-3, 8 clients on GPUs 4-7 over nccl:// (bs 2, seq 64),

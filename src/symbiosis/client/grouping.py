@@ -28,6 +28,8 @@ class CallGrouper:
         self._run: list[str] = []  # layers called in a row with _run_input
         self._run_input: tuple[torch.Tensor, int] | None = None  # held, so its memory cannot be reused meanwhile
 
+    @torch.compiler.disable  # a compiled client's calls go out anyway (a graph break); tracing this bookkeeping
+    # would guard on its state and recompile at every layer, and tensor identity is what it goes by
     def call(self, layer_id: str, x: torch.Tensor, tokens: torch.Tensor, inference: bool) -> torch.Tensor:
         """x: the module's input (identity is what matters); tokens: x as [T, in]. Returns [T, out]."""
         self._learn(layer_id, x)
