@@ -84,6 +84,11 @@ def on_devices(path, devices: list[str | torch.device], dtype=None, split: str =
     devices = [torch.device(d) for d in devices]
     if len(set(devices)) < len(devices) and any(d.type == "cuda" for d in devices):
         raise ValueError(f"each GPU once: {', '.join(map(str, devices))}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for device in devices:
+        if device.type == "cuda" and (device.index is None or device.index >= gpus):
+            raise ValueError(f"no GPU {device} here ({gpus} GPUs): name each one with its index, cuda:0 to "
+                             f"cuda:{max(0, gpus - 1)}")
     checkpoint, layout, specs, dtype = read_base_plan(path, dtype)
     whole, columns = _plan(specs, len(devices), split)
     shares = [_own(specs, rank, whole, columns) for rank in range(len(devices))]

@@ -49,10 +49,13 @@ def test_layers_over_devices_of_one_process_equal_the_single_executor(devices, s
         single.close()
 
 
-def test_a_gpu_listed_twice_is_refused(checkpoints):
+def test_a_gpu_listed_twice_or_missing_is_refused(checkpoints):
     path, _ = checkpoints("llama")
     with pytest.raises(ValueError, match="each GPU once"):
         on_devices(path, ["cuda:0", "cuda:0"])
+    missing = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match=f"no GPU cuda:{missing} here"):
+        on_devices(path, ["cpu", f"cuda:{missing}"])
 
 
 @pytest.mark.gpu
