@@ -16,7 +16,10 @@ Reported: aggregate tokens/s (trained tokens over the window), GPU memory, passe
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -144,11 +147,9 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
 
 
 def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration: float, vocab: int) -> dict:
-    """A loopback `symbiosis serve` (in this process) and every tenant a thread driving the tinker SDK."""
-    os.environ.setdefault("TINKER_TELEMETRY", "0")
-    import tinker
+    """A loopback `symbiosis serve` (in this process) and the tenants, each a thread driving the tinker SDK, in a
+    process of their own (as users' loops are: the SDK's threads and event loop do not share the server's GIL)."""
     import uvicorn
-    from tinker import types
 
     from symbiosis.serve.app import create_app
     from symbiosis.serve.service import Service
@@ -156,7 +157,7 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
     with_tokenizer(model_dir)
     state = Path(tempfile.mkdtemp())
     keys = state / "keys"
-    keys.write_text("".join(f"tenant{i} tml-tenant-{i:04d}-0123456789\n" for i in range(tenants)))
+    keys.write_text("".join(f"tenant{i} {_sdk_key(i)}\n" for i in range(tenants)))
     reset_peak()
     service = Service(model_dir, state / "state", keys, device=device(), dtype=dtype(), served_name="base",
                       engine_options={"kv_blocks": 64}, training={"persist_every": 10**9,
@@ -167,10 +168,34 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
     while not server.started:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    spec = dict(url=url, tenants=tenants, rank=rank, length=length, duration=duration, vocab=vocab)
+    done = subprocess.run([sys.executable, __file__, "--sdk-client"], input=json.dumps(spec), capture_output=True,
+                          text=True, env={**os.environ, "TINKER_TELEMETRY": "0"})
+    if done.returncode != 0:
+        raise RuntimeError(f"the SDK tenants failed: {done.stderr[-2000:]}")
+    trained, wall = json.loads(done.stdout.strip().splitlines()[-1])
+    result = {"tokens_per_s": trained / wall, "peak_gib": peak_gib()}
+    server.should_exit = True
+    thread.join(30)
+    service.close()
+    del service
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def _sdk_key(index: int) -> str:
+    return f"tml-tenant-{index:04d}-0123456789"
+
+
+def sdk_tenants(url: str, tenants: int, rank: int, length: int, duration: float, vocab: int) -> tuple[int, float]:
+    """`through_sdk`'s other process: every tenant a thread with its own `tinker.ServiceClient`."""
+    import tinker
+    from tinker import types
 
     def start_tenant(index: int):
         generator = torch.Generator().manual_seed(index)
-        client = tinker.ServiceClient(base_url=url, api_key=f"tml-tenant-{index:04d}-0123456789")
+        client = tinker.ServiceClient(base_url=url, api_key=_sdk_key(index))
         training = client.create_lora_training_client(base_model="base", rank=rank, seed=index, **PARTS).result()
 
         def step() -> None:
@@ -184,15 +209,7 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
 
         return step, lambda: client.close("success")
 
-    trained, wall = drive(tenants, start_tenant, length, duration)
-    result = {"tokens_per_s": trained / wall, "peak_gib": peak_gib()}
-    server.should_exit = True
-    thread.join(30)
-    service.close()
-    del service
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return result
+    return drive(tenants, start_tenant, length, duration)
 
 
 def compiled_peft(model_dir: Path, batch: int, length: int, duration: float) -> dict:
@@ -247,9 +264,13 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--paths", default="engine,sdk", help="engine (the Python API), sdk (tinker over HTTP)")
     parser.add_argument("--fleet", default="8,16", help="PEFT process fleets to run (empty: none)")
+    parser.add_argument("--sdk-client", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile", help="write a torch.profiler table of 2 s of the Python API at the most tenants "
                                           "here (and run nothing else)")
     args = parser.parse_args()
+    if args.sdk_client:  # through_sdk's tenants: a spec on stdin, (tokens trained, seconds) on stdout
+        print(json.dumps(sdk_tenants(**json.loads(sys.stdin.read()))))
+        return
     model_dir = checkpoint(args.model)
     vocab = CONFIGS[args.model]["vocab_size"]
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
