@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from symbiosis.executor.executor import Executor, read_base_plan
-from symbiosis.executor.sharded import ShardedWeights, SplitLayer, _own, _plan
+from symbiosis.executor.sharded import _own, _plan, assemble_front
 from symbiosis.executor.store import BaseWeights
 from symbiosis.model.partition import BaseLayerSpec
 
@@ -95,14 +95,7 @@ def on_devices(path, devices: list[str | torch.device], dtype=None, split: str =
     local = BaseWeights(layout, shares[0][0], devices[0], dtype, columns=shares[0][1])
     peers = [Peer(device, devices[0], BaseWeights(layout, mine, device, dtype, columns=slices))
              for device, (mine, slices) in zip(devices[1:], shares[1:])]
-    layer = lambda rank, layer_id: local.layers[layer_id] if rank == 0 else \
-        PeerLayer(peers[rank - 1].weights.layers[layer_id].spec, peers[rank - 1].weights.layers[layer_id],  # noqa: E731
-                  peers[rank - 1])
-    remote = {layer_id: layer(rank, layer_id) for layer_id, rank in whole.items() if rank}
-    for layer_id, runs in columns.items():
-        by_id = {s.layer_id: s for s in specs}
-        remote[layer_id] = SplitLayer(by_id[layer_id], [(first, layer(rank, layer_id)) for rank, first, _ in runs])
-    weights = ShardedWeights(local, remote, links=[])
-    executor = Executor(checkpoint, weights, checkpoint.fingerprint(), devices[0], dtype, **executor_options)
-    executor.placement, executor.split = {**whole, **{i: -1 for i in columns}}, split
-    return executor
+    elsewhere = lambda rank, spec: PeerLayer(spec, peers[rank - 1].weights.layers[spec.layer_id],  # noqa: E731
+                                             peers[rank - 1])
+    return assemble_front(checkpoint, local, specs, whole, columns, split, elsewhere, [], devices[0], dtype,
+                          **executor_options)

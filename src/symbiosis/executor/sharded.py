@@ -343,16 +343,27 @@ def front(path, devices: list[str | torch.device], dtype=None, init_method: str 
     held = lambda rank: sum(r == rank for r in whole.values()) + sum(  # noqa: E731
         any(r == rank for r, _, _ in runs) for runs in columns.values())
     links = [_Link(rank, devices[0], backend, held(rank)) for rank in range(1, len(devices))]
+    elsewhere = lambda rank, spec: RemoteLayer(spec, links[rank - 1], dtype, devices[0])  # noqa: E731
+    return assemble_front(checkpoint, local, specs, whole, columns, split, elsewhere, links, devices[0], dtype,
+                          **executor_options)
+
+
+def assemble_front(checkpoint, local: BaseWeights, specs: list[BaseLayerSpec], whole: dict, columns: dict,
+                   split: str, elsewhere, links: list[_Link], device: torch.device, dtype: torch.dtype,
+                   **executor_options) -> Executor:
+    """The front's `Executor` over its own layers (`local`) and the other ranks': `elsewhere(rank, spec)` is the
+    layer (or, split by columns, the slice: `spec` says its width) that rank holds (a shard's `RemoteLayer`, or a
+    GPU of this process's `PeerLayer`, executor/peers.py)."""
     by_id = {s.layer_id: s for s in specs}
-    remote = {i: RemoteLayer(by_id[i], links[rank - 1], dtype, devices[0]) for i, rank in whole.items() if rank}
+    remote = {i: elsewhere(rank, by_id[i]) for i, rank in whole.items() if rank}
     for layer_id, runs in columns.items():
         parts = [(first, local.layers[layer_id] if rank == 0 else
-                  RemoteLayer(dataclasses.replace(by_id[layer_id], out_features=width), links[rank - 1], dtype,
-                              devices[0])) for rank, first, width in runs]
+                  elsewhere(rank, dataclasses.replace(by_id[layer_id], out_features=width)))
+                 for rank, first, width in runs]
         remote[layer_id] = SplitLayer(by_id[layer_id], parts)
     weights = ShardedWeights(local, remote, links)
     placement = {**whole, **{i: -1 for i in columns}}  # -1: split over every rank
-    executor = Executor(checkpoint, weights, checkpoint.fingerprint(), devices[0], dtype, **executor_options)
+    executor = Executor(checkpoint, weights, checkpoint.fingerprint(), device, dtype, **executor_options)
     executor.placement, executor.split = placement, split
     return executor
 
