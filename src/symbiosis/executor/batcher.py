@@ -222,11 +222,11 @@ class Batcher:
             for call in calls:
                 if call.gate is not None:
                     call.gate()
+            if any(call.ready is None for call in foreign):  # made on the default stream, which records no event
+                stream.wait_stream(torch.cuda.default_stream(device))
             for call in foreign:
                 if call.ready is not None:
                     stream.wait_event(call.ready)
-                else:  # made on the default stream, which records no event
-                    stream.wait_stream(torch.cuda.default_stream(device))
                 call.tensor.record_stream(stream)
             started = self.stats.timer()  # after the gates: the GPU time of the GEMM, not of waiting for input
             # [T1, d] ++ [T2, d] ++ ... -> [sum T, d]; one GEMM; split back.
