@@ -449,11 +449,7 @@ class AdapterStore:
             if member == "bottleneck":
                 scales.append(self.bottleneck_pools[pool_id].scales[slot:slot + 1])
             else:
-                key = ("scale", slot, pool_id, member)
-                view = self._rows_cache.get(key)
-                if view is None:
-                    view = self._rows_cache[key] = self.pools[pool_id].scales[slot, member:member + 1]
-                scales.append(view)
+                scales.append(self._scale_view(slot, pool_id, member))
         if scales:
             torch._foreach_zero_(scales)
         if entry.adapter.embedding is not None:
@@ -499,8 +495,16 @@ class AdapterStore:
             a_rows = pools.a[slot, member * self.max_rank:(member + 1) * self.max_rank]     # [R, in]
             b_rows = pools.b[slot, first:first + self.specs[layer_id].out_features]         # [out, R]
             rest = [a_rows[r:], b_rows[:, r:]] if r < self.max_rank else []
-            rows = self._rows_cache[key] = (a_rows[:r], b_rows[:, :r], rest, pools.scales[slot, member:member + 1])
+            rows = self._rows_cache[key] = (a_rows[:r], b_rows[:, :r], rest, self._scale_view(slot, pool_id, member))
         return rows
+
+    def _scale_view(self, slot: int, pool_id: str, member: int) -> torch.Tensor:
+        """A LoRA's scale in `slot` of its pool [1], made once."""
+        key = ("scale", slot, pool_id, member)
+        view = self._rows_cache.get(key)
+        if view is None:
+            view = self._rows_cache[key] = self.pools[pool_id].scales[slot, member:member + 1]
+        return view
 
     def _wave(self, slot: int, adapter: HostAdapter, index: int, first: int, end: int) -> "_Wave":
         """The copies of layers first..end of `adapter` (a wave) into `slot`: from the staging buffers to the
