@@ -8,7 +8,7 @@ a process group of its own, two ranks (the executor 0, the client 1), made from 
 id: clients come and go without a world-wide group. Per call, in this order on both sides:
 
     client:   post send(x)  ->  request {op, layer, rows, cols} and wait for the reply  ->  recv(y) if it says ok
-    executor: recv(x) (the client's own worker thread)  ->  the executor computes  ->  reply, then send(y)
+    executor: recv(x) (the client's own worker thread)  ->  the executor computes  ->  reply, then post send(y)
 
 Like `tcp://`'s messages (auth.py), the tensors travel unencrypted (NCCL's always do): on a network you do not
 trust, carry both inside a tunnel. The executor receives a call's input only once its
@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import logging
+import os
 import queue
 import secrets
 import socket
@@ -69,7 +70,19 @@ def _group(backend: str, host: str, port: int, prefix: str, rank: int, timeout_s
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         torch.cuda.set_device(device)
-        group = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+        # A pair's operation that outlives the timeout (a client that never sent, or never received) must abort that
+        # pair's communicator only: NCCL's watchdog otherwise tears the whole process down (its default, 3), every
+        # other tenant with it. The setting is read when a group is made: ours get 2 (abort the communicator, raise
+        # in its waits), other groups of this process keep what their owner chose.
+        chosen = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        try:
+            group = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+        finally:
+            if chosen is None:
+                del os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+            else:
+                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = chosen
     else:
         group = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
     # NCCL makes a pair's communicator at the pair's first send or recv, and connects each direction at the first
@@ -83,6 +96,29 @@ def _group(backend: str, host: str, port: int, prefix: str, rank: int, timeout_s
     for sender in (1, 0):
         (group.send([token], peer, 0) if rank == sender else group.recv([token], peer, 0)).wait(timeout)
     return group
+
+
+def _arrived(work, backend: str, timeout: datetime.timedelta, what: str) -> None:
+    """Block this thread until `work` (a receive) completed, at most `timeout`, and order the current stream after
+    it. NCCL's own `wait(timeout)` looks only once a millisecond (a sleep between looks), which was most of a remote
+    call's time, and its stream wait comes before its host wait, so a receive that never completes would hold the
+    stream, and everyone's batches behind it: here the stream waits only for data that is there. (gloo's wait is
+    woken by the data itself; its works complete only inside `wait`.)"""
+    if backend != "nccl":
+        work.wait(timeout)
+        return
+    deadline, pause = time.monotonic() + timeout.total_seconds(), _FIRST_LOOK_S
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not arrive within {timeout.total_seconds():g} s")
+        time.sleep(pause)
+        pause = min(2 * pause, _LAST_LOOK_S)
+    work.wait()
+
+
+# Looks at a pending receive back off from 10 us to 0.5 ms: a client's GPU usually reaches its send within a
+# fraction of a millisecond of its request, and every look takes the executor's GIL from its batcher.
+_FIRST_LOOK_S, _LAST_LOOK_S = 1e-5, 5e-4
 
 
 class CollectiveSession(RemoteSession):
@@ -156,7 +192,7 @@ class _ClientPlane:
         self.answer, self.drop, self.timeout = answer, drop, datetime.timedelta(seconds=timeout_s)
         self.wire_device = executor.device if backend == "nccl" else torch.device("cpu")
         self.calls: queue.Queue = queue.Queue()
-        self.group = None
+        self.group = self.sending = None
         self._factory = group_factory
         self._thread = threading.Thread(target=self._serve, name=f"symbiosis-{client_id}", daemon=True)
         self._thread.start()
@@ -183,7 +219,7 @@ class _ClientPlane:
     def _one(self, identity: bytes, header: dict) -> None:
         x = torch.empty(header["rows"], header["cols"], dtype=self.executor.dtype, device=self.wire_device)
         log.debug("client %s: %s %s: receiving its input", self.client_id, header["op"], header["layer"])
-        self.group.recv([x], 1, 0).wait(self.timeout)
+        _arrived(self.group.recv([x], 1, 0), self.backend, self.timeout, "the call's input")
         try:
             future = submit(self.executor, self.client_id, header, x)
             y = future.result().to(self.wire_device).contiguous()
@@ -194,7 +230,10 @@ class _ClientPlane:
         # The reply first: the client posts its recv once it has it, and a send may block until that recv is
         # posted (NCCL's connection set-up, should a message ever need a connection attach did not make).
         self.answer(identity, {"id": header.get("id"), "ok": True})
-        self.group.send([y], 1, 0).wait(self.timeout)
+        # Not waited for (held until the next call's, so that `y` and the send live until it went): the next receive
+        # queues behind it on the pair's connection, so a client that never takes its result is caught by that
+        # receive's deadline.
+        self.sending = self.group.send([y], 1, 0)
 
     def close(self) -> None:
         self.calls.put(None)

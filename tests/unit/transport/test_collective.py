@@ -125,7 +125,7 @@ def test_a_client_whose_process_group_is_gone_is_detached_at_once(served):
 
 
 NCCL_CLIENT = """
-import sys, torch, symbiosis
+import sys, time, torch, symbiosis
 sys.path.insert(0, {tests!r})
 from helpers import batch
 path, url = sys.argv[1:3]
@@ -133,7 +133,27 @@ split = symbiosis.from_pretrained(path, symbiosis.connect(url, timeout=60), devi
 local = symbiosis.from_pretrained(path, symbiosis.Executor.from_pretrained(path, device="cuda:1", dtype=torch.float64),
                                   device="cuda:1", dtype=torch.float64)
 inputs = {{k: v.to("cuda:1") for k, v in batch("llama").items()}}
-ours, theirs = split(**inputs), local(**inputs)
+
+
+class Stalled:  # a tenant whose header goes out and whose tensor never does
+    def send(self, tensors, dst, tag):
+        return self
+
+    def wait(self):
+        return True
+
+
+remote = symbiosis.connect(url, timeout=60)
+stalled = remote.attach(split.symbiosis_session.fingerprint, "stalled", "cuda:1")
+alive, stalled.group = stalled.group, Stalled()
+layer_id, spec = next(iter(stalled.layer_specs.items()))
+started = time.monotonic()
+try:
+    stalled.forward(layer_id, torch.randn(2, spec.in_features, dtype=torch.float64, device="cuda:1"))
+    print("THE STALLED CLIENT WAS ANSWERED", flush=True)
+except symbiosis.errors.ExecutorUnavailable:
+    print(f"stalled client detached after {{time.monotonic() - started:.1f}} s", flush=True)
+ours, theirs = split(**inputs), local(**inputs)  # the executor, and this client's own data plane, go on
 ours.loss.backward()
 error = (ours.logits - theirs.logits).abs().max().item()
 print("EQUAL" if error <= 1e-12 * theirs.logits.abs().max().item() else f"DIFFERENT by {{error}}", flush=True)
@@ -144,7 +164,8 @@ split.symbiosis_session.close()
 @pytest.mark.gpu
 def test_on_two_gpus_a_client_on_the_second_attaches_over_nccl(checkpoints, tmp_path):
     """The executor on cuda:0 (this process), a client process on cuda:1 over nccl://: GPU to GPU, the numbers
-    of an executor on the client's own GPU (float64: rounding apart)."""
+    of an executor on the client's own GPU (float64: rounding apart). A second client of that process that sends a
+    header and never its tensor is detached after the client timeout, its communicator aborted, not the process."""
     import os
     import subprocess
     import sys
@@ -153,7 +174,7 @@ def test_on_two_gpus_a_client_on_the_second_attaches_over_nccl(checkpoints, tmp_
         pytest.skip("needs two GPUs")
     path, _ = checkpoints("llama")
     executor = symbiosis.Executor.from_pretrained(path, device="cuda:0", dtype=torch.float64)
-    server = ExecutorServer(executor, "tcp://127.0.0.1:0").start()
+    server = ExecutorServer(executor, "tcp://127.0.0.1:0", client_timeout=5.0).start()
     script = tmp_path / "client.py"
     script.write_text(NCCL_CLIENT.format(tests=os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
     try:
@@ -161,6 +182,7 @@ def test_on_two_gpus_a_client_on_the_second_attaches_over_nccl(checkpoints, tmp_
         out = subprocess.run([sys.executable, str(script), str(path), f"nccl://127.0.0.1:{port}"], capture_output=True,
                              text=True, timeout=300)
         assert out.returncode == 0 and out.stdout.strip().endswith("EQUAL"), out.stdout + out.stderr[-3000:]
+        assert "stalled client detached after" in out.stdout, out.stdout
     finally:
         server.stop()
         executor.close()
