@@ -52,6 +52,40 @@ class Channel:
         with self._lock:
             self._send(wire.encode(header, *tensors), header)
 
+    def post(self, header: dict) -> int:
+        """Send a request whose reply `take_replies` collects later; its id."""
+        with self._lock:
+            header = {**header, "id": next(self._ids)}
+            self._send(wire.encode(header), header)
+            return header["id"]
+
+    def take_replies(self, pending: set[int], block: bool) -> dict | None:
+        """Collect replies to posted requests (their ids in `pending`, removed as they come): those already here,
+        or with `block` every one (the timeout at most between two). The first error reply among them, or None."""
+        error = None
+        with self._lock:
+            deadline = time.monotonic() + self.timeout
+            while pending:
+                left = deadline - time.monotonic()
+                events = dict(self._poller.poll(int(left * 1000) + 1 if block and left > 0 else 0))
+                if self._monitor in events:
+                    self._refused()
+                if self.socket not in events:
+                    if not block:
+                        return error
+                    if left <= 0:
+                        raise ExecutorUnavailable(f"executor at {self.url} did not answer {len(pending)} calls "
+                                                  f"within {self.timeout:g}s (stopped, restarted or overloaded)")
+                    continue
+                frames = self.socket.recv_multipart(copy=False)
+                reply = wire.decode_header(frames[0]) if frames else {}
+                if reply.get("id") in pending:
+                    pending.discard(reply["id"])
+                    deadline = time.monotonic() + self.timeout
+                    if not reply.get("ok") and error is None:
+                        error = reply
+        return error
+
     def _send(self, frames: list, header: dict) -> None:
         """Queue the frames; a socket that could not take them within the timeout has no executor to talk to."""
         try:

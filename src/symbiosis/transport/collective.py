@@ -7,14 +7,21 @@ At attach the executor hosts a TCPStore (once, on a free port it names in the re
 a process group of its own, two ranks (the executor 0, the client 1), made from that store under the client's
 id: clients come and go without a world-wide group. Per call, in this order on both sides:
 
-    client:   post send(x)  ->  request {op, layer, rows, cols} and wait for the reply  ->  recv(y) if it says ok
+    client:   post send(x)  ->  post request {op, layer, rows, cols}  ->  post recv(y)  ->  return y
     executor: recv(x) (the client's own worker thread)  ->  the executor computes  ->  reply, then post send(y)
 
+The client waits for nothing (a pipelined session, as `ipc/pipelined.py`): its CPU runs ahead of its GPU, and
+the replies are collected at its later calls and at `synchronize` (the end of the model's forward and of each
+backward), which raise the first error among them. Both sides stay in step whatever happens to a call: an
+error after the input arrived (out of memory) is answered, and zeros of the result's shape are sent in its
+place; a header the executor refuses (the client checks its calls as the executor does, so only a client that
+did not) or a data plane that fails detaches the client, and the client aborts its end, so that the receive it
+posted does not hold its stream.
+
 Like `tcp://`'s messages (auth.py), the tensors travel unencrypted (NCCL's always do): on a network you do not
-trust, carry both inside a tunnel. The executor receives a call's input only once its
-header arrived and was checked (rows, width, dtype), on the
-client's own thread, with the session timeout: a client that never sends its tensor stalls only itself, and is
-detached. A reply with an error means nothing follows on the data plane, so both sides stay in step.
+trust, carry both inside a tunnel. The executor receives a call's input only once its header arrived and was
+checked (rows, width, dtype), on the client's own thread, with the session timeout: a client that never sends
+its tensor stalls only itself, and is detached.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from symbiosis.errors import BadCall, ExecutorUnavailable
+from symbiosis.errors import BadCall, ExecutorUnavailable, SymbiosisError
 from symbiosis.protocol import check_call
 from symbiosis.transport import wire
 from symbiosis.transport.remote import RemoteSession
@@ -50,7 +57,7 @@ def _release_groups() -> None:
     while joinable): release them first. (Nothing else: a process that never made one is left alone; a garbage
     collection here made other processes' teardown abort now and then.)"""
     for holder in list(_HOLDERS):
-        holder.group = None
+        holder.group = holder._sending = None
 SCHEMES = {"nccl": "nccl", "gloo": "gloo"}  # URL scheme -> backend of the data plane
 
 
@@ -68,7 +75,8 @@ def _group(backend: str, host: str, port: int, prefix: str, rank: int, timeout_s
     prefixed = dist.PrefixStore(prefix, store)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
+        # NCCL's watchdog is the net under our own deadlines (`_arrived`), which answer first and name the problem
+        options._timeout = 2 * timeout + datetime.timedelta(seconds=30)
         torch.cuda.set_device(device)
         # A pair's operation that outlives the timeout (a client that never sent, or never received) must abort that
         # pair's communicator only: NCCL's watchdog otherwise tears the whole process down (its default, 3), every
@@ -122,13 +130,20 @@ _FIRST_LOOK_S, _LAST_LOOK_S = 1e-5, 5e-4
 
 
 class CollectiveSession(RemoteSession):
-    """A client's session over `nccl://` (or `gloo://`): control over ZeroMQ, tensors over its process group."""
+    """A client's session over `nccl://` (or `gloo://`): control over ZeroMQ, tensors over its process group.
+    Pipelined: a call posts its send, its request and its receive, and returns; the replies are collected at
+    later calls and at `synchronize` (the end of the model's forward and of each backward), which raise the first
+    error among them."""
+
+    pipelined = True
+    grouped_experts = True
 
     def __init__(self, executor, fingerprint: str, name: str, device: torch.device):
         self.backend = executor.data_plane
         if self.backend == "nccl" and device.type != "cuda":
             raise ValueError("nccl:// carries GPU tensors: attach the client on a CUDA device (gloo:// for the CPU)")
-        self.group = None
+        self.group = self._sending = None
+        self._unanswered: set[int] = set()  # ids of calls whose replies have not come yet
         super().__init__(executor, fingerprint, name, device)
 
     def _attach_request(self) -> dict:
@@ -146,32 +161,90 @@ class CollectiveSession(RemoteSession):
             raise ExecutorUnavailable(f"the {self.backend}:// data plane could not be set up with the executor at "
                                       f"{host}:{plane['port']}: {str(e).splitlines()[0] if str(e) else e!r}") from e
         _HOLDERS.add(self)
+        self._unanswered.clear()
         self.wire_device = self.device if self.backend == "nccl" else torch.device("cpu")
-
-    grouped_experts = True
 
     def _call(self, op: str, layer_id: str, tensor: torch.Tensor, out_width: int, inference: bool,
               counts: list[int] | None = None) -> torch.Tensor:
         sent = tensor.detach().to(self.wire_device, self.dtype).contiguous()
-        self.calls += 1
-        header = {"op": op, "layer": layer_id, "inference": inference, "collective": True,
+        header = {"op": op, "layer": layer_id, "inference": inference, "collective": True, "client": None,
                   "rows": sent.shape[0], "cols": sent.shape[1], "dtype": wire.dtype_name(self.dtype)}
         if counts is not None:  # a MoE projection's experts: `layer_id` names them, `counts` their rows
             header["counts"] = counts
-        started = time.perf_counter()
-        sending = self.group.send([sent], 0, 0)
-        log.debug("client %s: %s %s: input posted, requesting", self.client_id, op, layer_id)
-        self._request(header)  # raises the executor's error: then nothing else comes on the data plane
-        log.debug("client %s: %s %s: answered, receiving", self.client_id, op, layer_id)
-        sending.wait()
-        result = torch.empty(sent.shape[0], out_width, dtype=self.dtype, device=self.wire_device)
-        self.group.recv([result], 0, 0).wait()
-        self.waited_s += time.perf_counter() - started
+        with self._call_lock:
+            self._check_open()
+            self.calls += 1
+            started = time.perf_counter()
+            header["client"] = self.client_id
+            # The executor receives, computes and sends back whatever the reply says (an error's zeros): the
+            # receive can be posted at once, and the client's CPU runs on while both GPUs work.
+            self._sending = self.group.send([sent], 0, 0)  # held: gloo cancels a send whose work is dropped
+            self._unanswered.add(self.channel.post(header))
+            result = torch.empty(sent.shape[0], out_width, dtype=self.dtype, device=self.wire_device)
+            try:
+                self.group.recv([result], 0, 0).wait()  # NCCL: the stream waits; gloo: this thread does
+            except RuntimeError as e:  # gloo: the executor closed the data plane (it says why in its reply)
+                self._answers(block=True)
+                self._lost(f"the {self.backend}:// data plane closed: {e}")
+                self._check_open()
+            self._answers(block=False)
+            self.waited_s += time.perf_counter() - started
         return result.to(tensor.device, tensor.dtype)
+
+    def _answers(self, block: bool) -> None:
+        """Take the replies that came (`block`: all of them), raising the first error; one that says the data
+        plane failed, or the executor's silence, breaks the session (reconnect() attaches again)."""
+        try:
+            error = self.channel.take_replies(self._unanswered, block)
+        except ExecutorUnavailable as e:
+            self._lost(str(e))
+            raise
+        if error is not None:
+            if error.get("error") in ("ExecutorUnavailable", "UnknownClient"):
+                self._lost(str(error.get("message")))
+            wire.raise_error(error)
+
+    def synchronize(self, gpu: bool = False) -> None:
+        """Every call so far answered (the first error raised); with `gpu`, also its result received on the GPU."""
+        with self._call_lock:
+            self._check_open()
+            started = time.perf_counter()
+            self._answers(block=True)
+            if gpu and self.backend == "nccl":
+                done = torch.cuda.Event()
+                done.record()
+                deadline = time.monotonic() + self.executor.timeout
+                while not done.query():
+                    if time.monotonic() > deadline:
+                        self._lost(f"the results did not reach this GPU within {self.executor.timeout:g}s")
+                        break
+                    time.sleep(50e-6)
+            self.waited_s += time.perf_counter() - started
+            self._check_open()
+
+    def _request(self, header: dict, *tensors: torch.Tensor, channel=None) -> tuple[dict, list]:
+        if channel is None and self._unanswered:  # a request's wait would skip the posted calls' replies
+            self._answers(block=True)
+        return super()._request(header, *tensors, channel=channel)
+
+    def _lost(self, why: str) -> None:
+        """Also abort the data plane: a receive posted for a result that will never come would hold this
+        client's stream (and a CPU that waits on it) until NCCL's watchdog."""
+        super()._lost(why)
+        group, self.group = self.group, None
+        if group is not None and self.backend == "nccl":
+            group.abort()
+
+    def _before_detach(self) -> None:
+        if self._broken is None and self.group is not None:
+            try:
+                self.synchronize(gpu=True)
+            except SymbiosisError:
+                pass  # an earlier call's error, or an executor gone: closing regardless
 
     def close(self) -> None:
         super().close()
-        self.group = None
+        self.group = self._sending = None
 
 
 def submit(executor, client_id: str, header: dict, tensor: torch.Tensor, **options):
@@ -192,7 +265,7 @@ class _ClientPlane:
         self.answer, self.drop, self.timeout = answer, drop, datetime.timedelta(seconds=timeout_s)
         self.wire_device = executor.device if backend == "nccl" else torch.device("cpu")
         self.calls: queue.Queue = queue.Queue()
-        self.group = self.sending = None
+        self.group = self._sending = None
         self._factory = group_factory
         self._thread = threading.Thread(target=self._serve, name=f"symbiosis-{client_id}", daemon=True)
         self._thread.start()
@@ -206,34 +279,40 @@ class _ClientPlane:
             self.drop(self.client_id)
             return
         while (item := self.calls.get()) is not None:
-            identity, header = item
+            identity, header, out_width = item
             try:
-                self._one(identity, header)
+                self._one(identity, header, out_width)
             except Exception as e:  # noqa: BLE001 -- the data plane is out of step, or gone: the client goes
                 log.warning("client %s: data plane failed (%s): detaching it", self.client_id, e)
+                self._abandon()
+                self.drop(self.client_id)  # before the answer: a client told it is gone is gone
                 self.answer(identity, wire.error_reply(header.get("id"), ExecutorUnavailable(
                     f"the nccl:// data plane of client {self.client_id} failed: {e}")))
-                self.drop(self.client_id)
                 return
 
-    def _one(self, identity: bytes, header: dict) -> None:
+    def _abandon(self) -> None:
+        """Abort a failed pair's communicator here, on purpose: its receive is still pending, and a process group
+        destroyed with work in flight (wherever its last reference happens to go) takes the process down."""
+        group, self.group, self._sending = self.group, None, None
+        if self.backend == "nccl" and group is not None:
+            group.abort()
+
+    def _one(self, identity: bytes, header: dict, out_width: int) -> None:
         x = torch.empty(header["rows"], header["cols"], dtype=self.executor.dtype, device=self.wire_device)
         log.debug("client %s: %s %s: receiving its input", self.client_id, header["op"], header["layer"])
         _arrived(self.group.recv([x], 1, 0), self.backend, self.timeout, "the call's input")
         try:
             future = submit(self.executor, self.client_id, header, x)
-            y = future.result().to(self.wire_device).contiguous()
-        except Exception as error:  # the call's own error (a bad layer, out of memory): answered, nothing sent
-            self.answer(identity, wire.error_reply(header.get("id"), error))
-            return
+            y, reply = future.result().to(self.wire_device).contiguous(), {"id": header.get("id"), "ok": True}
+        except Exception as error:  # the call's own error (out of memory): answered, and zeros sent in its place
+            y = torch.zeros(header["rows"], out_width, dtype=self.executor.dtype, device=self.wire_device)
+            reply = wire.error_reply(header.get("id"), error)
         log.debug("client %s: %s %s: computed, sending", self.client_id, header["op"], header["layer"])
-        # The reply first: the client posts its recv once it has it, and a send may block until that recv is
-        # posted (NCCL's connection set-up, should a message ever need a connection attach did not make).
-        self.answer(identity, {"id": header.get("id"), "ok": True})
+        self.answer(identity, reply)
         # Not waited for (held until the next call's, so that `y` and the send live until it went): the next receive
         # queues behind it on the pair's connection, so a client that never takes its result is caught by that
         # receive's deadline.
-        self.sending = self.group.send([y], 1, 0)
+        self._sending = self.group.send([y], 1, 0)
 
     def close(self) -> None:
         self.calls.put(None)
@@ -278,16 +357,23 @@ class DataPlanes:
         if plane is None:
             raise BadCall("this client attached without a data plane: send its tensors in the message")
         rows, cols = header.get("rows"), header.get("cols")
-        if not isinstance(rows, int) or not isinstance(cols, int) or rows < 0 or cols < 1:
-            raise BadCall(f"a call over the data plane needs integer rows and cols, got {rows!r} and {cols!r}")
-        if header.get("dtype") != wire.dtype_name(self.executor.dtype):
-            raise BadCall(f"calls over the data plane are in {self.executor.dtype}, not {header.get('dtype')!r}")
         op, layer_id = header.get("op"), str(header.get("layer"))
-        layer = self.executor.weights.get(layer_id) if "counts" not in header else \
-            self.executor.weights.experts.get(layer_id)
-        check_call(layer_id, None if layer is None else layer.spec, op,
-                   torch.empty(rows, cols, device="meta"), max_call_tokens)
-        plane.calls.put((identity, header))
+        try:
+            if not isinstance(rows, int) or not isinstance(cols, int) or rows < 0 or cols < 1:
+                raise BadCall(f"a call over the data plane needs integer rows and cols, got {rows!r} and {cols!r}")
+            if header.get("dtype") != wire.dtype_name(self.executor.dtype):
+                raise BadCall(f"calls over the data plane are in {self.executor.dtype}, not {header.get('dtype')!r}")
+            layer = self.executor.weights.get(layer_id) if "counts" not in header else \
+                self.executor.weights.experts.get(layer_id)
+            check_call(layer_id, None if layer is None else layer.spec, op,
+                       torch.empty(rows, cols, device="meta"), max_call_tokens)
+        except SymbiosisError as e:
+            # The client checks its calls as this does (protocol.py) and has posted its tensor and its receive
+            # already: a call refused here leaves the pair out of step for good.
+            self.drop(header["client"])
+            raise ExecutorUnavailable(f"{e}; the client sent its tensor regardless, so its data plane is out of "
+                                      "step: it is detached") from e
+        plane.calls.put((identity, header, layer.spec.in_features if op == "backward" else layer.spec.out_features))
 
     def forget(self, client_id: str) -> None:
         plane = self.planes.pop(client_id, None)

@@ -11,7 +11,7 @@ import torch
 
 import symbiosis
 from helpers import assert_same_step_on
-from symbiosis.errors import BadCall, ExecutorUnavailable, UnknownLayer
+from symbiosis.errors import BadCall, ExecutorOutOfMemory, ExecutorUnavailable, UnknownLayer
 from symbiosis.transport.server import ExecutorServer
 
 
@@ -76,14 +76,21 @@ def test_a_client_that_never_sends_its_tensor_is_detached_alone(served):
     layer_id, spec = next(iter(executor.layer_specs.items()))
     x = torch.randn(2, spec.in_features, dtype=torch.float64)
 
-    class Stalled:  # the header goes out, the tensor never does
+    class Stalled:  # the header goes out, the tensor never does; the result's receive is posted
+        def __init__(self, group):
+            self.group = group
+
         def send(self, tensors, dst, tag):
             return self
+
+        def recv(self, tensors, src, tag):
+            return self.group.recv(tensors, src, tag)
 
         def wait(self):
             return True
 
-    alive, stalled.group = stalled.group, Stalled()  # its process group stays up: the executor waits, then gives up
+    alive = stalled.group
+    stalled.group = Stalled(alive)  # its process group stays up: the executor waits, then gives up
     started = time.monotonic()
     with pytest.raises(ExecutorUnavailable, match="data plane"):
         stalled.forward(layer_id, x)
@@ -92,6 +99,41 @@ def test_a_client_that_never_sends_its_tensor_is_detached_alone(served):
     assert torch.equal(healthy.forward(layer_id, x), executor.weights.layers[layer_id].forward(x))
     assert stalled.client_id not in executor.clients
     healthy.close()
+
+
+def test_a_failed_call_is_raised_by_the_next_and_the_pipelined_session_goes_on(served, monkeypatch):
+    """Pipelined: an error after the input arrived (out of memory) is answered, zeros keep the data plane in step,
+    and the error is raised at the next call or at synchronize; the session then computes as before."""
+    path, _, executor, url = served
+    session = symbiosis.connect(url, timeout=20).attach(executor.fingerprint, "unlucky")
+    layer_id, spec = next(iter(executor.layer_specs.items()))
+    x = torch.randn(3, spec.in_features, dtype=torch.float64)
+    submit = executor.submit
+
+    def out_of_memory_once(*args, **kwargs):
+        monkeypatch.setattr(executor, "submit", submit)
+        raise ExecutorOutOfMemory("the executor ran out of memory for this call")
+
+    monkeypatch.setattr(executor, "submit", out_of_memory_once)
+    with pytest.raises(ExecutorOutOfMemory, match="ran out of memory"):
+        session.forward(layer_id, x)
+        session.synchronize()
+    assert torch.equal(session.forward(layer_id, x), executor.weights.layers[layer_id].forward(x))
+    session.synchronize()
+    session.close()
+
+
+def test_a_call_the_executor_refuses_after_its_tensor_was_sent_detaches_the_client(served):
+    """A client that skips its own check (protocol.py) has sent its tensor and posted its receive: the pair is out
+    of step, so the executor detaches it, and it says so."""
+    path, _, executor, url = served
+    session = symbiosis.connect(url, timeout=20).attach(executor.fingerprint, "careless")
+    with pytest.raises(ExecutorUnavailable, match="out of step"):
+        session._call("forward", "no.such.layer", torch.randn(2, 8, dtype=torch.float64), 8, False)
+        session.synchronize()
+    assert session.client_id not in executor.clients
+    with pytest.raises(ExecutorUnavailable, match="reconnect"):
+        session.synchronize()
 
 
 def test_nccl_is_refused_where_it_cannot_run(served):
@@ -113,8 +155,11 @@ def test_a_client_whose_process_group_is_gone_is_detached_at_once(served):
         def send(self, tensors, dst, tag):
             return self
 
+        def recv(self, tensors, src, tag):
+            return self
+
         def wait(self):
-            return True
+            raise RuntimeError("Connection closed by peer")  # as gloo's receive on a group whose peer is gone
 
     session.group = Gone()  # the real group is dropped: its connections close, as a dead process's do
     started = time.monotonic()
@@ -135,21 +180,28 @@ local = symbiosis.from_pretrained(path, symbiosis.Executor.from_pretrained(path,
 inputs = {{k: v.to("cuda:1") for k, v in batch("llama").items()}}
 
 
-class Stalled:  # a tenant whose header goes out and whose tensor never does
+class Stalled:  # a tenant whose header goes out and whose tensor never does; the result's receive is posted
+    def __init__(self, group):
+        self.group = group
+
     def send(self, tensors, dst, tag):
         return self
 
-    def wait(self):
-        return True
+    def recv(self, tensors, src, tag):
+        return self.group.recv(tensors, src, tag)
+
+    def abort(self):
+        self.group.abort()
 
 
 remote = symbiosis.connect(url, timeout=60)
 stalled = remote.attach(split.symbiosis_session.fingerprint, "stalled", "cuda:1")
-alive, stalled.group = stalled.group, Stalled()
+stalled.group = Stalled(stalled.group)
 layer_id, spec = next(iter(stalled.layer_specs.items()))
 started = time.monotonic()
 try:
     stalled.forward(layer_id, torch.randn(2, spec.in_features, dtype=torch.float64, device="cuda:1"))
+    stalled.synchronize(gpu=True)  # pipelined: the call returned; its error comes with its answer
     print("THE STALLED CLIENT WAS ANSWERED", flush=True)
 except symbiosis.errors.ExecutorUnavailable:
     print(f"stalled client detached after {{time.monotonic() - started:.1f}} s", flush=True)
