@@ -27,7 +27,7 @@ declare -A LIMIT_S=(
   [policies]=300 [mixed]=240 [privacy]=320 [long_context]=330
   [engine_tests]=240 [sgmv]=180 [paged_attention]=240 [engine]=560 [hosted_training]=560 [hosted_training_profile]=300
   [serve]=590 [fine_tuning_jobs]=560 [hmi_tiered]=580 [hmi_on_demand]=580 [plot]=580 [moe_train]=560 [moe_train_captured]=560 [moe_decode]=560
-  [gpu_tests_2gpu]=240 [remote_2gpu]=240 [sharded_13b_2gpu]=560 [processes_13b_2gpu]=480 [processes_13b_2gpu_compiled]=560 [sharded_13b_2gpu_columns]=560 [fsdp_13b_2gpu]=420
+  [gpu_tests_2gpu]=300 [remote_2gpu]=330 [sharded_13b_2gpu]=560 [processes_13b_2gpu]=480 [processes_13b_2gpu_compiled]=560 [sharded_13b_2gpu_columns]=560 [fsdp_13b_2gpu]=420
   [sharded_remote_8gpu]=590 [fsdp_27b_8gpu]=590
 )
 declare -A COMMAND=(

@@ -75,7 +75,7 @@ def _group(backend: str, host: str, port: int, prefix: str, rank: int, timeout_s
     prefixed = dist.PrefixStore(prefix, store)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
-        # NCCL's watchdog is the net under our own deadlines (`_arrived`), which answer first and name the problem
+        # NCCL's watchdog is the net under our own deadlines (`DataPlanes._watch`), which come first and say why
         options._timeout = 2 * timeout + datetime.timedelta(seconds=30)
         torch.cuda.set_device(device)
         # A pair's operation that outlives the timeout (a client that never sent, or never received) must abort that
@@ -104,29 +104,6 @@ def _group(backend: str, host: str, port: int, prefix: str, rank: int, timeout_s
     for sender in (1, 0):
         (group.send([token], peer, 0) if rank == sender else group.recv([token], peer, 0)).wait(timeout)
     return group
-
-
-def _arrived(work, backend: str, timeout: datetime.timedelta, what: str) -> None:
-    """Block this thread until `work` (a receive) completed, at most `timeout`, and order the current stream after
-    it. NCCL's own `wait(timeout)` looks only once a millisecond (a sleep between looks), which was most of a remote
-    call's time, and its stream wait comes before its host wait, so a receive that never completes would hold the
-    stream, and everyone's batches behind it: here the stream waits only for data that is there. (gloo's wait is
-    woken by the data itself; its works complete only inside `wait`.)"""
-    if backend != "nccl":
-        work.wait(timeout)
-        return
-    deadline, pause = time.monotonic() + timeout.total_seconds(), _FIRST_LOOK_S
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not arrive within {timeout.total_seconds():g} s")
-        time.sleep(pause)
-        pause = min(2 * pause, _LAST_LOOK_S)
-    work.wait()
-
-
-# Looks at a pending receive back off from 10 us to 0.5 ms: a client's GPU usually reaches its send within a
-# fraction of a millisecond of its request, and every look takes the executor's GIL from its batcher.
-_FIRST_LOOK_S, _LAST_LOOK_S = 1e-5, 5e-4
 
 
 class CollectiveSession(RemoteSession):
@@ -266,6 +243,14 @@ class _ClientPlane:
         self.wire_device = executor.device if backend == "nccl" else torch.device("cpu")
         self.calls: queue.Queue = queue.Queue()
         self.group = self._sending = None
+        # NCCL: a receive is waited for on a stream of this plane's own, the thread asleep in an event's
+        # synchronize (no GIL held, woken by the driver); `DataPlanes._watch` aborts the pair whose receive has
+        # waited past the timeout, which ends the wait.
+        self.waiting_since: float | None = None
+        self.expired = False
+        if backend == "nccl":
+            self._stream = torch.cuda.Stream(executor.device)
+            self._arrived = torch.cuda.Event(blocking=True)
         self._factory = group_factory
         self._thread = threading.Thread(target=self._serve, name=f"symbiosis-{client_id}", daemon=True)
         self._thread.start()
@@ -290,17 +275,41 @@ class _ClientPlane:
                     f"the nccl:// data plane of client {self.client_id} failed: {e}")))
                 return
 
+    def _receive(self, x: torch.Tensor) -> None:
+        """Until `x` arrived (at most the timeout). Only this plane's stream ever waits for a client's data: the
+        shared streams take `x` once it is there, so a client that never sends holds up nobody else. (NCCL's own
+        `wait(timeout)` would hold the current stream, and look at the receive once a millisecond, which was most
+        of a remote call's time; gloo's wait is woken by the data itself.)"""
+        work = self.group.recv([x], 1, 0)
+        if self.backend != "nccl":
+            work.wait(self.timeout)
+            return
+        with torch.cuda.stream(self._stream):
+            work.wait()
+            self._arrived.record()
+        self.waiting_since = time.monotonic()
+        self._arrived.synchronize()
+        self.waiting_since = None
+        if self.expired:
+            raise TimeoutError(f"the call's input did not arrive within {self.timeout.total_seconds():g} s")
+
+    def expire(self) -> None:
+        """From the watch thread: the receive waited past the timeout; aborting the pair ends it."""
+        if not self.expired and self.group is not None:
+            self.expired = True
+            self.group.abort()
+
     def _abandon(self) -> None:
         """Abort a failed pair's communicator here, on purpose: its receive is still pending, and a process group
         destroyed with work in flight (wherever its last reference happens to go) takes the process down."""
         group, self.group, self._sending = self.group, None, None
-        if self.backend == "nccl" and group is not None:
+        if self.backend == "nccl" and group is not None and not self.expired:
             group.abort()
 
     def _one(self, identity: bytes, header: dict, out_width: int) -> None:
         x = torch.empty(header["rows"], header["cols"], dtype=self.executor.dtype, device=self.wire_device)
         log.debug("client %s: %s %s: receiving its input", self.client_id, header["op"], header["layer"])
-        _arrived(self.group.recv([x], 1, 0), self.backend, self.timeout, "the call's input")
+        self._receive(x)
         try:
             future = submit(self.executor, self.client_id, header, x)
             y, reply = future.result().to(self.wire_device).contiguous(), {"id": header.get("id"), "ok": True}
@@ -328,6 +337,19 @@ class DataPlanes:
         self.planes: dict[str, _ClientPlane] = {}
         self._store = None
         self._port = None
+        self._watching = False
+
+    def _watch(self) -> None:
+        """Expire the NCCL receives that waited longer than the timeout (a client that never sent its tensor)."""
+        while True:
+            time.sleep(min(0.25, self.timeout_s / 8))
+            now = time.monotonic()
+            for plane in list(self.planes.values()):
+                since = plane.waiting_since
+                if since is not None and now - since > self.timeout_s:
+                    log.warning("client %s: its input did not arrive within %g s: aborting its data plane",
+                                plane.client_id, self.timeout_s)
+                    plane.expire()
 
     def admit(self, client_id: str, request: dict) -> dict:
         backend = request.get("backend") if isinstance(request, dict) else None
@@ -335,6 +357,9 @@ class DataPlanes:
             raise BadCall(f"unknown data plane {backend!r}: nccl or gloo")
         if backend == "nccl" and self.executor.device.type != "cuda":
             raise BadCall("this executor computes on the CPU: attach over gloo:// or tcp://, not nccl://")
+        if backend == "nccl" and not self._watching:
+            self._watching = True
+            threading.Thread(target=self._watch, name="symbiosis-data-planes", daemon=True).start()
         if self._store is None:
             with socket.socket() as s:
                 s.bind(("", 0))
