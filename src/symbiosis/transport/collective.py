@@ -10,9 +10,10 @@ id: clients come and go without a world-wide group. Per call, in this order on b
     client:   post send(x)  ->  post request {op, layer, rows, cols}  ->  post recv(y)  ->  return y
     executor: recv(x) (the client's own worker thread)  ->  the executor computes  ->  reply, then post send(y)
 
-The client waits for nothing (a pipelined session, as `ipc/pipelined.py`): its CPU runs ahead of its GPU, and
-the replies are collected at its later calls and at `synchronize` (the end of the model's forward and of each
-backward), which raise the first error among them. Both sides stay in step whatever happens to a call: an
+The first session of a process on a GPU waits for nothing (a pipelined session, as `ipc/pipelined.py`, whose
+claim it shares): its CPU runs ahead of its GPU, and the replies are collected at its later calls and at
+`synchronize` (the end of the model's forward and of each backward), which raise the first error among them.
+Other sessions of that process and GPU wait for each reply before they post their receive (why: the class). Both sides stay in step whatever happens to a call: an
 error after the input arrived (out of memory) is answered, and zeros of the result's shape are sent in its
 place; a header the executor refuses (the client checks its calls as the executor does, so only a client that
 did not) or a data plane that fails detaches the client, and the client aborts its end, so that the receive it
@@ -45,6 +46,7 @@ import torch.distributed as dist
 from symbiosis.errors import BadCall, ExecutorUnavailable, SymbiosisError
 from symbiosis.protocol import check_call
 from symbiosis.transport import wire
+from symbiosis.transport.ipc import pipelined
 from symbiosis.transport.remote import RemoteSession
 
 log = logging.getLogger("symbiosis")
@@ -112,13 +114,19 @@ class CollectiveSession(RemoteSession):
     later calls and at `synchronize` (the end of the model's forward and of each backward), which raise the first
     error among them."""
 
-    pipelined = True
     grouped_experts = True
 
     def __init__(self, executor, fingerprint: str, name: str, device: torch.device):
         self.backend = executor.data_plane
         if self.backend == "nccl" and device.type != "cuda":
             raise ValueError("nccl:// carries GPU tensors: attach the client on a CUDA device (gloo:// for the CPU)")
+        # One session per process and GPU pipelines (as on ipc://, and sharing its claim); the others wait for each
+        # reply before they post their receive. Each pipelined session keeps a receive kernel waiting on its
+        # GPU: several of them, with their streams, outnumber the GPU's hardware queues (8 by default), a waiting
+        # kernel then holds up other streams' work behind it, and sessions of one process deadlocked (8 threads).
+        self.pipelined = self.backend == "gloo" or pipelined.claim(device)
+        self._claim = weakref.finalize(self, pipelined.give_back, device.index) \
+            if self.pipelined and self.backend == "nccl" else None
         self.group = self._sending = None
         self._unanswered: set[int] = set()  # ids of calls whose replies have not come yet
         super().__init__(executor, fingerprint, name, device)
@@ -153,10 +161,12 @@ class CollectiveSession(RemoteSession):
             self.calls += 1
             started = time.perf_counter()
             header["client"] = self.client_id
-            # The executor receives, computes and sends back whatever the reply says (an error's zeros): the
-            # receive can be posted at once, and the client's CPU runs on while both GPUs work.
+            # The executor receives, computes and sends back whatever the reply says (an error's zeros): a
+            # pipelined session posts its receive at once, and its CPU runs on while both GPUs work.
             self._sending = self.group.send([sent], 0, 0)  # held: gloo cancels a send whose work is dropped
             self._unanswered.add(self.channel.post(header))
+            error = None if self.pipelined else self._replies(block=True)
+            self._check_open()  # a reply that the data plane failed: nothing comes
             result = torch.empty(sent.shape[0], out_width, dtype=self.dtype, device=self.wire_device)
             try:
                 self.group.recv([result], 0, 0).wait()  # NCCL: the stream waits; gloo: this thread does
@@ -164,21 +174,27 @@ class CollectiveSession(RemoteSession):
                 self._answers(block=True)
                 self._lost(f"the {self.backend}:// data plane closed: {e}")
                 self._check_open()
+            if error is not None:
+                wire.raise_error(error)
             self._answers(block=False)
             self.waited_s += time.perf_counter() - started
         return result.to(tensor.device, tensor.dtype)
 
-    def _answers(self, block: bool) -> None:
-        """Take the replies that came (`block`: all of them), raising the first error; one that says the data
+    def _replies(self, block: bool) -> dict | None:
+        """Take the replies that came (`block`: all of them): the first error among them. One that says the data
         plane failed, or the executor's silence, breaks the session (reconnect() attaches again)."""
         try:
             error = self.channel.take_replies(self._unanswered, block)
         except ExecutorUnavailable as e:
             self._lost(str(e))
             raise
-        if error is not None:
-            if error.get("error") in ("ExecutorUnavailable", "UnknownClient"):
-                self._lost(str(error.get("message")))
+        if error is not None and error.get("error") in ("ExecutorUnavailable", "UnknownClient"):
+            self._lost(str(error.get("message")))
+        return error
+
+    def _answers(self, block: bool) -> None:
+        """As `_replies`, raising the first error."""
+        if (error := self._replies(block)) is not None:
             wire.raise_error(error)
 
     def synchronize(self, gpu: bool = False) -> None:
@@ -222,6 +238,8 @@ class CollectiveSession(RemoteSession):
     def close(self) -> None:
         super().close()
         self.group = self._sending = None
+        if self._claim is not None:
+            self._claim()  # another session of this process may pipeline on this GPU now
 
 
 def submit(executor, client_id: str, header: dict, tensor: torch.Tensor, **options):

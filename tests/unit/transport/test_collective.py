@@ -101,11 +101,14 @@ def test_a_client_that_never_sends_its_tensor_is_detached_alone(served):
     healthy.close()
 
 
-def test_a_failed_call_is_raised_by_the_next_and_the_pipelined_session_goes_on(served, monkeypatch):
-    """Pipelined: an error after the input arrived (out of memory) is answered, zeros keep the data plane in step,
-    and the error is raised at the next call or at synchronize; the session then computes as before."""
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_failed_call_is_raised_and_the_session_goes_on(served, monkeypatch, pipelined):
+    """An error after the input arrived (out of memory) is answered, and zeros keep the data plane in step; the
+    error is raised at the call (a session that waits for replies: a second one of its process and GPU), or at the
+    next call or at synchronize (pipelined); the session then computes as before."""
     path, _, executor, url = served
     session = symbiosis.connect(url, timeout=20).attach(executor.fingerprint, "unlucky")
+    session.pipelined = pipelined
     layer_id, spec = next(iter(executor.layer_specs.items()))
     x = torch.randn(3, spec.in_features, dtype=torch.float64)
     submit = executor.submit

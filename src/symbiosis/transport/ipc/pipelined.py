@@ -47,7 +47,7 @@ def claim(device: torch.device) -> bool:
         return True
 
 
-def _give_back(index: int) -> None:
+def give_back(index: int) -> None:
     with _PIPELINED_LOCK:
         _PIPELINED_DEVICES.discard(index)
 
@@ -63,7 +63,7 @@ class PipelinedSession(IpcSession):
         # Made before any stream could be stuck: making one then can hang.
         self._release_stream = streamops.side_stream(device.index)
         # The device is this session's until it is released, closed or collected.
-        self._claim = weakref.finalize(self, _give_back, device.index)
+        self._claim = weakref.finalize(self, give_back, device.index)
         super().__init__(executor, fingerprint, name, device)
 
     def _shared(self, buffer_bytes: int) -> dict | None:
@@ -87,7 +87,7 @@ class PipelinedSession(IpcSession):
             raise ExecutorUnavailable("another session of this process now pipelines on this device; make a new "
                                       "session instead of reconnecting this one")
         if not self._claim.alive:
-            self._claim = weakref.finalize(self, _give_back, self.device.index)
+            self._claim = weakref.finalize(self, give_back, self.device.index)
         super().reconnect()
 
     def _grow(self, wanted: int, at_least: int) -> SharedBuffer:
