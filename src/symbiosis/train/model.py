@@ -28,15 +28,23 @@ from symbiosis.train.lora import HostedLora, TargetLayer
 @dataclass
 class PassState:
     """The pass's adapters: `datums[d]` is datum d's (None: the base model alone); `stacks` caches, per layer, the
-    stacked matrices of the datums (TrainLinear)."""
+    stacked matrices of the datums (TrainLinear); `scales` [B, 1, 1] is each datum's LoRA scale (0 without one),
+    made once a pass: a layer's copy of it to the device would be a wait for the GPU at every layer."""
     datums: list[HostedLora | None] = field(default_factory=list)
     stacks: dict = field(default_factory=dict)
+    scales: torch.Tensor | None = None
 
     def begin(self, datums: list[HostedLora | None]) -> None:
-        self.datums, self.stacks = datums, {}
+        self.datums, self.stacks, self.scales = datums, {}, None
+        first = next((lora for lora in datums if lora is not None and lora.layers), None)
+        if first is not None:
+            like = next(iter(first.layers.values()))[0]
+            # from pageable memory without waiting: the copy is staged before `to` returns, the GPU not drained
+            self.scales = torch.tensor([0.0 if lora is None else lora.scale for lora in datums], dtype=like.dtype
+                                       ).view(-1, 1, 1).to(like.device, non_blocking=True)
 
     def end(self) -> None:
-        self.datums, self.stacks = [], {}
+        self.datums, self.stacks, self.scales = [], {}, None
 
 
 class TrainLinear(nn.Module):
@@ -75,9 +83,8 @@ class TrainLinear(nn.Module):
             pairs = {key: _padded(*lora.layers[self.layer_id], rank) for key, lora in adapters.items()}
             a = torch.stack([pairs[id(lora)][0] if id(lora) in pairs else zero_a for lora in loras])
             b = torch.stack([pairs[id(lora)][1] if id(lora) in pairs else zero_b for lora in loras])
-            scale = torch.tensor([lora.scale if id(lora) in pairs else 0.0 for lora in loras], dtype=first.dtype,
-                                 device=first.device).view(-1, 1, 1)
-            stack = (a, b, scale)
+            # a datum whose adapter does not train this layer has zero matrices here: its scale does not matter
+            stack = (a, b, self.state.scales)
         self.state.stacks[self.layer_id] = stack
         return stack
 

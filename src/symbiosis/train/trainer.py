@@ -107,7 +107,10 @@ class Trainer:
         backward = any(work.backward for work in works)
         try:
             with torch.enable_grad() if backward else torch.no_grad():
-                hidden = self.model.get_decoder()(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                # Copies to the device from pageable memory, none waited for (a blocking copy drains the GPU first:
+                # one a datum held the host and the GPU in lockstep), so the host queues the pass ahead of the GPU.
+                hidden = self.model.get_decoder()(input_ids=input_ids.to(self.device, non_blocking=True),
+                                                  attention_mask=mask.to(self.device, non_blocking=True),
                                                   use_cache=False)[0]  # [B, L, H]
                 # every datum's log-probabilities and loss stay on the device until the pass is launched: read back
                 # once at the end, not one synchronization per datum between their launches
@@ -116,7 +119,7 @@ class Trainer:
                     frozen_head = work.lora is None or self.head.layer_id not in work.lora.layers
                     for datum in work.datums:
                         n = len(datum.tokens)
-                        inputs = {k: v.to(self.device) for k, v in datum.inputs.items()}
+                        inputs = {k: v.to(self.device, non_blocking=True) for k, v in datum.inputs.items()}
                         if work.backward and frozen_head:
                             loss, lp = _FrozenHeadLoss.apply(hidden[row, :n], inputs, work.loss_fn, work.config, self)
                         else:

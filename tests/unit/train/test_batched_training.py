@@ -147,3 +147,34 @@ def test_the_frozen_heads_gradient_is_the_checkpointed_ones(trainer, monkeypatch
     assert frozen_result.losses == pytest.approx(checkpointed_result.losses, rel=1e-12)
     for name, grad in frozen_grads.items():
         torch.testing.assert_close(grad, checkpointed_grads[name], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.gpu
+def test_a_pass_does_not_wait_for_the_gpu_per_layer_or_per_datum(tmp_path):
+    """The host queues a pass ahead of the GPU: the synchronizations CUDA's sync debug mode reports in a pass of
+    eight datums of four adapters are the pass's own few (the mask check, the read-back), not one per LoRA layer
+    (a scale copied to the device) or per datum (its loss inputs)."""
+    import warnings
+
+    path = tmp_path / "base"
+    make_checkpoint("llama", path)
+    executor = symbiosis.Executor.from_pretrained(path, device="cuda", dtype=torch.float32)
+    trainer = Trainer(path, executor)
+    generator = torch.Generator().manual_seed(0)
+    loras = [HostedLora(LoraSpec(rank=4, seed=i), trainer.targets, trainer.device, trainer.dtype) for i in range(4)]
+    works = [Work(lora, [_datum(generator, 16, "cross_entropy") for _ in range(2)], "cross_entropy") for lora in loras]
+    for work in works:
+        trainer.check(work)
+    trainer.run(works)  # warm: the first pass's allocations and lazy initializations
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.run(works)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    lora_layers = len(next(iter(loras)).layers)
+    assert lora_layers >= 8
+    assert len(syncs) <= 3, f"{len(syncs)} synchronizations in one pass ({lora_layers} LoRA layers, 8 datums): {syncs}"
