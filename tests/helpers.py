@@ -238,3 +238,23 @@ def start_executor(model_dir, url, tmp_path, policy="opportunistic", client_time
 def start_tenant(model_dir, url, method, seed, out, *extra) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(HERE / "tenant_process.py"), str(model_dir), url, TOKEN, method,
                              str(seed), str(out), *extra], env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+class StalledGroup:
+    """A client's process group whose sends never go (the header does, the tensor never), around the real one,
+    which still posts the result's receive (and aborts): a tenant that stalls mid-call."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def send(self, tensors, dst, tag):
+        return self
+
+    def recv(self, tensors, src, tag):
+        return self.group.recv(tensors, src, tag)
+
+    def wait(self):
+        return True
+
+    def abort(self):
+        self.group.abort()

@@ -47,7 +47,7 @@ from symbiosis.errors import BadCall, ExecutorUnavailable, SymbiosisError
 from symbiosis.protocol import check_call
 from symbiosis.transport import wire
 from symbiosis.transport.ipc import pipelined
-from symbiosis.transport.remote import RemoteSession
+from symbiosis.transport.remote import RemoteSession, gpu_reached
 
 log = logging.getLogger("symbiosis")
 _HOLDERS: "weakref.WeakSet" = weakref.WeakSet()  # sessions and planes holding a process group
@@ -163,14 +163,15 @@ class CollectiveSession(RemoteSession):
             header["client"] = self.client_id
             # The executor receives, computes and sends back whatever the reply says (an error's zeros): a
             # pipelined session posts its receive at once, and its CPU runs on while both GPUs work.
-            self._sending = self.group.send([sent], 0, 0)  # held: gloo cancels a send whose work is dropped
+            group = self.group  # the heartbeat's thread may abort and drop it meanwhile: the recv then raises
+            self._sending = group.send([sent], 0, 0)  # held: gloo cancels a send whose work is dropped
             self._unanswered.add(self.channel.post(header))
             error = None if self.pipelined else self._replies(block=True)
             self._check_open()  # a reply that the data plane failed: nothing comes
             result = torch.empty(sent.shape[0], out_width, dtype=self.dtype, device=self.wire_device)
             try:
-                self.group.recv([result], 0, 0).wait()  # NCCL: the stream waits; gloo: this thread does
-            except RuntimeError as e:  # gloo: the executor closed the data plane (it says why in its reply)
+                group.recv([result], 0, 0).wait()  # NCCL: the stream waits; gloo: this thread does
+            except RuntimeError as e:  # the data plane closed or was aborted (the executor says why in its reply)
                 self._answers(block=True)
                 self._lost(f"the {self.backend}:// data plane closed: {e}")
                 self._check_open()
@@ -206,12 +207,8 @@ class CollectiveSession(RemoteSession):
             if gpu and self.backend == "nccl":
                 done = torch.cuda.Event()
                 done.record()
-                deadline = time.monotonic() + self.executor.timeout
-                while not done.query():
-                    if time.monotonic() > deadline:
-                        self._lost(f"the results did not reach this GPU within {self.executor.timeout:g}s")
-                        break
-                    time.sleep(50e-6)
+                if not gpu_reached(done, self.executor.timeout):
+                    self._lost(f"the results did not reach this GPU within {self.executor.timeout:g}s")
             self.waited_s += time.perf_counter() - started
             self._check_open()
 

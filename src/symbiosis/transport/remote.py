@@ -211,6 +211,17 @@ class RemoteSession(Session):
         """What must be done while the executor still serves this client (a pipelined one's last answers)."""
 
 
+def gpu_reached(event: torch.cuda.Event, timeout_s: float) -> bool:
+    """Whether the GPU reached `event` within `timeout_s` (looked at every 50 us): a stream stuck waiting for an
+    executor that is gone must not hang the caller."""
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(50e-6)
+    return True
+
+
 def _heartbeat(session_ref: weakref.ref, client_id: str, stop: threading.Event) -> None:
     """Keeps the executor from reaping a session while it exists. A pipelined session pings instead: an
     executor that stops answering would otherwise leave the client's stream waiting for a flag forever, and

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import symbiosis
-from helpers import assert_same_step_on
+from helpers import StalledGroup, assert_same_step_on
 from symbiosis.errors import BadCall, ExecutorOutOfMemory, ExecutorUnavailable, UnknownLayer
 from symbiosis.transport.server import ExecutorServer
 
@@ -76,21 +76,8 @@ def test_a_client_that_never_sends_its_tensor_is_detached_alone(served):
     layer_id, spec = next(iter(executor.layer_specs.items()))
     x = torch.randn(2, spec.in_features, dtype=torch.float64)
 
-    class Stalled:  # the header goes out, the tensor never does; the result's receive is posted
-        def __init__(self, group):
-            self.group = group
-
-        def send(self, tensors, dst, tag):
-            return self
-
-        def recv(self, tensors, src, tag):
-            return self.group.recv(tensors, src, tag)
-
-        def wait(self):
-            return True
-
     alive = stalled.group
-    stalled.group = Stalled(alive)  # its process group stays up: the executor waits, then gives up
+    stalled.group = StalledGroup(alive)  # its process group stays up: the executor waits, then gives up
     started = time.monotonic()
     with pytest.raises(ExecutorUnavailable, match="data plane"):
         stalled.forward(layer_id, x)
@@ -175,31 +162,16 @@ def test_a_client_whose_process_group_is_gone_is_detached_at_once(served):
 NCCL_CLIENT = """
 import sys, time, torch, symbiosis
 sys.path.insert(0, {tests!r})
-from helpers import batch
+from helpers import StalledGroup, batch
 path, url = sys.argv[1:3]
 split = symbiosis.from_pretrained(path, symbiosis.connect(url, timeout=60), device="cuda:1", dtype=torch.float64)
 local = symbiosis.from_pretrained(path, symbiosis.Executor.from_pretrained(path, device="cuda:1", dtype=torch.float64),
                                   device="cuda:1", dtype=torch.float64)
 inputs = {{k: v.to("cuda:1") for k, v in batch("llama").items()}}
 
-
-class Stalled:  # a tenant whose header goes out and whose tensor never does; the result's receive is posted
-    def __init__(self, group):
-        self.group = group
-
-    def send(self, tensors, dst, tag):
-        return self
-
-    def recv(self, tensors, src, tag):
-        return self.group.recv(tensors, src, tag)
-
-    def abort(self):
-        self.group.abort()
-
-
 remote = symbiosis.connect(url, timeout=60)
 stalled = remote.attach(split.symbiosis_session.fingerprint, "stalled", "cuda:1")
-stalled.group = Stalled(stalled.group)
+stalled.group = StalledGroup(stalled.group)
 layer_id, spec = next(iter(stalled.layer_specs.items()))
 started = time.monotonic()
 try:

@@ -32,7 +32,7 @@ from symbiosis.transport.ipc.doorbell import Doorbell
 from symbiosis.transport.ipc.provision import FLAG_BYTES
 from symbiosis.transport.ipc.session import IpcSession
 from symbiosis.transport.ipc.shm import SharedBuffer
-from symbiosis.transport.remote import INITIAL_BUFFER_BYTES
+from symbiosis.transport.remote import INITIAL_BUFFER_BYTES, gpu_reached
 
 _PIPELINED_DEVICES: set[int] = set()  # devices on which a session of this process pipelines
 _PIPELINED_LOCK = threading.Lock()
@@ -136,12 +136,8 @@ class PipelinedSession(IpcSession):
                 return
             done = torch.cuda.Event()
             done.record(self.buffer.stream)
-            deadline = time.monotonic() + self.executor.timeout
-            while not done.query():
-                if time.monotonic() > deadline:
-                    self._release(f"the executor's results did not reach the GPU within {self.executor.timeout:g}s")
-                    break
-                time.sleep(50e-6)
+            if not gpu_reached(done, self.executor.timeout):
+                self._release(f"the executor's results did not reach the GPU within {self.executor.timeout:g}s")
             self._check_open()  # the heartbeat may have released the stream meanwhile: the results are lost
 
     def _call(self, op: str, layer_id: str, tensor: torch.Tensor, out_width: int, inference: bool) -> torch.Tensor:
