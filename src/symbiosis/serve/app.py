@@ -53,6 +53,34 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
+class AccessLog:
+    """ASGI middleware: one structured line a request (method, path, status, tenant, milliseconds; never a body or
+    a key), and the request's id in its `x-request-id` header. Plain ASGI: starlette's `@app.middleware("http")`
+    passed every chunk of a streamed response through a memory stream and a task of its own, per token."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, request_id, status = time.monotonic(), uuid.uuid4().hex[:16], 500
+
+        async def send_with_id(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id.encode())]}
+            await send(message)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            state = scope.get("state") or {}  # request.state: where the key's check left the tenant
+            access_log.info(json.dumps({"request_id": request_id, "method": scope.get("method"),
+                                        "path": scope.get("path"), "status": status, "tenant": state.get("tenant"),
+                                        "ms": round(1e3 * (time.monotonic() - start), 2)}))
+
+
 UI_ASSETS = {"ui.js": "text/javascript; charset=utf-8", "ui.css": "text/css; charset=utf-8"}
 # the page loads only its own script and style and talks only to this server
 UI_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; "
@@ -98,20 +126,6 @@ def create_app(service) -> FastAPI:
     async def unexpected(request: Request, error: Exception):
         logging.getLogger("symbiosis.serve").exception("unexpected error on %s", request.url.path)
         return ApiError(500, "the server failed to answer this request; it was logged").response()
-
-    @app.middleware("http")
-    async def log_access(request: Request, call_next):
-        start, request_id = time.monotonic(), uuid.uuid4().hex[:16]
-        status = 500
-        try:
-            response = await call_next(request)
-            status = response.status_code
-            response.headers["x-request-id"] = request_id
-            return response
-        finally:
-            access_log.info(json.dumps({"request_id": request_id, "method": request.method, "path": request.url.path,
-                                        "status": status, "tenant": getattr(request.state, "tenant", None),
-                                        "ms": round(1e3 * (time.monotonic() - start), 2)}))
 
     @app.get("/health")
     def health():
@@ -164,5 +178,6 @@ def create_app(service) -> FastAPI:
         from symbiosis.serve.hmi import api as hmi_api
 
         app.include_router(hmi_api.router(service.hmi, tenant))
+    app.add_middleware(AccessLog)
     app.add_middleware(BodyLimit)
     return app

@@ -378,3 +378,28 @@ def test_a_mixture_of_experts_base_is_served_as_plain_transformers_and_peft(serv
     finally:
         running.stop()
     shutil.rmtree(tmp_path / "state", ignore_errors=True)
+
+
+def test_each_request_is_logged_once_without_its_prompt_or_key(loaded, caplog):
+    """The access log: one JSON line a request (its id also in `x-request-id`, its tenant, path and status), for a
+    streamed completion too; never the prompt or the key."""
+    prompt = "a secret prompt that must stay out of the logs"
+    with caplog.at_level("INFO", logger="symbiosis.serve.access"):
+        with httpx.stream("POST", loaded.url + "/v1/completions", headers={"Authorization": f"Bearer {KEYS['alice']}"},
+                          json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 4, "stream": True}) as response:
+            assert response.status_code == 200
+            body = "".join(response.iter_text())
+            request_id = response.headers["x-request-id"]
+        refused = httpx.get(loaded.url + "/v1/models", headers={"Authorization": "Bearer not-a-key"})
+    assert body.rstrip().endswith("data: [DONE]")
+    deadline = time.monotonic() + 5  # the line is written once the stream's last chunk went
+    while len([r for r in caplog.records if r.name == "symbiosis.serve.access"]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "symbiosis.serve.access"]
+    streamed = [line for line in lines if line["request_id"] == request_id]
+    assert len(streamed) == 1 and streamed[0]["tenant"] == "alice" and streamed[0]["status"] == 200
+    assert streamed[0]["path"] == "/v1/completions" and streamed[0]["method"] == "POST"
+    denied = [line for line in lines if line["request_id"] == refused.headers["x-request-id"]]
+    assert len(denied) == 1 and denied[0]["status"] == 401 and denied[0]["tenant"] is None
+    text = caplog.text
+    assert prompt not in text and KEYS["alice"] not in text and "not-a-key" not in text
