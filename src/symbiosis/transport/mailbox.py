@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import queue
+import threading
 from typing import Any, Iterator
 
 
@@ -14,12 +15,22 @@ class Mailbox:
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self.fd, self._write_fd = os.pipe()  # poll `fd` for readable: something was posted
         os.set_blocking(self.fd, False)
+        os.set_blocking(self._write_fd, False)  # a full pipe wakes the reader already
+        self._lock = threading.Lock()  # a post never writes to a closed (and maybe reused) descriptor
+        self._closed = False
 
     def post(self, item: Any = None) -> None:
-        """From any thread. None only wakes the reader (say, to see that it should stop)."""
+        """From any thread. None only wakes the reader (say, to see that it should stop). After `close` (the
+        reader is gone: a stop that raced the reader's own end) it does nothing."""
         if item is not None:
             self._items.put(item)
-        os.write(self._write_fd, b"x")
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._write_fd, b"x")
+            except BlockingIOError:
+                pass
 
     def take(self) -> Iterator[Any]:
         """On the I/O thread: what was posted since the last call, oldest first."""
@@ -35,5 +46,7 @@ class Mailbox:
                 return
 
     def close(self) -> None:
-        os.close(self.fd)
-        os.close(self._write_fd)
+        with self._lock:
+            self._closed = True
+            os.close(self.fd)
+            os.close(self._write_fd)
