@@ -353,11 +353,16 @@ class DataPlanes:
         self._store = None
         self._port = None
         self._watching = False
+        self._watch_lock = threading.Lock()
 
     def _watch(self) -> None:
         """Expire the NCCL receives that waited longer than the timeout (a client that never sent its tensor)."""
         while True:
             time.sleep(min(0.25, self.timeout_s / 8))
+            with self._watch_lock:
+                if not self.planes:  # ends with the last client (the next nccl:// attach starts it again)
+                    self._watching = False
+                    return
             now = time.monotonic()
             for plane in list(self.planes.values()):
                 since = plane.waiting_since
@@ -372,9 +377,6 @@ class DataPlanes:
             raise BadCall(f"unknown data plane {backend!r}: nccl or gloo")
         if backend == "nccl" and self.executor.device.type != "cuda":
             raise BadCall("this executor computes on the CPU: attach over gloo:// or tcp://, not nccl://")
-        if backend == "nccl" and not self._watching:
-            self._watching = True
-            threading.Thread(target=self._watch, name="symbiosis-data-planes", daemon=True).start()
         if self._store is None:
             with socket.socket() as s:
                 s.bind(("", 0))
@@ -386,8 +388,12 @@ class DataPlanes:
         prefix = f"{client_id}/{secrets.token_hex(16)}"
         factory = lambda: _group(backend, "", self._port, prefix, 0, self.timeout_s,  # noqa: E731
                                  self.executor.device, store=self._store)
-        self.planes[client_id] = _ClientPlane(client_id, backend, factory, self.executor, self.answer, self.drop,
-                                              self.timeout_s)
+        plane = _ClientPlane(client_id, backend, factory, self.executor, self.answer, self.drop, self.timeout_s)
+        with self._watch_lock:
+            self.planes[client_id] = plane
+            if backend == "nccl" and not self._watching:
+                self._watching = True
+                threading.Thread(target=self._watch, name="symbiosis-data-planes", daemon=True).start()
         return {"port": self._port, "prefix": prefix}
 
     def call(self, identity: bytes, header: dict, max_call_tokens: int) -> None:
