@@ -39,6 +39,11 @@ def check_call(layer_id: str, spec: BaseLayerSpec | None, op: str, tensor: torch
                       f"more than this executor's limit of {max_call_tokens}")
 
 
+def result_width(spec: BaseLayerSpec, op: str) -> int:
+    """The width of `op`'s result on the layer `spec` describes."""
+    return spec.in_features if op == "backward" else spec.out_features
+
+
 def check_counts(group_id: str, op: str, counts, experts: int, rows: int) -> None:
     """Raise what is wrong with the rows per expert of a MoE projection's call (`Executor.submit_experts`)."""
     if (not isinstance(counts, list) or len(counts) != experts

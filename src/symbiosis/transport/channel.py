@@ -59,6 +59,16 @@ class Channel:
             self._send(wire.encode(header), header)
             return header["id"]
 
+    def _next_reply(self, timeout_ms: int) -> tuple[dict, list] | None:
+        """The next reply within `timeout_ms` (its header, its tensor frames), or None; a refused handshake raises."""
+        events = dict(self._poller.poll(timeout_ms))
+        if self._monitor in events:
+            self._refused()
+        if self.socket not in events:
+            return None
+        frames = self.socket.recv_multipart(copy=False)
+        return (wire.decode_header(frames[0]) if frames else {}), frames[1:]
+
     def take_replies(self, pending: set[int], block: bool) -> dict | None:
         """Collect replies to posted requests (their ids in `pending`, removed as they come): those already here,
         or with `block` every one (the timeout at most between two). The first error reply among them, or None."""
@@ -67,18 +77,15 @@ class Channel:
             deadline = time.monotonic() + self.timeout
             while pending:
                 left = deadline - time.monotonic()
-                events = dict(self._poller.poll(int(left * 1000) + 1 if block and left > 0 else 0))
-                if self._monitor in events:
-                    self._refused()
-                if self.socket not in events:
+                got = self._next_reply(int(left * 1000) + 1 if block and left > 0 else 0)
+                if got is None:
                     if not block:
                         return error
                     if left <= 0:
                         raise ExecutorUnavailable(f"executor at {self.url} did not answer {len(pending)} calls "
                                                   f"within {self.timeout:g}s (stopped, restarted or overloaded)")
                     continue
-                frames = self.socket.recv_multipart(copy=False)
-                reply = wire.decode_header(frames[0]) if frames else {}
+                reply = got[0]
                 if reply.get("id") in pending:
                     pending.discard(reply["id"])
                     deadline = time.monotonic() + self.timeout
@@ -109,17 +116,14 @@ class Channel:
             self._send(wire.encode(header, *tensors), header)
             deadline = time.monotonic() + self.timeout
             while (left := deadline - time.monotonic()) > 0:
-                events = dict(self._poller.poll(int(left * 1000) + 1))
-                if self._monitor in events:
-                    self._refused()
-                if self.socket not in events:
+                got = self._next_reply(int(left * 1000) + 1)
+                if got is None:
                     continue
-                frames = self.socket.recv_multipart(copy=False)
-                reply = wire.decode_header(frames[0]) if frames else {}
+                reply, frames = got
                 if reply.get("id") == header["id"]:
                     if not reply.get("ok"):
                         wire.raise_error(reply)
-                    return reply, frames[1:]
+                    return reply, frames
                 # a stale reply to an earlier, timed-out request: skip it
             # Nothing in time: drop the socket so queued requests are not replayed to a restarted executor.
             self.close()

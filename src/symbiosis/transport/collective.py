@@ -13,9 +13,9 @@ id: clients come and go without a world-wide group. Per call, in this order on b
 The first session of a process on a GPU waits for nothing (a pipelined session, as `ipc/pipelined.py`, whose
 claim it shares): its CPU runs ahead of its GPU, and the replies are collected at its later calls and at
 `synchronize` (the end of the model's forward and of each backward), which raise the first error among them.
-Other sessions of that process and GPU wait for each reply before they post their receive (why: the class). Both sides stay in step whatever happens to a call: an
-error after the input arrived (out of memory) is answered, and zeros of the result's shape are sent in its
-place; a header the executor refuses (the client checks its calls as the executor does, so only a client that
+Other sessions of that process and GPU wait for each reply before they post their receive (why: the class).
+Both sides stay in step whatever happens to a call: an error after the input arrived (out of memory) is
+answered, and zeros of the result's shape are sent in its place; a header the executor refuses (the client checks its calls as the executor does, so only a client that
 did not) or a data plane that fails detaches the client, and the client aborts its end, so that the receive it
 posted does not hold its stream.
 
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from symbiosis.errors import BadCall, ExecutorUnavailable, SymbiosisError
-from symbiosis.protocol import check_call
+from symbiosis.protocol import check_call, result_width
 from symbiosis.transport import wire
 from symbiosis.transport.ipc import pipelined
 from symbiosis.transport.remote import RemoteSession, gpu_reached
@@ -110,9 +110,10 @@ def _group(backend: str, host: str, port: int, prefix: str, rank: int, timeout_s
 
 class CollectiveSession(RemoteSession):
     """A client's session over `nccl://` (or `gloo://`): control over ZeroMQ, tensors over its process group.
-    Pipelined: a call posts its send, its request and its receive, and returns; the replies are collected at
-    later calls and at `synchronize` (the end of the model's forward and of each backward), which raise the first
-    error among them."""
+    Pipelined (the first of its process on its GPU; always on gloo): a call posts its send, its request and its
+    receive, and returns; the replies are collected at later calls and at `synchronize` (the end of the model's
+    forward and of each backward), which raise the first error among them. Otherwise a call waits for its reply
+    before it posts its receive."""
 
     grouped_experts = True
 
@@ -419,7 +420,7 @@ class DataPlanes:
             self.drop(header["client"])
             raise ExecutorUnavailable(f"{e}; the client sent its tensor regardless, so its data plane is out of "
                                       "step: it is detached") from e
-        plane.calls.put((identity, header, layer.spec.in_features if op == "backward" else layer.spec.out_features))
+        plane.calls.put((identity, header, result_width(layer.spec, op)))
 
     def forget(self, client_id: str) -> None:
         plane = self.planes.pop(client_id, None)

@@ -21,7 +21,7 @@ import torch
 
 from symbiosis.errors import ExecutorUnavailable, SymbiosisError, UnknownClient, UnknownLayer
 from symbiosis.model.partition import BaseLayerSpec, group_spec
-from symbiosis.protocol import CHECK_EVERY, check_call, check_counts
+from symbiosis.protocol import CHECK_EVERY, check_call, check_counts, result_width
 from symbiosis.transport import wire
 from symbiosis.transport.base import Session
 from symbiosis.transport.channel import Channel
@@ -173,8 +173,7 @@ class RemoteSession(Session):
         counts = list(map(int, counts))
         check_call(group_id, spec, op, tensor, self.max_call_tokens)
         check_counts(group_id, op, counts, experts, tensor.shape[0])
-        width = spec.in_features if op == "backward" else spec.out_features
-        return self._call(op, group_id, tensor, width, inference, counts=counts)
+        return self._call(op, group_id, tensor, result_width(spec, op), inference, counts=counts)
 
     def experts_forward(self, group_id: str, x: torch.Tensor, counts: list[int], inference: bool = False):
         return self._experts_call("forward", group_id, x, counts, inference)
