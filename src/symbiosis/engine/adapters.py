@@ -23,6 +23,12 @@ adapter layout): a handful of calls on the engine's thread per placement, not on
 are followed by an event (`Pools.ready`): an eagerly run step waits, at each layer, only for its own wave's copy,
 so later waves land while earlier layers compute (layer-wise prefetch). A step replayed from a CUDA graph cannot
 wait inside the graph: it waits for every pending copy first (`wait_all`).
+
+A placement waits only for the steps that read its slot (`read_by`: the engine records an event after each step
+for the slots it reads), not for the whole stream of steps: evicting an adapter whose last request has ended
+while the step in flight still runs a row of it is safe, and a new adapter's copies run beside that step. The
+evicted adapter's scales are zeroed on the copy stream too, behind the same wait (a later adapter may not target
+those layers: they must add zero), and the pools they are in wait for that.
 """
 
 from __future__ import annotations
@@ -205,6 +211,7 @@ class AdapterStore:
         self.layerwise = True  # False: a step waits for every pending copy before it starts (to measure prefetch)
         self.embedding_ready: torch.cuda.Event | None = None  # as Pools.ready, for the embedding pool
         self._pending: list[_Copied] = []  # pools with a copy event since the last wait_all
+        self._readers: dict[int, torch.cuda.Event] = {}  # slot -> recorded after the latest step queued that reads it
         self._lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._rows_cache: dict[tuple, object] = {}  # (slot, layer id, rank) -> _rows; ("scale", slot, pool, member)
@@ -401,10 +408,11 @@ class AdapterStore:
         recently used unpinned adapter). None when every slot is pinned: the request waits."""
         slot = self._by_key.get(adapter.key)
         if slot is None:
-            slot = self._free_slot()
-            if slot is None:
+            free = self._free_slot()
+            if free is None:
                 return None
-            self._place(slot, adapter)
+            slot, evicted = free
+            self._place(slot, adapter, evicted)
         else:
             self.stats.device_hits += 1
         entry = self._slots[slot]
@@ -414,6 +422,15 @@ class AdapterStore:
 
     def release(self, slot: int) -> None:
         self._slots[slot].users -= 1
+
+    def read_by(self, slots) -> None:
+        """The steps queued so far on the current stream read `slots`: a placement into one of them waits for those
+        steps (and for nothing else)."""
+        if self._copy_stream is not None and slots:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            for slot in slots:
+                self._readers[slot] = event
 
     def wait_all(self) -> None:
         """Make the current stream wait for every pending copy (before a step that cannot wait layer by layer)."""
@@ -431,29 +448,41 @@ class AdapterStore:
     def resident(self) -> dict[str, int]:
         return {entry.adapter.name: slot for slot, entry in self._slots.items()}
 
-    def _free_slot(self) -> int | None:
+    def _free_slot(self) -> tuple[int, Slot | None] | None:
+        """A slot to place into and the adapter evicted from it (None if it was empty); None if all are pinned."""
         if len(self._slots) < self.num_slots:
-            return next(i for i in range(self.num_slots) if i not in self._slots)
+            return next(i for i in range(self.num_slots) if i not in self._slots), None
         for slot, entry in self._slots.items():  # least recently used first
             if entry.users == 0:
-                self._evict(slot)
-                return slot
+                del self._slots[slot], self._by_key[entry.adapter.key]
+                return slot, entry
         return None
 
-    def _evict(self, slot: int) -> None:
-        entry = self._slots.pop(slot)
-        del self._by_key[entry.adapter.key]
-        scales = []  # a later adapter may not target these layers: they must add zero
+    def _clear(self, slot: int, evicted: Slot, stream) -> None:
+        """Zero `evicted`'s scales in `slot` (a later adapter may not target these layers: they must add zero); on a
+        GPU on the copy stream, the pools zeroed then waiting for it."""
+        scales, cleared = [], []
         self._fresh_views()
-        for pool_id, member in entry.members:
+        for pool_id, member in evicted.members:
             if member == "bottleneck":
-                scales.append(self.bottleneck_pools[pool_id].scales[slot:slot + 1])
+                pools = self.bottleneck_pools[pool_id]
+                scales.append(pools.scales[slot:slot + 1])
             else:
+                pools = self.pools[pool_id]
                 scales.append(self._scale_view(slot, pool_id, member))
+            cleared.append(pools)
         if scales:
             torch._foreach_zero_(scales)
-        if entry.adapter.embedding is not None:
+        if evicted.adapter.embedding is not None:
             self.embedding_pool[2][slot] = 0.0
+        if stream is not None:
+            event = torch.cuda.Event()
+            event.record(stream)
+            for pools in cleared:  # a wave of this placement may set a later event (copy-stream order keeps both)
+                pools.ready = event
+            self._pending += cleared
+            if evicted.adapter.embedding is not None:
+                self.embedding_ready = event
 
     def _pool(self, pool_id: str) -> Pools:
         pools = self.pools[pool_id]
@@ -567,15 +596,18 @@ class AdapterStore:
                 pools.ready = ready
                 self._pending.append(pools)
 
-    def _place(self, slot: int, adapter: HostAdapter) -> None:
-        """Copy `adapter` into `slot`'s rows of its pools, layer by layer in the model's order; on a GPU on the
-        copy stream, each pool's copy followed by its `ready` event."""
+    def _place(self, slot: int, adapter: HostAdapter, evicted: Slot | None = None) -> None:
+        """Copy `adapter` into `slot`'s rows of its pools, layer by layer in the model's order, after zeroing what
+        `evicted` left there; on a GPU on the copy stream, each pool's copy followed by its `ready` event."""
         stream = self._copy_stream
-        if stream is not None:  # steps queued before may still read the slot's old adapter (engine.py overlaps)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+        reader = self._readers.pop(slot, None)
+        if reader is not None:  # steps queued before may still read the slot's old adapter (engine.py overlaps)
+            stream.wait_event(reader)
         self.stats.placements += 1
         self._pending = [pools for pools in self._pending if pools.ready is not None]  # eager steps waited on some
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if evicted is not None:
+                self._clear(slot, evicted, stream)
             members = set()
             for layer_id in adapter.layers:  # every pool made first: making one drops the cached views
                 self._pool(self.placement[layer_id][0])

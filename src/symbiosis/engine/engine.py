@@ -295,6 +295,8 @@ class Engine:
                 self._end(chunk.request, Finished(None, GenerationError(f"the step running request "
                                                                           f"{chunk.request.id} failed: {e}")))
             return 0
+        finally:  # a placement into these slots waits for what was queued (a failed step's kernels too)
+            self.adapters.read_by({c.slot for c in chunks if c.slot is not None})
         self.steps += 1
         for chunk in chunks:
             chunk.request.computed = chunk.start + len(chunk.tokens)

@@ -124,3 +124,33 @@ def test_a_placement_is_a_few_copies_whose_pool_rows_are_dense_at_the_pools_rank
     assert outputs[0][0] == outputs[1][0]
     for (ours, top), (theirs, their_top) in zip(outputs[0][1], outputs[1][1]):
         assert abs(ours - theirs) < 1e-9
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_placement_waits_only_for_the_steps_that_read_its_slot(models):
+    """A step still queued that reads slot 0 (a long kernel, then `read_by`): an adapter placed into the free slot 1
+    lands without waiting for it; one placed into slot 0 (evicting the adapter that step reads) waits for it. The
+    evicted adapter targets every layer, the new one the MLP only: its output equals a fresh engine's, so the old
+    scales were zeroed before the new adapter's step read them."""
+    checkpoint, adapters = models("llama")
+    fresh = Engine.from_pretrained(checkpoint, device="cuda", dtype=torch.float32, kv_blocks=16, block_size=16,
+                                   decode_graphs=False)
+    expected = _run(fresh, adapters, "mlp_r8")
+    engine = Engine.from_pretrained(checkpoint, device="cuda", dtype=torch.float32, kv_blocks=16, block_size=16,
+                                    adapter_slots=2, decode_graphs=False)
+    store = engine.adapters
+    load = lambda name: store.load(name, adapters[name])  # noqa: E731
+    store.release(store.acquire(load("everything_rs")))
+    torch.cuda.synchronize()
+    with torch.cuda.stream(engine.stream):
+        torch.cuda._sleep(2_000_000_000)  # ~1 s: a step in flight
+        store.read_by({0})
+    assert store.acquire(load("attn_r2")) == 1
+    store._copy_stream.synchronize()
+    assert not engine.stream.query()  # the copies into slot 1 did not wait for the step
+    store.release(1)
+    assert store.acquire(load("mlp_r8")) == 0  # evicts everything_rs, which the step reads
+    store._copy_stream.synchronize()
+    assert engine.stream.query()  # ... so its copies waited for the step
+    store.release(0)
+    assert _run(engine, adapters, "mlp_r8") == expected
