@@ -135,21 +135,6 @@ class Batcher:
             self._run(*batch)
         return call.future
 
-    def run_alone(self, client_id: str, key: QueueKey, tensor: torch.Tensor) -> torch.Tensor | None:
-        """Compute a call on this thread's current stream at once, past the queues, when its client is the only
-        active one and nothing is queued or running (every policy runs such a call at once, alone): this skips only
-        the hand-off. None otherwise: submit the call."""
-        with self._cond:
-            now = time.perf_counter()
-            if self.queues.by_key or self._worker_running or self.home_stream(key) is not None or \
-                    any(other != client_id and now - t < ACTIVE_WINDOW for other, t in self.last_call.items()):
-                return None
-            self.last_call[client_id] = now
-        started = self.stats.timer()
-        y = self.run_batch(key, tensor)
-        self.stats.record(key, [0.0], tensor.shape[0], started)
-        return y
-
     @property
     def busy(self) -> bool:
         """Work is queued, or the worker is computing: a thread that would otherwise spin should sleep and

@@ -169,20 +169,6 @@ class Executor:
         check_call(layer_id, layer.spec, op, tensor, self.max_call_tokens)
         return self._queue(client_id, op, layer_id, tensor, inference, inline, gate)
 
-    def run_alone(self, client_id: str, op: str, layer_id: str, tensor: torch.Tensor) -> torch.Tensor | None:
-        """`submit` + `result` of a call on this device, computed at once on the current stream when its client is
-        the only active one (`Batcher.run_alone`); None when it must be submitted."""
-        if op not in OPS:
-            raise BadCall(f"unknown op {op!r}; expected one of {OPS}")
-        layer = self._layer_for(client_id, layer_id)
-        check_call(layer_id, layer.spec, op, tensor, self.max_call_tokens)
-        if tensor.dtype != self.dtype or tensor.device != self.device:
-            raise BadCall(f"{op} call to layer {layer_id!r} expects {self.dtype} on {self.device}")
-        y = self.batcher.run_alone(client_id, (layer_id, op), tensor)
-        if y is not None:
-            self.stats.count_client(client_id, tensor.shape[0])
-        return y
-
     def submit_experts(self, client_id: str, op: str, group_id: str, tensor: torch.Tensor, counts: list[int],
                        inference: bool = False, inline: bool = False, gate: Callable[[], None] | None = None) -> Future:
         """Queue one call of every expert of a fused MoE projection (`group_id`: its tensor's name), `tensor` grouped

@@ -28,8 +28,6 @@ its tensor stalls only itself, and is detached.
 from __future__ import annotations
 
 import atexit
-import collections
-import contextlib
 import datetime
 import logging
 import os
@@ -63,7 +61,6 @@ def _release_groups() -> None:
     for holder in list(_HOLDERS):
         holder.group = holder._sending = None
 SCHEMES = {"nccl": "nccl", "gloo": "gloo"}  # URL scheme -> backend of the data plane
-RUN_AHEAD = 2  # calls of one client queued on its pair's stream before their inputs arrived (`_ClientPlane._one`)
 
 
 def control_url(url: str) -> str:
@@ -269,8 +266,7 @@ class _ClientPlane:
         self.expired = False
         if backend == "nccl":
             self._stream = torch.cuda.Stream(executor.device)
-        # (arrival event, when posted) of the calls run ahead whose inputs may not have arrived, oldest first
-        self._ahead: collections.deque = collections.deque()
+            self._arrived = torch.cuda.Event(blocking=True)
         self._factory = group_factory
         self._thread = threading.Thread(target=self._serve, name=f"symbiosis-{client_id}", daemon=True)
         self._thread.start()
@@ -295,36 +291,23 @@ class _ClientPlane:
                     f"the nccl:// data plane of client {self.client_id} failed: {e}")))
                 return
 
-    def _receive(self, x: torch.Tensor) -> "torch.cuda.Event | None":
-        """Post the receive of `x`; on NCCL this plane's stream waits for it, and the event returned is recorded
-        behind that wait. Only this plane's stream ever waits for a client's data on the GPU: the shared streams
-        take `x` once it is there (`_arrival`), so a client that never sends holds up nobody else. (NCCL's own
+    def _receive(self, x: torch.Tensor) -> None:
+        """Until `x` arrived (at most the timeout). Only this plane's stream ever waits for a client's data: the
+        shared streams take `x` once it is there, so a client that never sends holds up nobody else. (NCCL's own
         `wait(timeout)` would hold the current stream, and look at the receive once a millisecond, which was most
         of a remote call's time; gloo's wait is woken by the data itself.)"""
         work = self.group.recv([x], 1, 0)
         if self.backend != "nccl":
             work.wait(self.timeout)
-            return None
-        work.wait()  # on the pair's own stream (`_one`)
-        arrived = torch.cuda.Event(blocking=True)
-        arrived.record()
-        return arrived
-
-    def _arrival(self, arrived: "torch.cuda.Event") -> None:
-        """Until the input behind `arrived` is there, the thread asleep (at most the timeout: `DataPlanes._watch`)."""
+            return
+        with torch.cuda.stream(self._stream):
+            work.wait()
+            self._arrived.record()
         self.waiting_since = time.monotonic()
-        arrived.synchronize()
+        self._arrived.synchronize()
         self.waiting_since = None
         if self.expired:
             raise TimeoutError(f"the call's input did not arrive within {self.timeout.total_seconds():g} s")
-
-    def overdue(self, now: float, timeout_s: float) -> bool:
-        """From the watch thread: whether a receive has waited past the timeout (this thread asleep in it, or a
-        call run ahead whose input has not come: its thread may be waiting for the client's next call)."""
-        since = self.waiting_since
-        if since is not None:
-            return now - since > timeout_s
-        return any(now - posted > timeout_s and not arrived.query() for arrived, posted in list(self._ahead))
 
     def expire(self) -> None:
         """From the watch thread: the receive waited past the timeout; aborting the pair ends it."""
@@ -340,52 +323,21 @@ class _ClientPlane:
             group.abort()
 
     def _one(self, identity: bytes, header: dict, out_width: int) -> None:
-        with torch.cuda.stream(self._stream) if self.backend == "nccl" else contextlib.nullcontext():
-            self._one_on_stream(identity, header, out_width)
-
-    def _one_on_stream(self, identity: bytes, header: dict, out_width: int) -> None:
-        """One call, on the pair's own stream (NCCL): its input received, computed, its output sent.
-
-        Run ahead (NCCL, the only active client, a dense layer): the GEMM and the send are queued on the pair's
-        stream behind the receive at once, the reply sent before the input is there, and this thread goes on to
-        the next call: no wake-up of this thread or another between the input's arrival and the GEMM, which was
-        most of what a remote call cost over an in-process one. At most RUN_AHEAD calls whose input has not
-        arrived are queued so (the thread waits for the oldest first, which the watch thread times out).
-        Otherwise the thread waits for the input, then submits the call (inline: on this thread when the policy
-        runs it at once, with no hop to the batcher's thread)."""
         x = torch.empty(header["rows"], header["cols"], dtype=self.executor.dtype, device=self.wire_device)
         log.debug("client %s: %s %s: receiving its input", self.client_id, header["op"], header["layer"])
-        arrived = self._receive(x)
-        layer_id, y = str(header.get("layer")), None
-        if arrived is not None and "counts" not in header:
-            while len(self._ahead) >= RUN_AHEAD:
-                self._arrival(self._ahead.popleft()[0])
-            y, reply = self._computed(header, out_width,
-                                      lambda: self.executor.run_alone(self.client_id, header["op"], layer_id, x))
-            if y is not None:
-                self._ahead.append((arrived, time.monotonic()))
-        if y is None:
-            if arrived is not None:
-                self._arrival(arrived)  # and every input before it, on this stream
-                self._ahead.clear()
-            y, reply = self._computed(header, out_width,
-                                      lambda: submit(self.executor, self.client_id, header, x, inline=True).result())
+        self._receive(x)
+        try:
+            future = submit(self.executor, self.client_id, header, x)
+            y, reply = future.result().to(self.wire_device).contiguous(), {"id": header.get("id"), "ok": True}
+        except Exception as error:  # the call's own error (out of memory): answered, and zeros sent in its place
+            y = torch.zeros(header["rows"], out_width, dtype=self.executor.dtype, device=self.wire_device)
+            reply = wire.error_reply(header.get("id"), error)
         log.debug("client %s: %s %s: computed, sending", self.client_id, header["op"], header["layer"])
         self.answer(identity, reply)
         # Not waited for (held until the next call's, so that `y` and the send live until it went): the next receive
         # queues behind it on the pair's connection, so a client that never takes its result is caught by that
         # receive's deadline.
         self._sending = self.group.send([y], 1, 0)
-
-    def _computed(self, header: dict, out_width: int, compute: Callable) -> tuple:
-        """(output, reply) of `compute` ((None, None) if it returned None); a call's own error (out of memory) is
-        answered, and zeros are sent in its place."""
-        try:
-            y = compute()
-            return (None, None) if y is None else (y.to(self.wire_device).contiguous(), {"id": header.get("id"), "ok": True})
-        except Exception as error:  # noqa: BLE001 -- the client hears of it; the pair stays in step
-            y = torch.zeros(header["rows"], out_width, dtype=self.executor.dtype, device=self.wire_device)
-            return y, wire.error_reply(header.get("id"), error)
 
     def close(self) -> None:
         self.calls.put(None)
@@ -414,13 +366,11 @@ class DataPlanes:
                     return
             now = time.monotonic()
             for plane in list(self.planes.values()):
-                if not plane.expired and plane.overdue(now, self.timeout_s):
+                since = plane.waiting_since
+                if since is not None and now - since > self.timeout_s:
                     log.warning("client %s: its input did not arrive within %g s: aborting its data plane",
                                 plane.client_id, self.timeout_s)
-                    asleep = plane.waiting_since is not None
                     plane.expire()
-                    if not asleep:  # its thread would not notice before the client's next call
-                        self.drop(plane.client_id)
 
     def admit(self, client_id: str, request: dict) -> dict:
         backend = request.get("backend") if isinstance(request, dict) else None

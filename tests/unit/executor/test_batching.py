@@ -4,7 +4,6 @@ overtakes training; waits shrink as work queues up."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from peft import get_peft_model
 
 import symbiosis
 from symbiosis.executor.batcher import Batcher
-from symbiosis.executor.policy import ACTIVE_WINDOW, ClientCounts, Lockstep, NoBatching, Opportunistic, QueuedCall, Queues
+from symbiosis.executor.policy import ClientCounts, Lockstep, NoBatching, Opportunistic, QueuedCall, Queues
 from symbiosis.executor.stats import ExecutorStats
 from helpers import assert_close
 from matrix import peft_config
@@ -213,23 +212,3 @@ def test_out_of_memory_fails_only_the_call_that_does_not_fit(checkpoints, tmp_pa
         remote.close()
     finally:
         server.stop()
-
-
-@pytest.mark.parametrize("policy", ["opportunistic", "none"])
-def test_a_call_runs_alone_past_the_queues_only_while_no_other_client_is_active(policy, checkpoints):
-    """`Executor.run_alone` (a remote client's call computed on the thread that received it): the same numbers as a
-    submitted call, while no other client has called within the activity window."""
-    path, _ = checkpoints("llama")
-    executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64, policy=policy)
-    first, second = executor.register(executor.fingerprint, "a"), executor.register(executor.fingerprint, "b")
-    layer_id = next(iter(executor.layer_specs))
-    x = torch.randn(3, executor.layer_specs[layer_id].in_features, dtype=torch.float64)
-    expected = executor.submit(first, "forward", layer_id, x).result()
-    torch.testing.assert_close(executor.run_alone(first, "forward", layer_id, x), expected, rtol=0, atol=0)
-    executor.submit(second, "forward", layer_id, x).result()  # the other client is active now
-    assert executor.run_alone(first, "forward", layer_id, x) is None
-    time.sleep(ACTIVE_WINDOW * 1.5)
-    torch.testing.assert_close(executor.run_alone(first, "forward", layer_id, x), expected, rtol=0, atol=0)
-    with pytest.raises(symbiosis.errors.BadCall, match="expects"):
-        executor.run_alone(first, "forward", layer_id, x.float())
-    executor.close()
