@@ -145,7 +145,9 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
                 store.layerwise = layerwise
                 i = next(fresh)
                 store.load(f"t{i}", directories[i])
-                times[layerwise, "resident"].append(measure(engine, directories[0], "t0", prompt))  # t0 stays put
+                # t1 stays put; not t0, the background's: a new adapter's step holds two adapters' segments, and so
+                # must the resident one's (with t0 the loaded figures measured a second adapter's SGMV work too)
+                times[layerwise, "resident"].append(measure(engine, directories[1], "t1", prompt))
                 times[layerwise, "new"].append(measure(engine, directories[i], f"t{i}", prompt))
         for handle in running:
             handle.cancel()
@@ -238,7 +240,7 @@ def main() -> None:
         if "placement" in phases:  # the CPU time a placement takes on the engine's thread (issuing, not copying)
             emit(**common, phase="placement", **placement_cpu(engine, directories))
         if "prefetch" in phases:
-            emit(**common, phase="prefetch", prompt_tokens=1024, **prefetch(engine, directories, vocab, 1024, 20))
+            emit(**common, phase="prefetch", prompt_tokens=1024, **prefetch(engine, directories, vocab, 1024, 60))
     finally:
         engine.close()
 
