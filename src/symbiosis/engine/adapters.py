@@ -16,8 +16,8 @@ read by the SGMV kernels; the layers of a fused group (q/k/v, gate/up: engine/la
     a[S, G*R, in] (member g's rows g*R ..), b[S, out_1 + .. + out_G, R] (its output rows), scale[S, G].
 The input embedding, when targeted, has a[S, vocab, R] and b[S, R, dim].
 
-Copies run on a side stream, in PLACEMENT_WAVES waves of layers in the model's order. An adapter's host buffer holds
-its layers in that order, so a wave is one range of it: one host-to-device copy into a staging buffer on the
+Copies run on a side stream, in up to PLACEMENT_WAVES waves of layers in the model's order (one per WAVE_BYTES of
+the adapter). An adapter's host buffer holds its layers in that order, so a wave is one range of it: one host-to-device copy into a staging buffer on the
 device, then one fused device copy into every pool row of the wave (`_Wave`, its views made once per slot and
 adapter layout): a handful of calls on the engine's thread per placement, not one per tensor. Each wave's copies
 are followed by an event (`Pools.ready`): an eagerly run step waits, at each layer, only for its own wave's copy,
@@ -57,8 +57,10 @@ PREFIX = "base_model.model."
 SPLIT_CLIENT_HINT = ("the engine runs LoRA adapters; run this one exactly on a split client instead "
                      "(symbiosis.from_pretrained(model_dir, executor) + PeftModel.from_pretrained)")
 # LoraConfig fields whose non-default value changes the math beyond plain LoRA
-PLACEMENT_WAVES = 4  # a placement's LoRA copies go in this many waves, in model order, each with its event: layer
-#                     i computes while later waves land, for a handful of launches per placement
+PLACEMENT_WAVES = 4  # a placement's LoRA copies go in up to this many waves, in model order, each with its event:
+#                     layer i computes while later waves land, for a handful of launches per wave
+WAVE_BYTES = 16 << 20  # at least this much of an adapter a wave (~0.6 ms over PCIe): a smaller adapter's copy is too
+#                        short to overlap layers with, and each wave costs the engine's thread its launches
 WAVE_CACHE = 4096  # waves whose views are kept: (slot, adapter layout, wave) triples
 REFUSED_OPTIONS = ("use_dora", "lora_bias", "modules_to_save", "trainable_token_indices", "target_parameters",
                    "layer_replication", "use_qalora", "bias")
@@ -615,7 +617,7 @@ class AdapterStore:
             if adapter.layers:
                 self._stage(adapter)
                 count = len(adapter.layers)
-                size = -(-count // PLACEMENT_WAVES)
+                size = -(-count // max(1, min(PLACEMENT_WAVES, adapter.buffer.nbytes // WAVE_BYTES)))
                 for index, first in enumerate(range(0, count, size)):
                     self._place_wave(adapter, self._wave(slot, adapter, index, first, min(first + size, count)),
                                      members, stream)
