@@ -154,3 +154,20 @@ def test_on_the_gpu_a_placement_waits_only_for_the_steps_that_read_its_slot(mode
     assert engine.stream.query()  # ... so its copies waited for the step
     store.release(0)
     assert _run(engine, adapters, "mlp_r8") == expected
+
+
+def test_a_placement_in_one_wave_or_in_several_gives_the_same_tokens(models, monkeypatch):
+    """An adapter smaller than WAVE_BYTES goes in one wave; with WAVE_BYTES lowered the same adapter goes in
+    PLACEMENT_WAVES waves, each its own range of the buffer: the same tokens and log-probabilities."""
+    from symbiosis.engine import adapters as adapter_store
+
+    checkpoint, adapters = models("llama")
+    outputs, waves = [], []
+    for wave_bytes in (adapter_store.WAVE_BYTES, 1):
+        monkeypatch.setattr(adapter_store, "WAVE_BYTES", wave_bytes)
+        engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, adapter_slots=1)
+        outputs.append(_run(engine, adapters, "everything_rs"))
+        waves.append(len(engine.adapters._waves))
+    assert waves == [1, min(adapter_store.PLACEMENT_WAVES, len(engine.adapters.load("everything_rs",
+                                                                                      adapters["everything_rs"]).layers))]
+    assert outputs[0] == outputs[1]
