@@ -85,6 +85,7 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
     torch.profiler table of the window (every thread's operators, the GPU's kernels) there."""
     from symbiosis.executor.executor import Executor
     from symbiosis.train import HostedLora, LoraSpec, Trainer, Work
+    from symbiosis.train.lora import AdamParams
     from symbiosis.train.scheduler import Operation, TrainingQueue
     from symbiosis.train.trainer import Datum
 
@@ -100,12 +101,12 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
         queue.open(key, 0)
         seq = 0
 
-        def run(work=None, call=None):
+        def run(work=None, call=None, step=None):
             nonlocal seq
             done = threading.Event()
             outcome = {}
             queue.submit(key, Operation(seq, lambda r: (outcome.update(r=r), done.set()),
-                                        lambda e: (outcome.update(e=e), done.set()), work=work, call=call))
+                                        lambda e: (outcome.update(e=e), done.set()), work=work, call=call, step=step))
             seq += 1
             done.wait()
             if "e" in outcome:
@@ -116,7 +117,7 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
             datum = Datum(tokens[:-1], {"target_tokens": torch.tensor(tokens[1:]),
                                         "weights": torch.ones(length, dtype=torch.float64)})
             run(work=Work(lora, [datum], "cross_entropy"))
-            run(call=lambda: lora.step(1e-4))
+            run(call=lambda metrics: metrics, step=(lora, AdamParams(1e-4)))  # with the round's other steps
 
         return step, lambda: None
 

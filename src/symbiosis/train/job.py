@@ -27,7 +27,7 @@ import torch
 
 from symbiosis.errors import BadCall
 from symbiosis.train.data import Example, epoch_order
-from symbiosis.train.lora import HostedLora, LoraSpec
+from symbiosis.train.lora import AdamParams, HostedLora, LoraSpec
 from symbiosis.train.moments import load_moments, save_moments
 from symbiosis.train.scheduler import Operation, TrainingQueue
 from symbiosis.train.trainer import Datum, Trainer, Work
@@ -79,10 +79,11 @@ class HostedBackend:
         self._seq = 0
         queue.open(key, 0)
 
-    def _run(self, work: Work | None = None, call=None):
+    def _run(self, work: Work | None = None, call=None, step=None):
         done, outcome = threading.Event(), {}
         self.queue.submit(self.key, Operation(self._seq, lambda r: (outcome.update(result=r), done.set()),
-                                              lambda e: (outcome.update(error=e), done.set()), work=work, call=call))
+                                              lambda e: (outcome.update(error=e), done.set()), work=work, call=call,
+                                              step=step))
         self._seq += 1
         done.wait()
         if "error" in outcome:
@@ -93,7 +94,7 @@ class HostedBackend:
         work = Work(self.lora, _datums(batch), "cross_entropy")
         self.trainer.check(work)
         loss = self._run(work=work).loss
-        self._run(call=lambda: self.lora.step(learning_rate, **ADAMW))
+        self._run(call=lambda metrics: metrics, step=(self.lora, AdamParams(learning_rate, **ADAMW)))
         return loss
 
     def eval_loss(self, examples: list[Example]) -> float:

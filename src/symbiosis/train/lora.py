@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch.optim.adamw import adamw
 from safetensors.torch import load_file, save_file
 
 from symbiosis.client.adapter_files import check_adapter_directory
@@ -139,23 +140,7 @@ class HostedLora:
              weight_decay: float = 0.0, grad_clip_norm: float = 0.0) -> dict[str, float]:
         """One AdamW step on the gradients gathered since the last one (clipped to `grad_clip_norm` in total L2
         norm when it is positive), then the gradients are cleared. Returns metrics."""
-        parameters = self.parameters()
-        grads = [p.grad for p in parameters if p.grad is not None]
-        # On a GPU the total norm takes a few multi-tensor launches, not one per tensor (128 for a 1B model's
-        # q/k/v/o): the training queue runs every tenant's step on its one thread, one after another. Clipping
-        # computes the same norm (before it clips) and returns it.
-        if not grads:
-            norm = torch.zeros(())
-        elif grad_clip_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip_norm)
-        else:
-            norm = torch.nn.utils.get_total_norm(grads)
-        for group in self.optimizer.param_groups:
-            group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
-        return {"grad_norm:mean": float(norm), "learning_rate:mean": float(learning_rate)}
+        return step_together([(self, AdamParams(learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm))])[0]
 
     # -- files --
 
@@ -208,3 +193,71 @@ class HostedLora:
                         "exp_avg": moments[f"{name}.exp_avg"].to(device, parameter.dtype),
                         "exp_avg_sq": moments[f"{name}.exp_avg_sq"].to(device, parameter.dtype)}
         return lora
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """One AdamW step's hyperparameters (the Tinker API's names and defaults)."""
+    learning_rate: float
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> "AdamParams":
+        """From a request's `adam_params` (ValueError or TypeError naming a bad field)."""
+        return cls(*(float(fields.get(name, default)) for name, default in (
+            ("learning_rate", 1e-4), ("beta1", 0.9), ("beta2", 0.95), ("eps", 1e-12), ("weight_decay", 0.0),
+            ("grad_clip_norm", 0.0))))
+
+
+def step_together(steps: list[tuple[HostedLora, AdamParams]]) -> list[dict[str, float]]:
+    """One AdamW step of each adapter (each at most once), exactly as each adapter's own `torch.optim.AdamW` after
+    `clip_grad_norm_` takes it, in a few multi-tensor launches for all of them: every gradient's norm in one
+    call, the moments and weights of all adapters with equal hyperparameters in one AdamW call (per-tensor step
+    counts, as torch keeps them). The training queue runs every tenant's step of a round here: one after another
+    they were ~20 launches and a wait for the GPU (the norm read back) each. Returns each adapter's metrics."""
+    grads_of = [[p.grad for p in lora.parameters() if p.grad is not None] for lora, _ in steps]
+    flat = [g for grads in grads_of for g in grads]
+    norms, at, totals = torch._foreach_norm(flat) if flat else [], 0, []
+    groups: dict[tuple, tuple[list, list, list, list, list]] = {}
+    with torch.no_grad():
+        for (lora, adam), grads in zip(steps, grads_of):
+            if not grads:  # no forward_backward since the last step: nothing moves
+                totals.append(torch.zeros((), device=lora.parameters()[0].device))
+                continue
+            total = torch.linalg.vector_norm(torch.stack(norms[at:at + len(grads)]))  # as get_total_norm
+            at += len(grads)
+            if adam.grad_clip_norm > 0:  # as clip_grad_norm_
+                torch._foreach_mul_(grads, torch.clamp(adam.grad_clip_norm / (total + 1e-6), max=1.0))
+            totals.append(total)
+            group = groups.setdefault((adam.learning_rate, adam.beta1, adam.beta2, adam.eps, adam.weight_decay),
+                                      ([], [], [], [], []))
+            for parameter in lora.parameters():
+                if parameter.grad is None:
+                    continue
+                state = lora.optimizer.state[parameter]
+                if not state:  # as torch.optim.Adam's first step makes it
+                    state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+                    state["exp_avg"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+                for into, value in zip(group, (parameter, parameter.grad, state["exp_avg"], state["exp_avg_sq"],
+                                               state["step"])):
+                    into.append(value)
+        for (lr, beta1, beta2, eps, weight_decay), (params, grads, exp_avgs, exp_avg_sqs, counts) in groups.items():
+            adamw(params, grads, exp_avgs, exp_avg_sqs, [], counts, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+                  weight_decay=weight_decay, eps=eps, maximize=False)
+    for lora, _ in steps:
+        for parameter in lora.parameters():
+            parameter.grad = None
+        lora.steps += 1
+    values = torch.stack([t.to(totals[0].device) for t in totals]).tolist() if totals else []  # one read-back
+    return [{"grad_norm:mean": value, "learning_rate:mean": adam.learning_rate}
+            for value, (_, adam) in zip(values, steps)]
+
+
+def _scalar_dtype() -> torch.dtype:
+    """The dtype torch.optim keeps a step count in (off its fused path)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32

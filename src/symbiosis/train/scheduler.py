@@ -1,9 +1,9 @@
 """Which training work runs next: every adapter's requests in their order, and one pass for all of them.
 
 Each adapter (a training model) has a queue of operations, run strictly in its `seq` order (a request whose
-predecessor has not arrived waits for it). A round takes the next operation of every adapter: the calls
-(optimizer steps, saves, loads: each its adapter's alone) run one after another, then the forward and
-forward_backward requests of all adapters run as one pass (Trainer.run). A pass holds at most
+predecessor has not arrived waits for it). A round takes the next operation of every adapter: the optimizer steps
+(all adapters' together: a few multi-tensor launches), then the calls (saves, loads: each its adapter's alone) one
+after another, then the forward and forward_backward requests of all adapters run as one pass (Trainer.run). A pass holds at most
 `max_pass_tokens`; each waiting request gets an equal share of it (at least one datum), and a request larger than
 its share goes on in the next rounds, where every other waiting request again gets its share. So no adapter waits
 more than one pass for a turn, however large another adapter's batch: a small request finishes in the first pass
@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
+from symbiosis.train.lora import AdamParams, HostedLora, step_together
 from symbiosis.train.trainer import Result, Trainer, Work
 from symbiosis.worker import Worker
 
@@ -29,12 +30,14 @@ UNORDERED = ""  # the queue of calls that belong to no adapter (submit_call); ad
 
 @dataclass
 class Operation:
-    """One request of one adapter: a pass (`work`) or a call (`call()` returns the result)."""
+    """One request of one adapter: a pass (`work`), an optimizer step (`step`: its result is `call(metrics)`), or
+    a call (`call()` returns the result)."""
     seq: int
     done: Callable[[object], None]  # receives the result
     fail: Callable[[Exception], None]  # receives the error
     work: Work | None = None
-    call: Callable[[], object] | None = None
+    call: Callable[..., object] | None = None
+    step: tuple[HostedLora, AdamParams] | None = None
     results: list[Result] = field(default_factory=list)  # a pass's parts so far
     next_datum: int = 0
 
@@ -107,8 +110,11 @@ class TrainingQueue:
         """Run what is ready: the calls, then one pass. Returns whether anything ran."""
         with self._lock:
             ready = self._ready()
-        calls = {key: op for key, op in ready.items() if op.work is None}
+        steps = {key: op for key, op in ready.items() if op.step is not None}
+        calls = {key: op for key, op in ready.items() if op.work is None and op.step is None}
         passes = {key: op for key, op in ready.items() if op.work is not None}
+        if steps:
+            self._steps(steps)
         for key, op in calls.items():
             try:
                 result = op.call()
@@ -119,6 +125,22 @@ class TrainingQueue:
         if passes:
             self._pass(passes)
         return bool(ready)
+
+    def _steps(self, operations: dict[str, Operation]) -> None:
+        """Every adapter's optimizer step of the round together (`step_together`: a few launches for all)."""
+        try:
+            metrics = step_together([op.step for op in operations.values()])
+        except Exception as e:  # noqa: BLE001 -- these steps fail; the other requests go on
+            for key, op in operations.items():
+                self._finish(key, op, error=e)
+            return
+        for (key, op), step_metrics in zip(operations.items(), metrics):
+            try:
+                result = op.call(step_metrics)
+            except Exception as e:  # noqa: BLE001 -- this request fails; the others go on
+                self._finish(key, op, error=e)
+            else:
+                self._finish(key, op, result=result)
 
     def _pass(self, operations: dict[str, Operation]) -> None:
         share = max(1, self.max_pass_tokens // len(operations))

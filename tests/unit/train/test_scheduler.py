@@ -94,3 +94,34 @@ def test_a_failing_call_fails_alone_and_a_skipped_seq_lets_the_queue_go_on(train
     queue.skip("a", 1)
     queue.round()
     assert log[1] == (2, "two")
+
+
+def test_the_optimizer_steps_of_a_round_run_together_and_each_answers_its_own(trainer, monkeypatch):
+    """Three adapters' optimizer steps waiting at once: one `step_together` for all, each result from its own
+    metrics; a step whose follow-up fails fails alone."""
+    import symbiosis.train.scheduler as scheduler
+    from symbiosis.train.lora import AdamParams
+
+    calls = []
+    real = scheduler.step_together
+    monkeypatch.setattr(scheduler, "step_together", lambda steps: calls.append(len(steps)) or real(steps))
+    queue, log = TrainingQueue(trainer), []
+    works = {key: _work(trainer, seed, 1) for seed, key in enumerate("abc")}
+    for key, work in works.items():
+        queue.open(key, 0)
+        queue.submit(key, _operation(0, log, work=work))
+    queue.round()  # one pass: every adapter has gradients now
+
+    def broken(metrics):
+        raise RuntimeError("could not write the state")
+
+    for key, work in works.items():
+        follow_up = broken if key == "c" else (lambda metrics, key=key: (key, metrics["learning_rate:mean"]))
+        queue.submit(key, Operation(1, done=lambda result: log.append((1, result)),
+                                    fail=lambda e: log.append((1, e)), call=follow_up,
+                                    step=(work.lora, AdamParams(0.01 if key == "a" else 0.02))))
+    queue.round()
+    assert calls == [3]
+    answers = [result for seq, result in log if seq == 1]
+    assert answers[:2] == [("a", 0.01), ("b", 0.02)] and isinstance(answers[2], RuntimeError)
+    assert all(work.lora.steps == 1 and not work.lora.has_gradients() for work in works.values())

@@ -171,8 +171,7 @@ def router(service, tinker: TinkerService) -> APIRouter:
         model, adam = fields.get("model_id"), fields.get("adam_params")
         if not isinstance(adam, dict):
             raise Refused(400, "optim_step takes adam_params (this service's optimizer is AdamW)")
-        request_id = await off_loop(lambda: tinker.submit(tenant, model, _int(fields, "seq_id"), "optim_step",
-                                                          call=lambda: tinker.optim_step(model, adam)))
+        request_id = await off_loop(lambda: tinker.submit_optim_step(tenant, model, _int(fields, "seq_id"), adam))
         return {"request_id": request_id, "model_id": model}
 
     @api.post("/save_weights")

@@ -30,6 +30,7 @@ from symbiosis.serve.tinker import wire
 from symbiosis.serve.tinker.paths import TinkerPath, check_name, model_directory_name, model_id as make_model_id
 from symbiosis.serve.tinker.store import TinkerStore
 from symbiosis.train import HostedLora, LoraSpec, Work
+from symbiosis.train.lora import AdamParams
 from symbiosis.train.scheduler import Operation
 from symbiosis.train.trainer import Datum
 
@@ -186,8 +187,10 @@ class TinkerService:
                 "model_data": {"arch": self.trainer.model.config.model_type, "model_name": self.base_name,
                                "tokenizer_id": self.tokenizer_id}}
 
-    def submit(self, tenant: str, model: str, seq_id: int, kind: str, work: Work | None = None, call=None) -> str:
-        """Accept a training request of `model` (once per seq_id) and queue it; returns its request id."""
+    def submit(self, tenant: str, model: str, seq_id: int, kind: str, work: Work | None = None, call=None,
+               adam: dict | None = None) -> str:
+        """Accept a training request of `model` (once per seq_id) and queue it; returns its request id. `adam`: an
+        optimizer step's `adam_params` (its result is then `call(metrics)`)."""
         self.model(tenant, model)
         request_id, new = self.store.accept(tenant, model, int(seq_id), kind)
         if not new:
@@ -204,6 +207,14 @@ class TinkerService:
                 self._fail(request_id, UserError(str(e)))
                 self.queue.skip(model, int(seq_id))
                 return request_id
+        step = None
+        if adam is not None:
+            try:
+                step = (self.loras[model], AdamParams.from_fields(adam))
+            except (TypeError, ValueError) as e:
+                self._fail(request_id, UserError(f"adam_params: {e}"))
+                self.queue.skip(model, int(seq_id))
+                return request_id
 
         def done(result):
             if work is None:
@@ -214,8 +225,14 @@ class TinkerService:
                 self.store.update_model(model, pending_grads=row["pending_grads"] + 1)
             self._answer(request_id, "proto", wire.forward_backward_output(result.logprobs, result.loss))
 
-        self.queue.submit(model, Operation(int(seq_id), done, lambda error: self._fail(request_id, error), work, call))
+        self.queue.submit(model, Operation(int(seq_id), done, lambda error: self._fail(request_id, error), work, call,
+                                           step))
         return request_id
+
+    def submit_optim_step(self, tenant: str, model: str, seq_id: int, adam: dict) -> str:
+        """An optimizer step of `model`, taken with every other model's of its round (TrainingQueue)."""
+        return self.submit(tenant, model, seq_id, "optim_step", call=lambda metrics: self.stepped(model, metrics),
+                           adam=adam)
 
     def submit_pass(self, tenant: str, model: str, seq_id: int, datums: list, loss_fn: str, config: dict,
                     backward: bool) -> str:
@@ -229,14 +246,9 @@ class TinkerService:
 
     # the calls below run on the training queue's thread, in the model's order
 
-    def optim_step(self, model: str, adam: dict) -> dict:
+    def stepped(self, model: str, metrics: dict) -> dict:
+        """After `model`'s optimizer step: its state written every `persist_every` steps, its row updated."""
         lora = self.loras[model]
-        try:
-            metrics = lora.step(float(adam.get("learning_rate", 1e-4)), float(adam.get("beta1", 0.9)),
-                                float(adam.get("beta2", 0.95)), float(adam.get("eps", 1e-12)),
-                                float(adam.get("weight_decay", 0.0)), float(adam.get("grad_clip_norm", 0.0)))
-        except (TypeError, ValueError) as e:
-            raise UserError(f"adam_params: {e}") from None
         if lora.steps % self.persist_every == 0:
             self._write(lora, self._live(model), with_optimizer=True)
         self.store.update_model(model, completed_steps=lora.steps, pending_grads=0)
