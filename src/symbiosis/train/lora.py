@@ -205,6 +205,16 @@ class AdamParams:
     weight_decay: float = 0.0
     grad_clip_norm: float = 0.0
 
+    def __post_init__(self):
+        # torch.optim checks these when an optimizer is made, not when a step changes them: a beta of 1 or more, or
+        # a NaN, would leave the adapter's weights silently NaN or diverging
+        for name, value in asdict(self).items():
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        for name in ("beta1", "beta2"):
+            if getattr(self, name) >= 1:
+                raise ValueError(f"{name} must be below 1, got {getattr(self, name)!r}")
+
     @classmethod
     def from_fields(cls, fields: dict) -> "AdamParams":
         """From a request's `adam_params` (ValueError or TypeError naming a bad field)."""

@@ -186,8 +186,12 @@ def test_bad_requests_are_the_sdks_errors(training_server):
     short = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:3]})
     with pytest.raises(tinker.RequestFailedError, match="target_tokens of shape"):
         training.forward_backward([short], "cross_entropy").result()
+    with pytest.raises(tinker.RequestFailedError, match="beta1 must be below 1") as failed:
+        training.optim_step(types.AdamParams(learning_rate=1e-3, beta1=1.5)).result()
+    assert failed.value.category == types.RequestErrorCategory.User
     # the model goes on after its failed requests
     assert training.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
+    assert "grad_norm:mean" in training.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics
     service.close("success")
 
 

@@ -66,3 +66,7 @@ def test_adam_params_come_from_the_requests_fields_with_tinkers_defaults():
     assert AdamParams.from_fields({}) == AdamParams(1e-4)
     with pytest.raises(ValueError):
         AdamParams.from_fields({"beta1": "fast"})
+    for fields, named in (({"beta2": 1.0}, "beta2"), ({"learning_rate": float("nan")}, "learning_rate"),
+                          ({"eps": -1}, "eps"), ({"grad_clip_norm": float("inf")}, "grad_clip_norm")):
+        with pytest.raises(ValueError, match=named):
+            AdamParams.from_fields(fields)
