@@ -391,10 +391,13 @@ def test_each_request_is_logged_once_without_its_prompt_or_key(loaded, caplog):
             body = "".join(response.iter_text())
             request_id = response.headers["x-request-id"]
         refused = httpx.get(loaded.url + "/v1/models", headers={"Authorization": "Bearer not-a-key"})
+        # the stream's line is written once its last chunk went, maybe after the client read it: wait for it here,
+        # while INFO is captured (a line written after this block would be filtered out)
+        deadline = time.monotonic() + 10
+        while len([r for r in caplog.records if r.name == "symbiosis.serve.access"]) < 2 and \
+                time.monotonic() < deadline:
+            time.sleep(0.02)
     assert body.rstrip().endswith("data: [DONE]")
-    deadline = time.monotonic() + 5  # the line is written once the stream's last chunk went
-    while len([r for r in caplog.records if r.name == "symbiosis.serve.access"]) < 2 and time.monotonic() < deadline:
-        time.sleep(0.02)
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "symbiosis.serve.access"]
     streamed = [line for line in lines if line["request_id"] == request_id]
     assert len(streamed) == 1 and streamed[0]["tenant"] == "alice" and streamed[0]["status"] == 200
