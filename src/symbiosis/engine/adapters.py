@@ -425,6 +425,23 @@ class AdapterStore:
     def release(self, slot: int) -> None:
         self._slots[slot].users -= 1
 
+    def prefetch(self, adapters: list[HostAdapter]) -> int:
+        """Place the adapters of requests about to be admitted (in their order) while the step just launched runs,
+        into free slots or those of unpinned adapters that none of them is (least recently used first): their
+        copies and the host's issuing them then come before the next step's launch, not on its path. Nothing is
+        pinned (admission's `acquire` finds them in their slots). Returns how many were placed."""
+        wanted, placed = {adapter.key for adapter in adapters}, 0
+        for adapter in adapters:
+            if adapter.key in self._by_key:
+                continue
+            free = self._free_slot(keep=wanted)
+            if free is None:
+                break
+            slot, evicted = free
+            self._place(slot, adapter, evicted)
+            placed += 1
+        return placed
+
     def read_by(self, slots) -> None:
         """The steps queued so far on the current stream read `slots`: a placement into one of them waits for those
         steps (and for nothing else)."""
@@ -450,12 +467,13 @@ class AdapterStore:
     def resident(self) -> dict[str, int]:
         return {entry.adapter.name: slot for slot, entry in self._slots.items()}
 
-    def _free_slot(self) -> tuple[int, Slot | None] | None:
-        """A slot to place into and the adapter evicted from it (None if it was empty); None if all are pinned."""
+    def _free_slot(self, keep: set = frozenset()) -> tuple[int, Slot | None] | None:
+        """A slot to place into and the adapter evicted from it (None if it was empty; never one pinned or whose key
+        is in `keep`); None if there is none."""
         if len(self._slots) < self.num_slots:
             return next(i for i in range(self.num_slots) if i not in self._slots), None
         for slot, entry in self._slots.items():  # least recently used first
-            if entry.users == 0:
+            if entry.users == 0 and entry.adapter.key not in keep:
                 del self._slots[slot], self._by_key[entry.adapter.key]
                 return slot, entry
         return None

@@ -276,9 +276,21 @@ class Engine:
         chunks = self.scheduler.schedule()
         previous, self._in_flight = self._in_flight, None
         ran = self._launch(chunks) if chunks else 0
+        self._prefetch()
         if previous is not None:
             self._read(previous)
         return ran
+
+    def _prefetch(self) -> None:
+        """While the step just launched runs: place the adapters of the requests that may join the next one (those
+        waiting, then those arrived since this step took them in, as many as may be admitted), so that their
+        placement is not on the next launch's path (docs/PERFORMANCE.md section 12)."""
+        with self._lock:
+            arrived = list(self._incoming)
+        room = self.scheduler.max_running - len(self.scheduler.running)
+        adapters = [r.adapter for r in self.scheduler.waiting + arrived if r.adapter is not None and not r.cancelled]
+        if room > 0 and adapters:
+            self.adapters.prefetch(adapters[:room])
 
     def _launch(self, chunks: list) -> int:
         """Queue the step on the device (its sampled tokens become `_in_flight`); returns its token count, 0 if it

@@ -171,3 +171,32 @@ def test_a_placement_in_one_wave_or_in_several_gives_the_same_tokens(models, mon
     assert waves == [1, min(adapter_store.PLACEMENT_WAVES, len(engine.adapters.load("everything_rs",
                                                                                       adapters["everything_rs"]).layers))]
     assert outputs[0] == outputs[1]
+
+
+def test_adapters_of_arrived_requests_are_placed_while_the_step_runs_and_nothing_pinned_is_evicted(models):
+    """`Engine._prefetch` (after a step's launch): a request that arrived meanwhile has its adapter placed before
+    the next step admits it (admission then finds it in its slot), with the same tokens as alone; the store's
+    prefetch never evicts a pinned adapter, nor one another waiting request needs."""
+    checkpoint, adapters = models("llama")
+    expected = _run(Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4), adapters,
+                    "mlp_r8")
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, adapter_slots=2)
+    store = engine.adapters
+    running = engine.submit(PROMPT, PARAMS, ("attn_r2", adapters["attn_r2"]))
+    engine.step()  # attn_r2's request runs, pinning its slot
+    arrived = engine.submit(PROMPT, PARAMS, ("mlp_r8", adapters["mlp_r8"]))
+    engine._prefetch()
+    assert set(store.resident) == {"attn_r2", "mlp_r8"} and store.stats.placements == 2
+    hits = store.stats.device_hits
+    while engine.has_work():
+        engine.step()
+    assert store.stats.device_hits == hits + 1 and store.stats.placements == 2  # admitted from its slot
+    completion = arrived.result()  # batched with the other request: its tokens, its log-probabilities to rounding
+    assert completion.token_ids == expected[0]
+    assert [t.logprob for t in completion.logprobs] == pytest.approx([lp for lp, _ in expected[1]], abs=1e-9)
+    assert running.result().finish_reason == "length"
+
+    pinned = store.acquire(store.load("everything_rs", adapters["everything_rs"]))  # evicts the LRU, attn_r2
+    waiting = [store.load(name, adapters[name]) for name in ("attn_r2", "mlp_r8")]
+    assert store.prefetch(waiting) == 0  # mlp_r8 is resident; attn_r2 could only evict a pinned or a wanted one
+    assert store.resident.keys() == {"everything_rs", "mlp_r8"} and store.resident["everything_rs"] == pinned
