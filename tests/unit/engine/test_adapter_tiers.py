@@ -200,3 +200,34 @@ def test_adapters_of_arrived_requests_are_placed_while_the_step_runs_and_nothing
     waiting = [store.load(name, adapters[name]) for name in ("attn_r2", "mlp_r8")]
     assert store.prefetch(waiting) == 0  # mlp_r8 is resident; attn_r2 could only evict a pinned or a wanted one
     assert store.resident.keys() == {"everything_rs", "mlp_r8"} and store.resident["everything_rs"] == pinned
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_requests_of_more_adapters_than_slots_arriving_mid_step_get_their_own_outputs(models):
+    """float32 on CUDA, the engine's own thread: 12 requests of 3 adapters and the base arriving while steps run,
+    over 2 slots, so placements (at admission and after launches) evict adapters that steps in flight may still
+    read: every request's tokens are those of its adapter alone, its log-probabilities to float32 rounding."""
+    import time
+
+    checkpoint, adapters = models("llama")
+    names = ["everything_rs", "mlp_r8", "attn_r2", None] * 3
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
+    alone = {}
+    reference = Engine.from_pretrained(checkpoint, device="cuda", dtype=torch.float32, kv_blocks=64, block_size=16)
+    for name in set(names):
+        completion = reference.generate([PROMPT], params, [None if name is None else (name, adapters[name])])[0]
+        alone[name] = (completion.token_ids, [t.logprob for t in completion.logprobs])
+    engine = Engine.from_pretrained(checkpoint, device="cuda", dtype=torch.float32, kv_blocks=64, block_size=16,
+                                    adapter_slots=2).start()
+    try:
+        handles = []
+        for i, name in enumerate(names):
+            handles.append(engine.submit(PROMPT, params, None if name is None else (name, adapters[name])))
+            time.sleep(0.002 * (i % 3))  # some arrive between steps, some while one is being built
+        for name, handle in zip(names, handles):
+            completion = handle.result(timeout=120)
+            assert completion.token_ids == alone[name][0], name
+            assert [t.logprob for t in completion.logprobs] == pytest.approx(alone[name][1], abs=1e-3), name
+        assert engine.adapters.stats.placements > 3  # adapters were evicted and placed again
+    finally:
+        engine.close()
