@@ -252,7 +252,8 @@ def main() -> None:
         if "placement" in phases:  # the CPU time a placement takes on the engine's thread (issuing, not copying)
             emit(**common, phase="placement", **placement_cpu(engine, directories))
         if "prefetch" in phases:
-            emit(**common, phase="prefetch", prompt_tokens=1024, **prefetch(engine, directories, vocab, 1024, min(60, (args.tenants - 2) // 5)))
+            samples = min(60, (args.tenants - 2) // 5)  # 5 fresh tenants a sample (`prefetch`)
+            emit(**common, phase="prefetch", prompt_tokens=1024, **prefetch(engine, directories, vocab, 1024, samples))
     finally:
         engine.close()
 

@@ -20,6 +20,7 @@ beside the device's, not after it.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import time
 import uuid
@@ -285,11 +286,14 @@ class Engine:
         """While the step just launched runs: place the adapters of the requests that may join the next one (those
         waiting, then those arrived since this step took them in, as many as may be admitted), so that their
         placement is not on the next launch's path (docs/PERFORMANCE.md section 12)."""
+        room = self.scheduler.max_running - len(self.scheduler.running)
+        if room <= 0:
+            return
         with self._lock:
             arrived = list(self._incoming)
-        room = self.scheduler.max_running - len(self.scheduler.running)
-        adapters = [r.adapter for r in self.scheduler.waiting + arrived if r.adapter is not None and not r.cancelled]
-        if room > 0 and adapters:
+        adapters = [r.adapter for r in itertools.chain(self.scheduler.waiting, arrived)
+                    if r.adapter is not None and not r.cancelled]
+        if adapters:
             self.adapters.prefetch(adapters[:room])
 
     def _launch(self, chunks: list) -> int:

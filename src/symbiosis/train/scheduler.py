@@ -116,12 +116,7 @@ class TrainingQueue:
         if steps:
             self._steps(steps)
         for key, op in calls.items():
-            try:
-                result = op.call()
-            except Exception as e:  # noqa: BLE001 -- this request fails; the others go on
-                self._finish(key, op, error=e)
-            else:
-                self._finish(key, op, result=result)
+            self._answer(key, op, op.call)
         if passes:
             self._pass(passes)
         return bool(ready)
@@ -135,12 +130,16 @@ class TrainingQueue:
                 self._finish(key, op, error=e)
             return
         for (key, op), step_metrics in zip(operations.items(), metrics):
-            try:
-                result = op.call(step_metrics)
-            except Exception as e:  # noqa: BLE001 -- this request fails; the others go on
-                self._finish(key, op, error=e)
-            else:
-                self._finish(key, op, result=result)
+            self._answer(key, op, lambda: op.call(step_metrics))
+
+    def _answer(self, key: str, op: Operation, compute: Callable[[], object]) -> None:
+        """Finish `op` with what `compute` returns, or with its error (which fails this request alone)."""
+        try:
+            result = compute()
+        except Exception as e:  # noqa: BLE001 -- this request fails; the others go on
+            self._finish(key, op, error=e)
+        else:
+            self._finish(key, op, result=result)
 
     def _pass(self, operations: dict[str, Operation]) -> None:
         share = max(1, self.max_pass_tokens // len(operations))
