@@ -138,10 +138,70 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
         Path(profile).write_text(f"{tenants} tenants, {queue.passes - passes[0]} passes in {wall:.2f} s\n" +
                                  profiler.key_averages().table(sort_by=key, row_limit=40) + "\n" +
                                  profiler.key_averages().table(sort_by="cpu_time_total", row_limit=40))
-    result = {"tokens_per_s": trained / wall, "passes_per_s": (queue.passes - passes[0]) / wall,
-              "peak_gib": peak_gib()}
+    passes_run = queue.passes - passes[0]
+    result = {"tokens_per_s": trained / wall, "passes_per_s": passes_run / wall,
+              "datums_per_pass": trained / length / max(1, passes_run), "peak_gib": peak_gib()}
     queue.stop()
     del trainer, executor, queue
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def pass_anatomy(model_dir: Path, tenants: int, rank: int, length: int, vocab: int, repeats: int = 5) -> dict:
+    """One pass of `tenants` datums (each its own adapter) and their optimizer steps, alone (no queue, no threads):
+    wall milliseconds of the pass and of the steps (medians), and the pass's GPU milliseconds when the host has
+    queued all of it in advance (behind a long GPU sleep, timed by events after the sleep): wall far above GPU
+    means the host's launches bound the pass."""
+    from symbiosis.executor.executor import Executor
+    from symbiosis.train import HostedLora, LoraSpec, Trainer, Work
+    from symbiosis.train.lora import AdamParams, step_together
+    from symbiosis.train.trainer import Datum
+
+    executor = Executor.from_pretrained(model_dir, device=device(), dtype=dtype())
+    trainer = Trainer(model_dir, executor)
+    generator = torch.Generator().manual_seed(0)
+    loras = [HostedLora(LoraSpec(rank=rank, seed=i, **PARTS), trainer.targets, trainer.device, trainer.dtype)
+             for i in range(tenants)]
+
+    def works():
+        out = []
+        for lora in loras:
+            tokens = _tokens(vocab, length, generator)
+            out.append(Work(lora, [Datum(tokens[:-1], {"target_tokens": torch.tensor(tokens[1:]),
+                                                       "weights": torch.ones(length, dtype=torch.float64)})],
+                            "cross_entropy"))
+        return out
+
+    def median(values):
+        return sorted(values)[len(values) // 2]
+
+    passes, steps, gpu = [], [], []
+    for i in range(repeats + 1):
+        batch = works()
+        sync()
+        start = time.perf_counter()
+        trainer.run(batch)
+        passes.append((time.perf_counter() - start) * 1e3)
+        start = time.perf_counter()
+        step_together([(lora, AdamParams(1e-4)) for lora in loras])
+        sync()
+        steps.append((time.perf_counter() - start) * 1e3)
+        if torch.cuda.is_available():
+            batch = works()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(2_000_000_000)  # ~1 s at H100 clocks: the host queues the whole pass behind it
+            begin.record()
+            trainer.run(batch)  # reads back at its end: returns after the GPU is done
+            end.record()
+            end.synchronize()
+            gpu.append(begin.elapsed_time(end))
+            for lora in loras:
+                lora.optimizer.zero_grad(set_to_none=True)
+    result = {"pass_wall_ms": median(passes[1:]), "step_wall_ms": median(steps[1:])}
+    if gpu:
+        result["pass_gpu_ms"] = median(gpu[1:])
+    del trainer, executor, loras
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result
@@ -266,6 +326,9 @@ def main() -> None:
     parser.add_argument("--paths", default="engine,sdk", help="engine (the Python API), sdk (tinker over HTTP)")
     parser.add_argument("--fleet", default="8,16", help="PEFT process fleets to run (empty: none)")
     parser.add_argument("--sdk-client", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-peft", action="store_true", help="leave out the compiled PEFT jobs")
+    parser.add_argument("--anatomy", action="store_true", help="also time one pass of 1 and of the most tenants "
+                                                                    "alone (wall and GPU milliseconds)")
     parser.add_argument("--profile", help="write a torch.profiler table of 2 s of the Python API at the most tenants "
                                           "here (and run nothing else)")
     args = parser.parse_args()
@@ -281,6 +344,9 @@ def main() -> None:
         emit(**common, system="symbiosis engine API, profiled", tenants=max(counts),
              **engine_api(model_dir, max(counts), args.rank, args.seq_len, 2.0, vocab, profile=args.profile))
         return
+    for n in sorted({1, max(counts)}) if args.anatomy else []:
+        emit(**common, system="symbiosis pass alone", tenants=n,
+             **pass_anatomy(model_dir, n, args.rank, args.seq_len, vocab))
     for n in counts:
         if "engine" in args.paths:
             emit(**common, system="symbiosis engine API", tenants=n,
@@ -288,9 +354,11 @@ def main() -> None:
         if "sdk" in args.paths:
             emit(**common, system="symbiosis tinker SDK over HTTP", tenants=n,
                  **through_sdk(model_dir, n, args.rank, args.seq_len, args.duration, vocab))
-    emit(**common, system="PEFT compiled, one job", batch=1, **compiled_peft(model_dir, 1, args.seq_len, args.duration))
-    emit(**common, system="PEFT compiled, one job (batching ceiling)", batch=max(counts),
-         **compiled_peft(model_dir, max(counts), args.seq_len, args.duration))
+    if not args.no_peft:
+        emit(**common, system="PEFT compiled, one job", batch=1,
+             **compiled_peft(model_dir, 1, args.seq_len, args.duration))
+        emit(**common, system="PEFT compiled, one job (batching ceiling)", batch=max(counts),
+             **compiled_peft(model_dir, max(counts), args.seq_len, args.duration))
     for jobs in [int(n) for n in args.fleet.split(",") if n]:
         fleet = peft_fleet(model_dir, jobs, args.seq_len, args.duration)
         emit(**common, system="PEFT processes, eager", tenants=jobs, **(fleet or {"fits": False}))

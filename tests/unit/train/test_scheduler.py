@@ -125,3 +125,64 @@ def test_the_optimizer_steps_of_a_round_run_together_and_each_answers_its_own(tr
     answers = [result for seq, result in log if seq == 1]
     assert answers[:2] == [("a", 0.01), ("b", 0.02)] and isinstance(answers[2], RuntimeError)
     assert all(work.lora.steps == 1 and not work.lora.has_gradients() for work in works.values())
+
+
+def test_clients_answered_together_are_awaited_so_their_loops_stay_in_one_pass(trainer, monkeypatch):
+    """Four client threads, each a loop of forward_backward then optimizer step, each waiting for its answers: the
+    queue waits for the adapters it answered, so every pass holds all four (without it the loops split into groups
+    that take turns, a fraction of the tenants a pass)."""
+    import threading
+
+    import symbiosis.train.scheduler as scheduler
+    from symbiosis.train.lora import AdamParams
+
+    monkeypatch.setattr(scheduler, "GATHER_FRACTION", 1e9)  # the bound: max_gather_s alone
+    passes = []
+    real = trainer.run
+    monkeypatch.setattr(trainer, "run", lambda works: passes.append(len(works)) or real(works))
+    queue = TrainingQueue(trainer, max_gather_s=60)
+    works = {key: _work(trainer, seed, 1) for seed, key in enumerate("abcd")}
+    answered = {key: threading.Event() for key in works}
+    errors = []
+
+    def run(key, seq, **kind):
+        answered[key].clear()
+        queue.submit(key, Operation(seq, done=lambda result: answered[key].set(),
+                                    fail=lambda e: (errors.append(e), answered[key].set()), **kind))
+        assert answered[key].wait(60)
+
+    def loop(key):
+        work = works[key]
+        for i in range(3):
+            if i:  # the first forward_backward of every client is submitted before the queue starts
+                run(key, 2 * i, work=work)
+            run(key, 2 * i + 1, call=lambda metrics: metrics, step=(work.lora, AdamParams(1e-3)))
+
+    for key, work in works.items():
+        queue.open(key, 0)
+        queue.submit(key, Operation(0, done=lambda result, key=key: answered[key].set(), fail=errors.append,
+                                    work=work))
+    queue.start()
+    try:
+        for key in works:
+            assert answered[key].wait(60)
+        threads = [threading.Thread(target=loop, args=(key,)) for key in works]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        queue.stop()
+    assert not errors
+    assert passes == [4, 4, 4]
+    assert all(work.lora.steps == 3 for work in works.values())
+
+
+def test_an_adapter_that_does_not_come_back_delays_the_others_at_most_the_bound(trainer):
+    queue, log = TrainingQueue(trainer, max_gather_s=0.05), []
+    for key in "ab":
+        queue.open(key, 0)
+    queue.submit("a", _operation(0, log, work=_work(trainer, 1, 1)))
+    queue.round()  # "a" answered: expected back, and never comes
+    queue.submit("b", _operation(0, log, work=_work(trainer, 2, 1)))
+    assert queue.round() and [seq for seq, _ in log] == [0, 0], "b ran once the bound had passed"
