@@ -79,10 +79,20 @@ def drive(tenants: int, start_tenant, length: int, duration: float, on_start=lam
     return sum(trained), time.perf_counter() - start
 
 
-def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: float, vocab: int,
-               profile: str | None = None) -> dict:
-    """Every tenant a thread submitting forward_backward then optim_step to one TrainingQueue. `profile`: write a
-    torch.profiler table of the window (every thread's operators, the GPU's kernels) there."""
+def _activities() -> list:
+    return [torch.profiler.ProfilerActivity.CPU] + \
+        ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+
+def _write_profile(profiler, path: str, title: str) -> None:
+    averages = profiler.key_averages()
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    Path(path).write_text(f"{title}\n" + averages.table(sort_by=key, row_limit=50) + "\n" +
+                          averages.table(sort_by="cpu_time_total", row_limit=50))
+
+
+def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: float, vocab: int) -> dict:
+    """Every tenant a thread submitting forward_backward then optim_step to one TrainingQueue."""
     from symbiosis.executor.executor import Executor
     from symbiosis.train import HostedLora, LoraSpec, Trainer, Work
     from symbiosis.train.lora import AdamParams
@@ -122,22 +132,7 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
         return step, lambda: None
 
     passes = []
-    activities = [torch.profiler.ProfilerActivity.CPU] + \
-        ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    profiler = None
-    if profile:  # the passes run on the training queue's thread: every thread's operators, not the starter's alone
-        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-        profiler = torch.profiler.profile(activities=activities, experimental_config=config)
-
-    if profiler is not None:  # from this thread (kineto wants the thread that made it); the warm-up steps are in
-        profiler.start()
     trained, wall = drive(tenants, start_tenant, length, duration, on_start=lambda: passes.append(queue.passes))
-    if profiler is not None:
-        profiler.stop()
-        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        Path(profile).write_text(f"{tenants} tenants, {queue.passes - passes[0]} passes in {wall:.2f} s\n" +
-                                 profiler.key_averages().table(sort_by=key, row_limit=40) + "\n" +
-                                 profiler.key_averages().table(sort_by="cpu_time_total", row_limit=40))
     passes_run = queue.passes - passes[0]
     result = {"tokens_per_s": trained / wall, "passes_per_s": passes_run / wall,
               "datums_per_pass": trained / length / max(1, passes_run), "peak_gib": peak_gib()}
@@ -148,11 +143,13 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
     return result
 
 
-def pass_anatomy(model_dir: Path, tenants: int, rank: int, length: int, vocab: int, repeats: int = 5) -> dict:
+def pass_anatomy(model_dir: Path, tenants: int, rank: int, length: int, vocab: int, repeats: int = 5,
+                 profile: str | None = None) -> dict:
     """One pass of `tenants` datums (each its own adapter) and their optimizer steps, alone (no queue, no threads):
     wall milliseconds of the pass and of the steps (medians), and the pass's GPU milliseconds when the host has
     queued all of it in advance (behind a long GPU sleep, timed by events after the sleep): wall far above GPU
-    means the host's launches bound the pass."""
+    means the host's launches bound the pass. `profile`: a torch.profiler table of the timed passes and steps
+    (operators by GPU time, then by host time) written there."""
     from symbiosis.executor.executor import Executor
     from symbiosis.train import HostedLora, LoraSpec, Trainer, Work
     from symbiosis.train.lora import AdamParams, step_together
@@ -177,7 +174,11 @@ def pass_anatomy(model_dir: Path, tenants: int, rank: int, length: int, vocab: i
         return sorted(values)[len(values) // 2]
 
     passes, steps, gpu = [], [], []
+    profiler = None
     for i in range(repeats + 1):
+        if i == 1 and profile:
+            profiler = torch.profiler.profile(activities=_activities())
+            profiler.start()
         batch = works()
         sync()
         start = time.perf_counter()
@@ -196,8 +197,12 @@ def pass_anatomy(model_dir: Path, tenants: int, rank: int, length: int, vocab: i
             end.record()
             end.synchronize()
             gpu.append(begin.elapsed_time(end))
-            for lora in loras:
-                lora.optimizer.zero_grad(set_to_none=True)
+            for lora in loras:  # (the name in trees before the adapters' flat buffers too)
+                lora.drop_gradients() if hasattr(lora, "drop_gradients") else lora.optimizer.zero_grad()
+    if profiler is not None:
+        profiler.stop()
+        _write_profile(profiler, profile, f"{tenants} tenants, {repeats} passes and steps (and as many passes "
+                                          "behind a GPU sleep)")
     result = {"pass_wall_ms": median(passes[1:]), "step_wall_ms": median(steps[1:])}
     if gpu:
         result["pass_gpu_ms"] = median(gpu[1:])
@@ -329,8 +334,8 @@ def main() -> None:
     parser.add_argument("--no-peft", action="store_true", help="leave out the compiled PEFT jobs")
     parser.add_argument("--anatomy", action="store_true", help="also time one pass of 1 and of the most tenants "
                                                                     "alone (wall and GPU milliseconds)")
-    parser.add_argument("--profile", help="write a torch.profiler table of 2 s of the Python API at the most tenants "
-                                          "here (and run nothing else)")
+    parser.add_argument("--profile", help="write a torch.profiler table of passes and optimizer steps of the most "
+                                          "tenants alone here (and run nothing else)")
     args = parser.parse_args()
     if args.sdk_client:  # through_sdk's tenants: a spec on stdin, (tokens trained, seconds) on stdout
         print(json.dumps(sdk_tenants(**json.loads(sys.stdin.read()))))
@@ -341,8 +346,8 @@ def main() -> None:
     common = dict(bench="hosted_training", model=args.model, rank=args.rank, seq_len=args.seq_len, gpu=gpu)
     counts = [int(n) for n in args.tenants.split(",")]
     if args.profile:
-        emit(**common, system="symbiosis engine API, profiled", tenants=max(counts),
-             **engine_api(model_dir, max(counts), args.rank, args.seq_len, 2.0, vocab, profile=args.profile))
+        emit(**common, system="symbiosis pass alone, profiled", tenants=max(counts),
+             **pass_anatomy(model_dir, max(counts), args.rank, args.seq_len, vocab, repeats=3, profile=args.profile))
         return
     for n in sorted({1, max(counts)}) if args.anatomy else []:
         emit(**common, system="symbiosis pass alone", tenants=n,

@@ -84,7 +84,10 @@ class TargetLayer:
 
 
 class HostedLora:
-    """`layers`: layer id -> (A, B), float32 leaf tensors that train; `optimizer`: AdamW over them."""
+    """`layers`: layer id -> (A, B), float32 leaf tensors that train. Every matrix is a view of one flat buffer
+    (`flat`), its gradient a view of another (`flat_grad`: autograd adds into it in place), and AdamW's moments are
+    flat too: an optimizer step is a few launches over one tensor an adapter, not a few per matrix (4,096 matrices
+    at 32 tenants of q/k/v/o on 16 layers). `pending`: gradients were gathered since the last step."""
 
     def __init__(self, spec: LoraSpec, targets: list[TargetLayer], device: torch.device,
                  dtype: torch.dtype = torch.float32, tensors: dict[str, torch.Tensor] | None = None):
@@ -101,20 +104,62 @@ class HostedLora:
                              "whose LoRA hosted training does not run yet; train the attention (train_mlp=False, "
                              "or target modules of the attention)")
         self.scale = spec.scale
+        shapes = [((spec.rank, t.in_features), (t.out_features, spec.rank)) for t in self.targets]
+        size = sum(math.prod(shape) for pair in shapes for shape in pair)
+        self.flat = torch.empty(size, dtype=dtype, device=device)
+        self.flat_grad = torch.zeros_like(self.flat)
+        self.exp_avg: torch.Tensor | None = None  # AdamW's moments, flat, made at the first step (as torch makes them)
+        self.exp_avg_sq: torch.Tensor | None = None
+        self.pending = False
         generator = torch.Generator().manual_seed(spec.seed if spec.seed is not None else 0)
         self.layers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for target in self.targets:
-            if tensors is None:
-                a = torch.empty(spec.rank, target.in_features, dtype=dtype)
-                # PEFT's (and nn.Linear's) init of A: kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in))
-                bound = 1 / math.sqrt(target.in_features)
-                a.uniform_(-bound, bound, generator=generator)
-                b = torch.zeros(target.out_features, spec.rank, dtype=dtype)
-            else:
-                a, b = (tensors[f"{PREFIX}{target.module}.lora_{name}.weight"].to(dtype) for name in "AB")
-            self.layers[target.layer_id] = (a.to(device).requires_grad_(), b.to(device).requires_grad_())
-        self.optimizer = torch.optim.AdamW(self.parameters(), lr=0.0)
+        self._slices: dict[str, tuple[slice, slice]] = {}  # layer id -> (A's, B's) elements of the flat buffers
+        offset = 0
+        with torch.no_grad():
+            for target, (a_shape, b_shape) in zip(self.targets, shapes):
+                if tensors is None:
+                    a = torch.empty(a_shape, dtype=dtype)
+                    # PEFT's (and nn.Linear's) init of A: kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in))
+                    bound = 1 / math.sqrt(target.in_features)
+                    a.uniform_(-bound, bound, generator=generator)
+                    b = torch.zeros(b_shape, dtype=dtype)
+                else:
+                    a, b = (tensors[f"{PREFIX}{target.module}.lora_{name}.weight"] for name in "AB")
+                    for name, saved, shape in (("A", a, a_shape), ("B", b, b_shape)):
+                        if tuple(saved.shape) != shape:
+                            raise ValueError(f"{target.module}.lora_{name} has shape {list(saved.shape)}, not "
+                                             f"{list(shape)}")
+                pair, where = [], []
+                for value in (a, b):
+                    elements = slice(offset, offset + value.numel())
+                    offset = elements.stop
+                    view = self.flat[elements].view(value.shape)
+                    view.copy_(value)
+                    view.requires_grad_()
+                    view.grad = self.flat_grad[elements].view(value.shape)
+                    pair.append(view)
+                    where.append(elements)
+                self.layers[target.layer_id] = (pair[0], pair[1])
+                self._slices[target.layer_id] = (where[0], where[1])
         self.steps = 0
+
+    def drop_gradients(self) -> None:
+        """Forget the gradients gathered since the last step (a failed pass must not leave half of one)."""
+        self.flat_grad.zero_()
+        self.pending = False
+
+    def moments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.exp_avg is None:
+            self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.flat), torch.zeros_like(self.flat)
+        return self.exp_avg, self.exp_avg_sq
+
+    def _named_slices(self) -> dict[str, slice]:
+        names = {}
+        for target in self.targets:
+            a, b = self._slices[target.layer_id]
+            names[f"{PREFIX}{target.module}.lora_A.weight"] = a
+            names[f"{PREFIX}{target.module}.lora_B.weight"] = b
+        return names
 
     def parameters(self) -> list[torch.Tensor]:
         return [p for pair in self.layers.values() for p in pair]
@@ -134,7 +179,7 @@ class HostedLora:
         return spec
 
     def has_gradients(self) -> bool:
-        return any(p.grad is not None for p in self.parameters())
+        return self.pending
 
     def step(self, learning_rate: float, beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-12,
              weight_decay: float = 0.0, grad_clip_norm: float = 0.0) -> dict[str, float]:
@@ -157,11 +202,11 @@ class HostedLora:
         (directory / "trainer_state.json").write_text(json.dumps({"steps": self.steps, "spec": self.spec_json()}))
         if with_optimizer:
             moments = {}
-            for name, parameter in self.named_tensors().items():
-                state = self.optimizer.state.get(parameter, {})
-                for moment in ("exp_avg", "exp_avg_sq"):
-                    if moment in state:
-                        moments[f"{name}.{moment}"] = state[moment].detach().contiguous().cpu()
+            if self.exp_avg is not None:
+                shapes = {name: t.shape for name, t in self.named_tensors().items()}
+                for name, elements in self._named_slices().items():
+                    for moment, flat in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+                        moments[f"{name}.{moment}"] = flat[elements].view(shapes[name]).contiguous().cpu()
             save_file(moments, directory / "optimizer.safetensors")
 
     @classmethod
@@ -186,12 +231,16 @@ class HostedLora:
             if not (directory / "optimizer.safetensors").is_file():
                 raise AdapterError(f"{directory.name}: saved without optimizer state")
             moments = load_file(directory / "optimizer.safetensors")
-            for name, parameter in lora.named_tensors().items():
-                if f"{name}.exp_avg" in moments:
-                    lora.optimizer.state[parameter] = {
-                        "step": torch.tensor(float(lora.steps)),
-                        "exp_avg": moments[f"{name}.exp_avg"].to(device, parameter.dtype),
-                        "exp_avg_sq": moments[f"{name}.exp_avg_sq"].to(device, parameter.dtype)}
+            if moments:  # saved after at least one step: every matrix's two moments
+                exp_avg, exp_avg_sq = lora.moments()
+                for name, parameter in lora.named_tensors().items():
+                    elements = lora._named_slices()[name]
+                    for moment, flat in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                        saved = moments.get(f"{name}.{moment}")
+                        if saved is None or saved.shape != parameter.shape or not torch.isfinite(saved).all():
+                            raise AdapterError(f"{directory.name}: the optimizer state of {name} is missing or does "
+                                               "not fit")
+                        flat[elements] = saved.reshape(-1).to(device, parameter.dtype)
         return lora
 
 
@@ -224,48 +273,35 @@ class AdamParams:
 
 
 def step_together(steps: list[tuple[HostedLora, AdamParams]]) -> list[dict[str, float]]:
-    """One AdamW step of each adapter (each at most once), exactly as each adapter's own `torch.optim.AdamW` after
-    `clip_grad_norm_` takes it, in a few multi-tensor launches for all of them: every gradient's norm in one
-    call, the moments and weights of all adapters with equal hyperparameters in one AdamW call (per-tensor step
-    counts, as torch keeps them). The training queue runs every tenant's step of a round here: one after another
-    they were ~20 launches and a wait for the GPU (the norm read back) each. Returns each adapter's metrics."""
-    grads_of = [[p.grad for p in lora.parameters() if p.grad is not None] for lora, _ in steps]
-    flat = [g for grads in grads_of for g in grads]
-    norms, at, totals = torch._foreach_norm(flat) if flat else [], 0, []
+    """One AdamW step of each adapter (each at most once), as its own `torch.optim.AdamW` after `clip_grad_norm_`
+    takes it, in a few multi-tensor launches for all of them: every adapter's gradient norm in one call (over its
+    flat gradient: the same norm as clip_grad_norm_'s norm of the matrices' norms, up to rounding), the moments and
+    weights of all adapters with equal hyperparameters in one AdamW call over their flat buffers. The training queue
+    runs every tenant's step of a round here. An adapter with no gradients since its last step does not move (as
+    torch skips parameters without gradients). Returns each adapter's metrics."""
+    moving = [(lora, adam) for lora, adam in steps if lora.pending]
+    norms = torch._foreach_norm([lora.flat_grad for lora, _ in moving]) if moving else []
     groups: dict[tuple, tuple[list, list, list, list, list]] = {}
     with torch.no_grad():
-        for (lora, adam), grads in zip(steps, grads_of):
-            if not grads:  # no forward_backward since the last step: nothing moves
-                totals.append(torch.zeros((), device=lora.parameters()[0].device))
-                continue
-            total = torch.linalg.vector_norm(torch.stack(norms[at:at + len(grads)]))  # as get_total_norm
-            at += len(grads)
+        for (lora, adam), norm in zip(moving, norms):
             if adam.grad_clip_norm > 0:  # as clip_grad_norm_
-                torch._foreach_mul_(grads, torch.clamp(adam.grad_clip_norm / (total + 1e-6), max=1.0))
-            totals.append(total)
+                lora.flat_grad.mul_(torch.clamp(adam.grad_clip_norm / (norm + 1e-6), max=1.0))
             group = groups.setdefault((adam.learning_rate, adam.beta1, adam.beta2, adam.eps, adam.weight_decay),
                                       ([], [], [], [], []))
-            for parameter in lora.parameters():
-                if parameter.grad is None:
-                    continue
-                state = lora.optimizer.state[parameter]
-                if not state:  # as torch.optim.Adam's first step makes it
-                    state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
-                    state["exp_avg"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
-                for into, value in zip(group, (parameter, parameter.grad, state["exp_avg"], state["exp_avg_sq"],
-                                               state["step"])):
-                    into.append(value)
+            count = torch.tensor(float(lora.steps), dtype=_scalar_dtype())  # as torch.optim keeps it; adamw adds 1
+            for into, value in zip(group, (lora.flat, lora.flat_grad, *lora.moments(), count)):
+                into.append(value)
         for (lr, beta1, beta2, eps, weight_decay), (params, grads, exp_avgs, exp_avg_sqs, counts) in groups.items():
             adamw(params, grads, exp_avgs, exp_avg_sqs, [], counts, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
                   weight_decay=weight_decay, eps=eps, maximize=False)
-    for lora, _ in steps:
-        for parameter in lora.parameters():
-            parameter.grad = None
+        if moving:
+            torch._foreach_zero_([lora.flat_grad for lora, _ in moving])
+    for lora, _ in moving:
+        lora.pending = False
         lora.steps += 1
-    values = torch.stack([t.to(totals[0].device) for t in totals]).tolist() if totals else []  # one read-back
-    return [{"grad_norm:mean": value, "learning_rate:mean": adam.learning_rate}
-            for value, (_, adam) in zip(values, steps)]
+    read = dict(zip((id(lora) for lora, _ in moving), torch.stack(norms).tolist() if moving else []))  # one read
+    return [{"grad_norm:mean": read.get(id(lora), 0.0), "learning_rate:mean": adam.learning_rate}
+            for lora, adam in steps]
 
 
 def _scalar_dtype() -> torch.dtype:

@@ -190,7 +190,7 @@ class TrainingQueue:
             log.exception("a training pass failed")
             for key, op, work in parts:
                 if op.work.backward:
-                    work.lora.optimizer.zero_grad(set_to_none=True)
+                    work.lora.drop_gradients()
                 self._finish(key, op, error=RuntimeError(
                     f"the training pass failed ({type(e).__name__}: {e}); the gradients this model gathered since "
                     "its last optimizer step were dropped"))

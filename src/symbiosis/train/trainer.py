@@ -65,6 +65,7 @@ class Trainer:
         self.device, self.dtype = executor.device, executor.dtype
         self.fingerprint = executor.fingerprint
         self.model, self.state, self.targets = build(model_path, executor)
+        self.activations = self.model.get_input_embeddings().weight.dtype  # the hidden states' dtype
         self.config = self.model.config.get_text_config()
         model_type = getattr(self.model.config, "model_type", None)
         if model_type not in LOGIT_TRANSFORMS:
@@ -103,14 +104,22 @@ class Trainer:
         for row, datum in enumerate(datums):
             input_ids[row, :len(datum.tokens)] = torch.tensor(datum.tokens)
             mask[row, :len(datum.tokens)] = 1
-        self.state.begin([work.lora for work in works for _ in work.datums])
+        self.state.begin([work.lora for work in works for _ in work.datums], self.device, self.activations)
         backward = any(work.backward for work in works)
+        # Every input of the pass in a few copies from pinned memory, none waited for (a blocking copy, or one from
+        # pageable memory, may drain the GPU first: one a datum held the host and the GPU in lockstep), so the host
+        # queues the pass ahead of the GPU.
+        names = [sorted(datum.inputs) for datum in datums]
+        moved = iter(_to_device([input_ids, mask] + [d.inputs[k] for d, keys in zip(datums, names) for k in keys],
+                                self.device))
+        input_ids, mask = next(moved), next(moved)
+        inputs_of = [{k: next(moved) for k in keys} for keys in names]
         try:
             with torch.enable_grad() if backward else torch.no_grad():
-                # Copies to the device from pageable memory, none waited for (a blocking copy drains the GPU first:
-                # one a datum held the host and the GPU in lockstep), so the host queues the pass ahead of the GPU.
-                hidden = self.model.get_decoder()(input_ids=input_ids.to(self.device, non_blocking=True),
-                                                  attention_mask=mask.to(self.device, non_blocking=True),
+                # datums of one length need no mask beyond the causal one (and transformers' check of a mask reads
+                # it back: a wait for the GPU)
+                same_length = all(len(d.tokens) == length for d in datums)
+                hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=None if same_length else mask,
                                                   use_cache=False)[0]  # [B, L, H]
                 # every datum's log-probabilities and loss stay on the device until the pass is launched: read back
                 # once at the end, not one synchronization per datum between their launches
@@ -119,7 +128,7 @@ class Trainer:
                     frozen_head = work.lora is None or self.head.layer_id not in work.lora.layers
                     for datum in work.datums:
                         n = len(datum.tokens)
-                        inputs = {k: v.to(self.device, non_blocking=True) for k, v in datum.inputs.items()}
+                        inputs = inputs_of[row]
                         if work.backward and frozen_head:
                             loss, lp = _FrozenHeadLoss.apply(hidden[row, :n], inputs, work.loss_fn, work.config, self)
                         else:
@@ -131,6 +140,9 @@ class Trainer:
                         row += 1
                 if total is not None:
                     total.backward()
+                    for work in works:
+                        if work.backward and work.lora is not None:
+                            work.lora.pending = True
         finally:
             self.state.end()
         read = _to_host([t for pair in outputs for t in pair])
@@ -167,6 +179,21 @@ class Trainer:
             h, t = hidden[start:start + self.chunk_rows()], targets[start:start + self.chunk_rows()]
             pieces.append(checkpoint(score, h, t, use_reentrant=False) if torch.is_grad_enabled() else score(h, t))
         return torch.cat(pieces)
+
+
+def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Each tensor on `device`, as it is, in one copy per dtype from pinned memory (queued, not waited for)."""
+    if torch.device(device).type == "cpu":
+        return list(tensors)
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        by_dtype.setdefault(tensor.dtype, []).append(i)
+    for indices in by_dtype.values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in indices]).pin_memory().to(device, non_blocking=True)
+        for i, piece in zip(indices, flat.split([tensors[i].numel() for i in indices])):
+            out[i] = piece.view(tensors[i].shape)
+    return out
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
