@@ -123,7 +123,9 @@ class _Stacked(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         matrices = ctx.matrices
-        grad = grad.to(matrices[0].dtype)
+        # contiguous: the products' backward hands the stacks' gradients over transposed, and pieces whose strides
+        # differ from the gradients' they add into take foreach's per-tensor path (a launch per matrix again)
+        grad = grad.to(matrices[0].dtype, memory_format=torch.contiguous_format)
         pieces: list[torch.Tensor | None] = [None] * len(matrices)
         for d, row in enumerate(ctx.rows):
             if row is not None:  # a matrix in several rows (an adapter's datums): the sum of its rows' gradients
