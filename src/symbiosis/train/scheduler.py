@@ -14,8 +14,11 @@ adapters answered by the last round are expected back (a training loop answered 
 optimizer step, then its next forward_backward). Were the next round to start with the first of them to arrive,
 a loop of N clients would split into groups that take turns, each pass a fraction of the tenants: 2 datums a pass
 of 4 tenants' loops, measured on a CPU. So a round waits for the expected adapters' next requests, until all
-are there, at most `GATHER_FRACTION` of the last pass's time and never more than `max_gather_s`: a request that
-is waiting is delayed by a bounded fraction of a pass, and an adapter that does not come back costs that once.
+are there, or until none has come for `GATHER_QUIET_S` (the others are not on their way), and at most
+`GATHER_FRACTION` of the last pass's time, never more than `max_gather_s`: a request that is waiting is delayed
+by a bounded fraction of a pass, and an adapter that does not come back costs that once. Clients in the process
+come back within a millisecond or two; clients of the Tinker SDK over HTTP one after another over tens of
+milliseconds, the service's event loop answering each and taking its next request.
 
 A pass that fails (out of memory, say) fails the requests in it, and the gradients their adapters gathered since
 their last optimizer step are dropped (`Operation.fail` says so): a later optimizer step must not apply half a
@@ -35,7 +38,8 @@ from symbiosis.worker import Worker
 
 log = logging.getLogger("symbiosis.train")
 UNORDERED = ""  # the queue of calls that belong to no adapter (submit_call); adapter keys are never empty
-GATHER_FRACTION = 0.25  # a round waits for the adapters the last one answered at most this much of the last pass
+GATHER_FRACTION = 0.5  # a round waits for the adapters the last one answered at most this much of the last pass
+GATHER_QUIET_S = 0.02  # ... and no longer than this after the last of them came
 
 
 @dataclass
@@ -53,7 +57,7 @@ class Operation:
 
 
 class TrainingQueue:
-    def __init__(self, trainer: Trainer, max_pass_tokens: int = 16384, max_gather_s: float = 0.05):
+    def __init__(self, trainer: Trainer, max_pass_tokens: int = 16384, max_gather_s: float = 0.2):
         if max_pass_tokens < 1:
             raise ValueError("max_pass_tokens must be positive")
         if not max_gather_s >= 0:
@@ -124,11 +128,15 @@ class TrainingQueue:
     def _gather(self) -> dict[str, Operation]:
         """The ready operations, once the adapters the last round answered are back or the bound has passed."""
         with self._lock:
-            deadline = time.monotonic() + min(self.max_gather_s, GATHER_FRACTION * self._last_pass_s)
+            now = time.monotonic()
+            deadline, last_came, came = now + min(self.max_gather_s, GATHER_FRACTION * self._last_pass_s), now, 0
             while True:
                 ready = self._ready()
                 missing = {key for key in self._expected if key in self._queues and key not in ready}
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                if len(ready) > came:
+                    last_came, came = now, len(ready)
+                left = min(deadline, last_came + GATHER_QUIET_S) - now
                 if not missing or left <= 0:
                     break
                 self._lock.wait(left)

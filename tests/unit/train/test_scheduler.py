@@ -137,6 +137,7 @@ def test_clients_answered_together_are_awaited_so_their_loops_stay_in_one_pass(t
     from symbiosis.train.lora import AdamParams
 
     monkeypatch.setattr(scheduler, "GATHER_FRACTION", 1e9)  # the bound: max_gather_s alone
+    monkeypatch.setattr(scheduler, "GATHER_QUIET_S", 60.0)
     passes = []
     real = trainer.run
     monkeypatch.setattr(trainer, "run", lambda works: passes.append(len(works)) or real(works))
