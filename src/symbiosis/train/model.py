@@ -30,62 +30,63 @@ from symbiosis.train.lora import HostedLora, TargetLayer
 
 @dataclass
 class PassState:
-    """The pass's adapters: `datums[d]` is datum d's (None: the base model alone); `stacks` caches, per layer, the
-    stacked matrices of the datums (TrainLinear); `scales` [B, 1, 1] is each datum's LoRA scale (0 without one),
-    made once a pass: a layer's copy of it to the device would be a wait for the GPU at every layer."""
+    """The pass's adapters: `datums[d]` is datum d's (None: the base model alone); `scales` [B, 1, 1] is each
+    datum's LoRA scale (0 without one), made once a pass: a layer's copy of it to the device would be a wait for
+    the GPU at every layer. `begin` gives every layer of the decoder its stacks for the pass (`TrainLinear.a`, `.b`),
+    so a layer's forward reads tensors only (and a compiled decoder layer has no Python to break its graph)."""
     datums: list[HostedLora | None] = field(default_factory=list)
-    stacks: dict = field(default_factory=dict)
     scales: torch.Tensor | None = None
+    linears: list["TrainLinear"] = field(default_factory=list)  # the decoder's, not the head's
 
     def begin(self, datums: list[HostedLora | None], device: torch.device, dtype: torch.dtype) -> None:
         """`dtype`: the activations' (the LoRA's products run in it)."""
-        self.datums, self.stacks = datums, {}
+        self.datums = datums
         # pinned, so the copy is queued without waiting for the GPU (from pageable memory it may drain it first)
         scales = torch.tensor([0.0 if lora is None else lora.scale for lora in datums], dtype=dtype).view(-1, 1, 1)
         self.scales = _pinned(scales, device).to(device, non_blocking=True)
+        for linear in self.linears:
+            linear.a, linear.b = linear.stacks(datums, dtype)
 
     def end(self) -> None:
-        self.datums, self.stacks, self.scales = [], {}, None
+        self.datums, self.scales = [], None
+        for linear in self.linears:
+            linear.a = linear.b = None
 
 
 class TrainLinear(nn.Module):
-    """y = x W^T + b with the executor's W (frozen: autograd computes only grad_x = g W), plus, for each adapter's
-    rows, scale * (x A^T) B^T computed in the adapter's float32 (PEFT casts so too) and added in y's dtype."""
+    """y = x W^T + b with the executor's W (frozen: autograd computes only grad_x = g W), plus, for each datum's
+    rows, its adapter's LoRA (the module's docstring)."""
 
     def __init__(self, base: BaseLayer, state: PassState):
         super().__init__()
         self.base, self.state = base, state
         self.layer_id = base.spec.layer_id
+        self.a: torch.Tensor | None = None  # the pass's stacks: A [B, R, in], B [B, out, R] (PassState.begin)
+        self.b: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [B, L, in]: datum d's tokens in row d
         y = self.base.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)  # [B, L, out]
-        stack = self._stack(x.dtype)
-        if stack is None:
+        if self.a is None:
             return y
-        a, b = stack
-        return torch.baddbmm(y, torch.bmm(x, a.transpose(1, 2)), (b * self.state.scales).transpose(1, 2))
+        return torch.baddbmm(y, torch.bmm(x, self.a.transpose(1, 2)), (self.b * self.state.scales).transpose(1, 2))
 
-    def _stack(self, dtype: torch.dtype):
-        """(A [B, R, in], B [B, out, R]) of the pass's datums for this layer in `dtype`, or None if no datum's
-        adapter trains it."""
-        if self.layer_id in self.state.stacks:
-            return self.state.stacks[self.layer_id]
+    def stacks(self, datums: list[HostedLora | None], dtype: torch.dtype):
+        """(A [B, R, in], B [B, out, R]) of the datums' adapters for this layer in `dtype`, or (None, None) if no
+        datum's adapter trains it."""
         adapters: dict[int, tuple[int, HostedLora]] = {}  # id -> (index among the layer's adapters, adapter)
-        for lora in self.state.datums:
+        for lora in datums:
             if lora is not None and self.layer_id in lora.layers and id(lora) not in adapters:
                 adapters[id(lora)] = (len(adapters), lora)
-        stack = None
-        if adapters:
-            rank = max(lora.spec.rank for _, lora in adapters.values())
-            rows = [adapters[id(lora)][0] if id(lora) in adapters else None for lora in self.state.datums]
-            spec = self.base.spec
-            pairs = [lora.layers[self.layer_id] for _, lora in adapters.values()]
-            # a datum whose adapter does not train this layer has zero matrices here: its scale does not matter
-            stack = (_Stacked.apply(rows, (rank, spec.in_features), dtype, *(a for a, _ in pairs)),
-                     _Stacked.apply(rows, (spec.out_features, rank), dtype, *(b for _, b in pairs)))
-        self.state.stacks[self.layer_id] = stack
-        return stack
+        if not adapters:
+            return None, None
+        rank = max(lora.spec.rank for _, lora in adapters.values())
+        rows = [adapters[id(lora)][0] if id(lora) in adapters else None for lora in datums]
+        spec = self.base.spec
+        pairs = [lora.layers[self.layer_id] for _, lora in adapters.values()]
+        # a datum whose adapter does not train this layer has zero matrices here: its scale does not matter
+        return (_Stacked.apply(rows, (rank, spec.in_features), dtype, *(a for a, _ in pairs)),
+                _Stacked.apply(rows, (spec.out_features, rank), dtype, *(b for _, b in pairs)))
 
     def project(self, tokens: torch.Tensor, rows) -> torch.Tensor:
         """tokens [T, in] -> [T, out], `rows` covering 0..T (or none: no adapter anywhere)."""
@@ -161,7 +162,10 @@ def build(model_path, executor):
             continue
         base = executor.weights.layers[layer_id]
         part = "unembed" if module is head else "attn" if id(module) in in_attention else "mlp"
-        model.set_submodule(name, TrainLinear(base, state))
+        linear = TrainLinear(base, state)
+        model.set_submodule(name, linear)
+        if part != "unembed":  # the head runs by `project`, a datum's rows at a time
+            state.linears.append(linear)
         targets.append(TargetLayer(name, layer_id, part, base.spec.in_features, base.spec.out_features))
     for name, module in model.named_modules():  # a MoE layer's experts: the MLP part, refused by HostedLora
         for projection, group_id in getattr(module, "symbiosis_expert_groups", {}).items():

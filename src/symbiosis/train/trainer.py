@@ -61,10 +61,17 @@ class Result:
 
 
 class Trainer:
-    def __init__(self, model_path, executor):
+    def __init__(self, model_path, executor, compile: bool | None = None):
+        """`compile`: each decoder layer through torch.compile (dynamic shapes: any datums, any length), which fuses
+        the elementwise work between the GEMMs (norms, rotary embeddings, activations, the LoRA's scaling): on by
+        default on a GPU for decoders without experts. The first pass of each new kind of shape compiles."""
         self.device, self.dtype = executor.device, executor.dtype
         self.fingerprint = executor.fingerprint
         self.model, self.state, self.targets = build(model_path, executor)
+        experts = any(getattr(m, "symbiosis_expert_groups", None) for m in self.model.modules())
+        if compile if compile is not None else (torch.device(self.device).type == "cuda" and not experts):
+            for layer in _decoder_layers(self.model):
+                layer.compile(dynamic=True)
         self.activations = self.model.get_input_embeddings().weight.dtype  # the hidden states' dtype
         self.config = self.model.config.get_text_config()
         model_type = getattr(self.model.config, "model_type", None)
@@ -104,7 +111,6 @@ class Trainer:
         for row, datum in enumerate(datums):
             input_ids[row, :len(datum.tokens)] = torch.tensor(datum.tokens)
             mask[row, :len(datum.tokens)] = 1
-        self.state.begin([work.lora for work in works for _ in work.datums], self.device, self.activations)
         backward = any(work.backward for work in works)
         # Every input of the pass in a few copies from pinned memory, none waited for (a blocking copy, or one from
         # pageable memory, may drain the GPU first: one a datum held the host and the GPU in lockstep), so the host
@@ -116,6 +122,8 @@ class Trainer:
         inputs_of = [{k: next(moved) for k in keys} for keys in names]
         try:
             with torch.enable_grad() if backward else torch.no_grad():
+                # the stacks of the adapters' matrices, made in the pass's grad mode (gradients flow through them)
+                self.state.begin([work.lora for work in works for _ in work.datums], self.device, self.activations)
                 # datums of one length need no mask beyond the causal one (and transformers' check of a mask reads
                 # it back: a wait for the GPU)
                 same_length = all(len(d.tokens) == length for d in datums)
@@ -193,6 +201,12 @@ class Trainer:
             h, t = hidden[start:start + self.chunk_rows()], targets[start:start + self.chunk_rows()]
             pieces.append(checkpoint(score, h, t, use_reentrant=False) if torch.is_grad_enabled() else score(h, t))
         return torch.cat(pieces)
+
+
+def _decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder's blocks: its first list of modules (`layers`, GPT-2's `h`)."""
+    decoder = model.get_decoder()
+    return next(child for child in decoder.children() if isinstance(child, torch.nn.ModuleList))
 
 
 def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
