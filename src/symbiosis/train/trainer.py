@@ -61,17 +61,10 @@ class Result:
 
 
 class Trainer:
-    def __init__(self, model_path, executor, compile: bool | None = None):
-        """`compile`: each decoder layer through torch.compile (dynamic shapes: any datums, any length), which fuses
-        the elementwise work between the GEMMs (norms, rotary embeddings, activations, the LoRA's scaling): on by
-        default on a GPU for decoders without experts. The first pass of each new kind of shape compiles."""
+    def __init__(self, model_path, executor):
         self.device, self.dtype = executor.device, executor.dtype
         self.fingerprint = executor.fingerprint
         self.model, self.state, self.targets = build(model_path, executor)
-        experts = any(getattr(m, "symbiosis_expert_groups", None) for m in self.model.modules())
-        if compile if compile is not None else (torch.device(self.device).type == "cuda" and not experts):
-            for layer in _decoder_layers(self.model):
-                layer.compile(dynamic=True)
         self.activations = self.model.get_input_embeddings().weight.dtype  # the hidden states' dtype
         self.config = self.model.config.get_text_config()
         model_type = getattr(self.model.config, "model_type", None)
@@ -201,12 +194,6 @@ class Trainer:
             h, t = hidden[start:start + self.chunk_rows()], targets[start:start + self.chunk_rows()]
             pieces.append(checkpoint(score, h, t, use_reentrant=False) if torch.is_grad_enabled() else score(h, t))
         return torch.cat(pieces)
-
-
-def _decoder_layers(model) -> torch.nn.ModuleList:
-    """The decoder's blocks: its first list of modules (`layers`, GPT-2's `h`)."""
-    decoder = model.get_decoder()
-    return next(child for child in decoder.children() if isinstance(child, torch.nn.ModuleList))
 
 
 def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

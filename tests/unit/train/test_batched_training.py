@@ -235,30 +235,3 @@ def test_in_bfloat16_the_lora_runs_in_bfloat16_and_follows_float32(tmp_path):
         assert torch.nn.functional.cosine_similarity(ours, theirs, dim=0) > 0.99
         assert float(ours.norm()) == pytest.approx(float(theirs.norm()), rel=0.1)
 
-
-@pytest.mark.gpu
-def test_on_the_gpu_compiled_decoder_layers_train_as_the_eager_ones(tmp_path):
-    """The decoder layers through torch.compile (the default on a GPU): the same losses and gradients as eager
-    layers, over passes of other datum counts and lengths (dynamic shapes), with and without padding."""
-    path = tmp_path / "base"
-    make_checkpoint("llama", path)
-    executor = symbiosis.Executor.from_pretrained(path, device="cuda", dtype=torch.float32)
-    eager, compiled = Trainer(path, executor, compile=False), Trainer(path, executor)
-
-    def run(trainer, lengths):
-        generator = torch.Generator().manual_seed(len(lengths))
-        loras = [HostedLora(LoraSpec(rank=r, seed=i, train_unembed=False), trainer.targets, trainer.device,
-                            trainer.dtype) for i, r in enumerate((2, 4))]
-        with torch.no_grad():
-            for lora in loras:
-                lora.flat.copy_(torch.randn(lora.flat.shape, generator=generator) * 0.1)
-        works = [Work(lora, [_datum(generator, n, "cross_entropy") for n in lengths], "cross_entropy")
-                 for lora in loras]
-        return trainer.run(works), [lora.flat_grad for lora in loras]
-
-    for lengths in [(8, 8), (16, 16, 16), (5, 11), (24,)]:
-        (ours, our_grads), (theirs, their_grads) = run(compiled, lengths), run(eager, lengths)
-        for a, b in zip(ours, theirs):
-            assert a.losses == pytest.approx(b.losses, rel=1e-4, abs=1e-4)
-        for a, b in zip(our_grads, their_grads):
-            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
