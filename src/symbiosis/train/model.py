@@ -37,6 +37,12 @@ class PassState:
     datums: list[HostedLora | None] = field(default_factory=list)
     scales: torch.Tensor | None = None
     linears: list["TrainLinear"] = field(default_factory=list)  # the decoder's, not the head's
+    anchors: dict = field(default_factory=dict)  # device -> a leaf that requires grad (_Stacked)
+
+    def anchor(self, device: torch.device) -> torch.Tensor:
+        if device not in self.anchors:
+            self.anchors[device] = torch.zeros((), device=device, requires_grad=True)
+        return self.anchors[device]
 
     def begin(self, datums: list[HostedLora | None], device: torch.device, dtype: torch.dtype) -> None:
         """`dtype`: the activations' (the LoRA's products run in it)."""
@@ -85,8 +91,9 @@ class TrainLinear(nn.Module):
         spec = self.base.spec
         pairs = [lora.layers[self.layer_id] for _, lora in adapters.values()]
         # a datum whose adapter does not train this layer has zero matrices here: its scale does not matter
-        return (_Stacked.apply(rows, (rank, spec.in_features), dtype, *(a for a, _ in pairs)),
-                _Stacked.apply(rows, (spec.out_features, rank), dtype, *(b for _, b in pairs)))
+        anchor = self.state.anchor(pairs[0][0].device)
+        return (_Stacked.apply(anchor, rows, (rank, spec.in_features), dtype, [a for a, _ in pairs]),
+                _Stacked.apply(anchor, rows, (spec.out_features, rank), dtype, [b for _, b in pairs]))
 
     def project(self, tokens: torch.Tensor, rows) -> torch.Tensor:
         """tokens [T, in] -> [T, out], `rows` covering 0..T (or none: no adapter anywhere)."""
@@ -107,12 +114,15 @@ class TrainLinear(nn.Module):
 class _Stacked(torch.autograd.Function):
     """[B, *shape] in `dtype`: row d is matrices[rows[d]] padded with zeros to `shape` (ranks differ), or zeros where
     rows[d] is None. Backward adds each matrix's gradient (the sum of its rows') into the matrix's own `.grad`, a
-    view of its adapter's flat gradient, in one multi-tensor launch, and gives autograd none: autograd would
-    accumulate each matrix alone, a launch per adapter per matrix per layer (4,096 a pass at 32 tenants)."""
+    view of its adapter's flat gradient, in one multi-tensor launch. The matrices come in a list, out of autograd's
+    sight (`anchor`, a leaf that requires grad, is the output's only edge): autograd would accumulate each matrix
+    alone, a node and a launch per adapter per matrix per layer (4,096 a pass at 32 tenants)."""
 
     @staticmethod
-    def forward(ctx, rows: list[int | None], shape: tuple[int, int], dtype: torch.dtype, *matrices: torch.Tensor):
+    def forward(ctx, anchor: torch.Tensor, rows: list[int | None], shape: tuple[int, int], dtype: torch.dtype,
+                matrices: list[torch.Tensor]):
         ctx.rows, ctx.matrices = rows, matrices
+        ctx.plain = None not in rows and len(set(rows)) == len(rows) and all(m.shape == shape for m in matrices)
         if None not in rows and all(m.shape == shape for m in matrices):
             return torch.stack([matrices[row] for row in rows]).to(dtype)
         out = matrices[0].new_zeros((len(rows), *shape), dtype=dtype)
@@ -127,13 +137,18 @@ class _Stacked(torch.autograd.Function):
         # contiguous: the products' backward hands the stacks' gradients over transposed, and pieces whose strides
         # differ from the gradients' they add into take foreach's per-tensor path (a launch per matrix again)
         grad = grad.to(matrices[0].dtype, memory_format=torch.contiguous_format)
-        pieces: list[torch.Tensor | None] = [None] * len(matrices)
-        for d, row in enumerate(ctx.rows):
-            if row is not None:  # a matrix in several rows (an adapter's datums): the sum of its rows' gradients
-                piece = grad[(d, *_extent(matrices[row]))]
-                pieces[row] = piece if pieces[row] is None else pieces[row] + piece
+        if ctx.plain:  # row d is matrix rows[d], whole: its gradient is grad[d]
+            pieces = [None] * len(matrices)
+            for row, piece in zip(ctx.rows, grad.unbind(0)):
+                pieces[row] = piece
+        else:
+            pieces = [None] * len(matrices)
+            for d, row in enumerate(ctx.rows):
+                if row is not None:  # a matrix in several rows (an adapter's datums): the sum of its rows' gradients
+                    piece = grad[(d, *_extent(matrices[row]))]
+                    pieces[row] = piece if pieces[row] is None else pieces[row] + piece
         torch._foreach_add_([m.grad for m in matrices], pieces)
-        return (None, None, None) + (None,) * len(matrices)
+        return None, None, None, None, None
 
 
 def _extent(matrix: torch.Tensor) -> tuple[slice, ...]:

@@ -115,16 +115,18 @@ def _train_as_each_alone(path, trainer, specs):
                                        rtol=1e-9, atol=1e-11)
 
 
-@pytest.mark.parametrize("lengths", [(6, 6), (5, 9)], ids=["one length", "padded"])
-def test_datums_of_several_adapters_through_one_frozen_head_call_equal_each_adapter_alone(trainer, lengths):
+@pytest.mark.parametrize("ranks, lengths", [((2, 4, 2), (6, 6)), ((2, 4, 2), (5, 9)), ((4, 4, 4), (7,))],
+                         ids=["one length", "padded", "a datum each, one rank"])
+def test_datums_of_several_adapters_through_one_frozen_head_call_equal_each_adapter_alone(trainer, ranks, lengths):
     """The frozen head runs once for every datum of a loss in the pass (chunks across datums, adapters): each
-    adapter's losses, log-probabilities and gradients are those of its datums in a pass alone."""
+    adapter's losses, log-probabilities and gradients are those of its datums in a pass alone (ranks padded or
+    not, one datum an adapter or several)."""
     path, trainer = trainer
 
     def adapters():
         generator = torch.Generator().manual_seed(11)
         loras = [HostedLora(LoraSpec(rank=r, seed=i, train_unembed=False), trainer.targets, trainer.device,
-                            trainer.dtype) for i, r in enumerate((2, 4, 2))]
+                            trainer.dtype) for i, r in enumerate(ranks)]
         with torch.no_grad():
             for lora in loras:
                 lora.flat.normal_(0, 0.1, generator=generator)
