@@ -331,6 +331,8 @@ def main() -> None:
     parser.add_argument("--paths", default="engine,sdk", help="engine (the Python API), sdk (tinker over HTTP)")
     parser.add_argument("--fleet", default="8,16", help="PEFT process fleets to run (empty: none)")
     parser.add_argument("--sdk-client", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--switch-interval", type=float, help="the service process's sys.setswitchinterval (the "
+                                                                  "GIL's hand-over) for the SDK runs")
     parser.add_argument("--no-peft", action="store_true", help="leave out the compiled PEFT jobs")
     parser.add_argument("--anatomy", action="store_true", help="also time one pass of 1 and of the most tenants "
                                                                     "alone (wall and GPU milliseconds)")
@@ -345,6 +347,9 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     common = dict(bench="hosted_training", model=args.model, rank=args.rank, seq_len=args.seq_len, gpu=gpu)
     counts = [int(n) for n in args.tenants.split(",")]
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
+        common["switch_interval"] = args.switch_interval
     if args.profile:
         emit(**common, system="symbiosis pass alone, profiled", tenants=max(counts),
              **pass_anatomy(model_dir, max(counts), args.rank, args.seq_len, vocab, repeats=3, profile=args.profile))
