@@ -212,9 +212,12 @@ def pass_anatomy(model_dir: Path, tenants: int, rank: int, length: int, vocab: i
     return result
 
 
-def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration: float, vocab: int) -> dict:
-    """A loopback `symbiosis serve` (in this process) and the tenants, each a thread driving the tinker SDK, in a
-    process of their own (as users' loops are: the SDK's threads and event loop do not share the server's GIL)."""
+def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration: float, vocab: int,
+                processes: int | None = None) -> dict:
+    """A loopback `symbiosis serve` (in this process) and the tenants, each a thread driving the tinker SDK, in
+    `processes` processes of their own (default: one a tenant, as users' loops are: neither the service's GIL nor
+    one client process's is shared by all tenants). The processes' windows open together: each says `ready` when
+    its tenants are warm, and all are told `go` at once."""
     import uvicorn
 
     from symbiosis.serve.app import create_app
@@ -234,13 +237,32 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
     while not server.started:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    spec = dict(url=url, tenants=tenants, rank=rank, length=length, duration=duration, vocab=vocab)
-    done = subprocess.run([sys.executable, __file__, "--sdk-client"], input=json.dumps(spec), capture_output=True,
-                          text=True, env={**os.environ, "TINKER_TELEMETRY": "0"})
-    if done.returncode != 0:
-        raise RuntimeError(f"the SDK tenants failed: {done.stderr[-2000:]}")
-    trained, wall = json.loads(done.stdout.strip().splitlines()[-1])
-    result = {"tokens_per_s": trained / wall, "peak_gib": peak_gib()}
+    processes = max(1, min(tenants, processes or tenants))
+    groups = [list(range(tenants))[i::processes] for i in range(processes)]
+    children = []
+    for group in groups:
+        spec = dict(url=url, indices=group, rank=rank, length=length, duration=duration, vocab=vocab)
+        child = subprocess.Popen([sys.executable, __file__, "--sdk-client", json.dumps(spec)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "TINKER_TELEMETRY": "0"})
+        children.append(child)
+    outcomes = []
+    try:
+        for child in children:  # every process's tenants warm
+            if child.stdout.readline().strip() != "ready":
+                raise RuntimeError("an SDK client process failed before its window (its traceback is above)")
+        for child in children:
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        outcomes = [json.loads(child.stdout.read().strip().splitlines()[-1]) for child in children]
+    finally:
+        for child in children:
+            if len(outcomes) < len(children):  # failed: nobody waits for the others
+                child.kill()
+            child.wait()
+    if any(child.returncode != 0 for child in children):
+        raise RuntimeError("an SDK client process failed (its traceback is above)")
+    trained, wall = sum(t for t, _ in outcomes), max(w for _, w in outcomes)
+    result = {"tokens_per_s": trained / wall, "peak_gib": peak_gib(), "client_processes": processes}
     server.should_exit = True
     thread.join(30)
     service.close()
@@ -254,12 +276,14 @@ def _sdk_key(index: int) -> str:
     return f"tml-tenant-{index:04d}-0123456789"
 
 
-def sdk_tenants(url: str, tenants: int, rank: int, length: int, duration: float, vocab: int) -> tuple[int, float]:
-    """`through_sdk`'s other process: every tenant a thread with its own `tinker.ServiceClient`."""
+def sdk_tenants(url: str, indices: list[int], rank: int, length: int, duration: float, vocab: int
+                ) -> tuple[int, float]:
+    """`through_sdk`'s client processes: tenants `indices`, each a thread with its own `tinker.ServiceClient`."""
     import tinker
     from tinker import types
 
     def start_tenant(index: int):
+        index = indices[index]
         generator = torch.Generator().manual_seed(index)
         client = tinker.ServiceClient(base_url=url, api_key=_sdk_key(index))
         training = client.create_lora_training_client(base_model="base", rank=rank, seed=index, **PARTS).result()
@@ -275,7 +299,12 @@ def sdk_tenants(url: str, tenants: int, rank: int, length: int, duration: float,
 
         return step, lambda: client.close("success")
 
-    return drive(tenants, start_tenant, length, duration)
+    def wait_for_go() -> None:  # every tenant of this process warm: say so, and open the window when told
+        print("ready", flush=True)
+        if sys.stdin.readline().strip() != "go":
+            raise RuntimeError("no go")
+
+    return drive(len(indices), start_tenant, length, duration, on_start=wait_for_go)
 
 
 def compiled_peft(model_dir: Path, batch: int, length: int, duration: float) -> dict:
@@ -330,7 +359,8 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--paths", default="engine,sdk", help="engine (the Python API), sdk (tinker over HTTP)")
     parser.add_argument("--fleet", default="8,16", help="PEFT process fleets to run (empty: none)")
-    parser.add_argument("--sdk-client", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--sdk-client", help=argparse.SUPPRESS)
+    parser.add_argument("--sdk-processes", type=int, help="the SDK tenants' processes (default: one a tenant)")
     parser.add_argument("--switch-interval", type=float, help="the service process's sys.setswitchinterval (the "
                                                                   "GIL's hand-over) for the SDK runs")
     parser.add_argument("--no-peft", action="store_true", help="leave out the compiled PEFT jobs")
@@ -339,8 +369,8 @@ def main() -> None:
     parser.add_argument("--profile", help="write a torch.profiler table of passes and optimizer steps of the most "
                                           "tenants alone here (and run nothing else)")
     args = parser.parse_args()
-    if args.sdk_client:  # through_sdk's tenants: a spec on stdin, (tokens trained, seconds) on stdout
-        print(json.dumps(sdk_tenants(**json.loads(sys.stdin.read()))))
+    if args.sdk_client:  # through_sdk's tenants: a spec, then (tokens trained, seconds) on stdout
+        print(json.dumps(sdk_tenants(**json.loads(args.sdk_client))))
         return
     model_dir = checkpoint(args.model)
     vocab = CONFIGS[args.model]["vocab_size"]
@@ -363,7 +393,7 @@ def main() -> None:
                  **engine_api(model_dir, n, args.rank, args.seq_len, args.duration, vocab))
         if "sdk" in args.paths:
             emit(**common, system="symbiosis tinker SDK over HTTP", tenants=n,
-                 **through_sdk(model_dir, n, args.rank, args.seq_len, args.duration, vocab))
+                 **through_sdk(model_dir, n, args.rank, args.seq_len, args.duration, vocab, args.sdk_processes))
     if not args.no_peft:
         emit(**common, system="PEFT compiled, one job", batch=1,
              **compiled_peft(model_dir, 1, args.seq_len, args.duration))
