@@ -154,21 +154,21 @@ class HostedLora:
         return self.exp_avg, self.exp_avg_sq
 
     def _named_slices(self) -> dict[str, slice]:
-        names = {}
-        for target in self.targets:
-            a, b = self._slices[target.layer_id]
-            names[f"{PREFIX}{target.module}.lora_A.weight"] = a
-            names[f"{PREFIX}{target.module}.lora_B.weight"] = b
-        return names
+        """PEFT's names for the matrices' elements of the flat buffers."""
+        return self._by_name(self._slices)
 
     def parameters(self) -> list[torch.Tensor]:
         return [p for pair in self.layers.values() for p in pair]
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """PEFT's names for the matrices."""
+        return self._by_name(self.layers)
+
+    def _by_name(self, pairs: dict) -> dict:
+        """layer id -> (A's, B's) as PEFT's names -> each."""
         names = {}
         for target in self.targets:
-            a, b = self.layers[target.layer_id]
+            a, b = pairs[target.layer_id]
             names[f"{PREFIX}{target.module}.lora_A.weight"] = a
             names[f"{PREFIX}{target.module}.lora_B.weight"] = b
         return names

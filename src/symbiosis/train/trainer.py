@@ -200,26 +200,23 @@ def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.
     """Each tensor on `device`, as it is, in one copy per dtype from pinned memory (queued, not waited for)."""
     if torch.device(device).type == "cpu":
         return list(tensors)
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, tensor in enumerate(tensors):
-        by_dtype.setdefault(tensor.dtype, []).append(i)
-    for indices in by_dtype.values():
-        flat = torch.cat([tensors[i].reshape(-1) for i in indices]).pin_memory().to(device, non_blocking=True)
-        for i, piece in zip(indices, flat.split([tensors[i].numel() for i in indices])):
-            out[i] = piece.view(tensors[i].shape)
-    return out
+    return _moved(tensors, lambda flat: flat.pin_memory().to(device, non_blocking=True))
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each tensor on the host, as it is (shape, dtype), in one copy per dtype: one wait for the device, not one a
     tensor."""
+    return _moved(tensors, lambda flat: flat.cpu())
+
+
+def _moved(tensors: list[torch.Tensor], move) -> list[torch.Tensor]:
+    """`tensors` concatenated per dtype, each concatenation through `move`, and cut back into their shapes."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, tensor in enumerate(tensors):
         by_dtype.setdefault(tensor.dtype, []).append(i)
     for indices in by_dtype.values():
-        flat = torch.cat([tensors[i].reshape(-1) for i in indices]).cpu()
+        flat = move(torch.cat([tensors[i].reshape(-1) for i in indices]))
         for i, piece in zip(indices, flat.split([tensors[i].numel() for i in indices])):
             out[i] = piece.view(tensors[i].shape)
     return out
