@@ -13,8 +13,8 @@ with zeros; zero for an adapter that does not train the layer): a few launches p
 adapter. The products run in the activations' dtype (bfloat16 on a GPU: mixed precision, as PEFT under autocast;
 the matrices, their gradients and AdamW's moments stay float32), the second one adding into the base's output
 (baddbmm): in float32 the LoRA's casts, scaling and addition moved ~10x the bytes of the products themselves and
-took a third of a pass's GPU time (H100, 32 tenants). The stacks' backward adds every datum's gradients into its
-adapter's flat gradient in one multi-tensor launch a layer (`_Stacked`).
+took a third of a pass's GPU time (H100, 32 tenants). A layer with a LoRA is one autograd node (`_LoraLinear`),
+whose backward adds every datum's gradients into its adapter's flat gradient in one multi-tensor launch.
 """
 
 from __future__ import annotations
@@ -32,12 +32,11 @@ from symbiosis.train.lora import HostedLora, TargetLayer
 class PassState:
     """The pass's adapters: `datums[d]` is datum d's (None: the base model alone); `scales` [B, 1, 1] is each
     datum's LoRA scale (0 without one), made once a pass: a layer's copy of it to the device would be a wait for
-    the GPU at every layer. `begin` gives every layer of the decoder its stacks for the pass (`TrainLinear.a`, `.b`),
-    so a layer's forward reads tensors only (and a compiled decoder layer has no Python to break its graph)."""
+    the GPU at every layer. `begin` gives every layer of the decoder its stacks for the pass (`TrainLinear.lora`)."""
     datums: list[HostedLora | None] = field(default_factory=list)
     scales: torch.Tensor | None = None
     linears: list["TrainLinear"] = field(default_factory=list)  # the decoder's, not the head's
-    anchors: dict = field(default_factory=dict)  # device -> a leaf that requires grad (_Stacked)
+    anchors: dict = field(default_factory=dict)  # device -> a leaf that requires grad (_LoraLinear)
 
     def anchor(self, device: torch.device) -> torch.Tensor:
         if device not in self.anchors:
@@ -51,12 +50,45 @@ class PassState:
         scales = torch.tensor([0.0 if lora is None else lora.scale for lora in datums], dtype=dtype).view(-1, 1, 1)
         self.scales = _pinned(scales, device).to(device, non_blocking=True)
         for linear in self.linears:
-            linear.a, linear.b = linear.stacks(datums, dtype)
+            linear.lora = linear.stacks(datums, dtype, self.scales)
 
     def end(self) -> None:
         self.datums, self.scales = [], None
         for linear in self.linears:
-            linear.a = linear.b = None
+            linear.lora = None
+
+
+@dataclass
+class _Stacks:
+    """One layer's LoRA for a pass: A [B, R, in] and scale * B [B, out, R] of each datum's adapter, in the
+    activations' dtype (ranks padded with zeros; zeros for a datum whose adapter does not train the layer);
+    `rows[d]`: the index of datum d's adapter among `a_matrices` / `b_matrices` (its float32 leaves), or None."""
+    a: torch.Tensor
+    scaled_b: torch.Tensor
+    scales: torch.Tensor
+    rows: list[int | None]
+    a_matrices: list[torch.Tensor]
+    b_matrices: list[torch.Tensor]
+    anchor: torch.Tensor
+
+    def accumulate(self, grad_a: torch.Tensor, grad_b: torch.Tensor) -> None:
+        """Every adapter's gradients (the sum of its rows') into its matrices' `.grad`s, views of its flat gradient:
+        one multi-tensor launch for each of A and B."""
+        for grad, matrices in ((grad_a, self.a_matrices), (grad_b, self.b_matrices)):
+            # contiguous: pieces whose strides differ from the gradients' they add into take foreach's per-tensor
+            # path (a launch per matrix)
+            grad = grad.to(matrices[0].dtype, memory_format=torch.contiguous_format)
+            pieces: list[torch.Tensor | None] = [None] * len(matrices)
+            if None not in self.rows and len(set(self.rows)) == len(self.rows) and \
+                    all(m.shape == grad.shape[1:] for m in matrices):
+                for row, piece in zip(self.rows, grad.unbind(0)):  # row d is matrix rows[d], whole
+                    pieces[row] = piece
+            else:
+                for d, row in enumerate(self.rows):
+                    if row is not None:  # a matrix in several rows (an adapter's datums): the sum of their gradients
+                        piece = grad[(d, *_extent(matrices[row]))]
+                        pieces[row] = piece if pieces[row] is None else pieces[row] + piece
+            torch._foreach_add_([m.grad for m in matrices], pieces)
 
 
 class TrainLinear(nn.Module):
@@ -67,33 +99,31 @@ class TrainLinear(nn.Module):
         super().__init__()
         self.base, self.state = base, state
         self.layer_id = base.spec.layer_id
-        self.a: torch.Tensor | None = None  # the pass's stacks: A [B, R, in], B [B, out, R] (PassState.begin)
-        self.b: torch.Tensor | None = None
+        self.lora: _Stacks | None = None  # the pass's (PassState.begin)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [B, L, in]: datum d's tokens in row d
-        y = self.base.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)  # [B, L, out]
-        if self.a is None:
-            return y
-        return torch.baddbmm(y, torch.bmm(x, self.a.transpose(1, 2)), (self.b * self.state.scales).transpose(1, 2))
+        if self.lora is None:
+            return self.base.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)  # [B, L, out]
+        return _LoraLinear.apply(x, self.lora.anchor, self.base, self.lora)
 
-    def stacks(self, datums: list[HostedLora | None], dtype: torch.dtype):
-        """(A [B, R, in], B [B, out, R]) of the datums' adapters for this layer in `dtype`, or (None, None) if no
-        datum's adapter trains it."""
+    def stacks(self, datums: list[HostedLora | None], dtype: torch.dtype, scales: torch.Tensor) -> _Stacks | None:
+        """This layer's LoRA for the datums' adapters, or None if no datum's adapter trains it."""
         adapters: dict[int, tuple[int, HostedLora]] = {}  # id -> (index among the layer's adapters, adapter)
         for lora in datums:
             if lora is not None and self.layer_id in lora.layers and id(lora) not in adapters:
                 adapters[id(lora)] = (len(adapters), lora)
         if not adapters:
-            return None, None
+            return None
         rank = max(lora.spec.rank for _, lora in adapters.values())
         rows = [adapters[id(lora)][0] if id(lora) in adapters else None for lora in datums]
         spec = self.base.spec
-        pairs = [lora.layers[self.layer_id] for _, lora in adapters.values()]
-        # a datum whose adapter does not train this layer has zero matrices here: its scale does not matter
-        anchor = self.state.anchor(pairs[0][0].device)
-        return (_Stacked.apply(anchor, rows, (rank, spec.in_features), dtype, [a for a, _ in pairs]),
-                _Stacked.apply(anchor, rows, (spec.out_features, rank), dtype, [b for _, b in pairs]))
+        a_matrices = [lora.layers[self.layer_id][0] for _, lora in adapters.values()]
+        b_matrices = [lora.layers[self.layer_id][1] for _, lora in adapters.values()]
+        with torch.no_grad():  # their gradients come from _LoraLinear's backward
+            a = _stack(rows, (rank, spec.in_features), dtype, a_matrices)
+            scaled_b = _stack(rows, (spec.out_features, rank), dtype, b_matrices).mul_(scales)
+        return _Stacks(a, scaled_b, scales, rows, a_matrices, b_matrices, self.state.anchor(a.device))
 
     def project(self, tokens: torch.Tensor, rows) -> torch.Tensor:
         """tokens [T, in] -> [T, out], `rows` covering 0..T (or none: no adapter anywhere)."""
@@ -111,44 +141,47 @@ class TrainLinear(nn.Module):
         return torch.cat(pieces)
 
 
-class _Stacked(torch.autograd.Function):
-    """[B, *shape] in `dtype`: row d is matrices[rows[d]] padded with zeros to `shape` (ranks differ), or zeros where
-    rows[d] is None. Backward adds each matrix's gradient (the sum of its rows') into the matrix's own `.grad`, a
-    view of its adapter's flat gradient, in one multi-tensor launch. The matrices come in a list, out of autograd's
-    sight (`anchor`, a leaf that requires grad, is the output's only edge): autograd would accumulate each matrix
-    alone, a node and a launch per adapter per matrix per layer (4,096 a pass at 32 tenants)."""
+class _LoraLinear(torch.autograd.Function):
+    """y = x W^T (+ bias) + (x A^T) (s B)^T over the pass's datums, x [B, L, in], as one autograd node: its backward
+    gives grad_x = g W + (g (s B)) A and adds each adapter's gradients, (g (s B))^T x for A and s g^T (x A^T) for
+    B, into its flat gradient (`_Stacks.accumulate`). Autograd's own graph of these products was ~8 nodes and
+    ~15 operators a layer (products, transposes, the scaling, casts, an accumulation per matrix), the host's time
+    that bounds a small pass. `anchor` (a leaf that requires grad) makes the backward run where x needs none (the
+    first layer's input: the frozen embeddings')."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, rows: list[int | None], shape: tuple[int, int], dtype: torch.dtype,
-                matrices: list[torch.Tensor]):
-        ctx.rows, ctx.matrices = rows, matrices
-        ctx.plain = None not in rows and len(set(rows)) == len(rows) and all(m.shape == shape for m in matrices)
-        if None not in rows and all(m.shape == shape for m in matrices):
-            return torch.stack([matrices[row] for row in rows]).to(dtype)
-        out = matrices[0].new_zeros((len(rows), *shape), dtype=dtype)
-        for d, row in enumerate(rows):
-            if row is not None:
-                out[(d, *_extent(matrices[row]))] = matrices[row]
-        return out
+    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor, base: BaseLayer, lora: _Stacks):
+        y = base.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)  # [B, L, out]
+        u = torch.bmm(x, lora.a.transpose(1, 2))  # [B, L, R]
+        ctx.save_for_backward(x, u)
+        ctx.base, ctx.lora = base, lora
+        return torch.baddbmm(y, u, lora.scaled_b.transpose(1, 2))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        matrices = ctx.matrices
-        # contiguous: the products' backward hands the stacks' gradients over transposed, and pieces whose strides
-        # differ from the gradients' they add into take foreach's per-tensor path (a launch per matrix again)
-        grad = grad.to(matrices[0].dtype, memory_format=torch.contiguous_format)
-        if ctx.plain:  # row d is matrix rows[d], whole: its gradient is grad[d]
-            pieces = [None] * len(matrices)
-            for row, piece in zip(ctx.rows, grad.unbind(0)):
-                pieces[row] = piece
-        else:
-            pieces = [None] * len(matrices)
-            for d, row in enumerate(ctx.rows):
-                if row is not None:  # a matrix in several rows (an adapter's datums): the sum of its rows' gradients
-                    piece = grad[(d, *_extent(matrices[row]))]
-                    pieces[row] = piece if pieces[row] is None else pieces[row] + piece
-        torch._foreach_add_([m.grad for m in matrices], pieces)
-        return None, None, None, None, None
+        x, u = ctx.saved_tensors
+        base, lora = ctx.base, ctx.lora
+        grad_scaled = torch.bmm(grad, lora.scaled_b)  # g (s B) [B, L, R]
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = base.backward(grad.reshape(-1, grad.shape[-1])).view(x.shape)
+            grad_x = torch.baddbmm(grad_x, grad_scaled, lora.a)
+        lora.accumulate(torch.bmm(grad_scaled.transpose(1, 2), x),  # [B, R, in]
+                        torch.bmm(grad.transpose(1, 2), u).mul_(lora.scales))  # [B, out, R]
+        return grad_x, None, None, None
+
+
+def _stack(rows: list[int | None], shape: tuple[int, int], dtype: torch.dtype,
+           matrices: list[torch.Tensor]) -> torch.Tensor:
+    """[B, *shape] in `dtype`: row d is matrices[rows[d]] padded with zeros to `shape` (ranks differ), or zeros where
+    rows[d] is None."""
+    if None not in rows and all(m.shape == shape for m in matrices):
+        return torch.stack([matrices[row] for row in rows]).to(dtype)
+    out = matrices[0].new_zeros((len(rows), *shape), dtype=dtype)
+    for d, row in enumerate(rows):
+        if row is not None:
+            out[(d, *_extent(matrices[row]))] = matrices[row]
+    return out
 
 
 def _extent(matrix: torch.Tensor) -> tuple[slice, ...]:
