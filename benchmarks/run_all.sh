@@ -57,7 +57,7 @@ declare -A COMMAND=(
   [sgmv]="$PY benchmarks/sgmv.py"
   [paged_attention]="$PY benchmarks/paged_attention.py"
   [engine]="$PY benchmarks/engine.py --batches 1,8,32,64"
-  [hosted_training]="$PY benchmarks/hosted_training.py --model llama-3.2-1b --tenants 8,16,32"
+  [hosted_training]="$PY benchmarks/hosted_training.py --model llama-3.2-1b --tenants 8,16,32 --anatomy"
   [hosted_training_profile]="$PY benchmarks/hosted_training.py --model llama-3.2-1b --tenants 32 --profile $OUT/hosted_training_profile.txt"
   # these need the service's dependencies (pyzmq, FastAPI, uvicorn, python-multipart, protobuf, ...; hosted_training
   # also the tinker SDK and its own: h2 for HTTP/2, orjson, pyqwest, rich, zstandard, distro): on a machine without
