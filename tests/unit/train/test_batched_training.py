@@ -237,3 +237,26 @@ def test_in_bfloat16_the_lora_runs_in_bfloat16_and_follows_float32(tmp_path):
         assert torch.nn.functional.cosine_similarity(ours, theirs, dim=0) > 0.99
         assert float(ours.norm()) == pytest.approx(float(theirs.norm()), rel=0.1)
 
+
+
+def test_llamas_rmsnorms_run_by_torchs_rms_norm_and_other_norms_are_left_alone(trainer):
+    """Every RMSNorm of the trainer's Llama runs by torch's rms_norm (the exactness tests above run through them);
+    a norm of another formula (Gemma's 1 + weight) keeps its own code."""
+    from symbiosis.train.model import _fuse_norms
+
+    _, trainer = trainer
+    layers = trainer.model.config.num_hidden_layers
+    assert trainer.state.fused_norms == 2 * layers + 1
+
+    class OnePlusWeightNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight, self.variance_epsilon = torch.nn.Parameter(torch.zeros(8)), 1e-6
+
+        def forward(self, x):
+            x32 = x.float()
+            return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * (1 + self.weight)
+                    ).to(x.dtype)
+
+    norm = OnePlusWeightNorm()
+    assert _fuse_norms(torch.nn.Sequential(norm)) == 0 and "forward" not in vars(norm)
