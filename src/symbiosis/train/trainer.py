@@ -244,16 +244,19 @@ class _FrozenHeadLoss(torch.autograd.Function):
         lps = []
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            logits, slope = trainer.logits(hidden[rows], None)  # [C, vocab]
+            logits, slope = trainer.logits(hidden[rows], None)  # [C, vocab], this chunk's own
             target = targets[rows]
-            lp = _picked(logits, target).detach().requires_grad_()
+            index = target if target.dim() == 2 else target[:, None]  # [C, K]
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            lp = logits.gather(1, index) - lse
+            lp = (lp if target.dim() == 2 else lp[:, 0]).requires_grad_()
             with torch.enable_grad():  # c = d loss / d lp: every loss is a sum over tokens, so the chunk's own
                 loss = losses.LOSSES[loss_fn](lp, {k: v[rows] for k, v in inputs.items()}, config)
                 (c,) = torch.autograd.grad(loss, lp)
             weights = c if c.dim() == 2 else c[:, None]  # [C, K]
-            index = target if target.dim() == 2 else target[:, None]
-            # d loss / d z = sum_k c_k onehot(t_k) - (sum_k c_k) softmax(z)
-            grad = torch.softmax(logits, dim=-1).mul_(-weights.sum(1, keepdim=True)).scatter_add_(1, index, weights)
+            # d loss / d z = sum_k c_k onehot(t_k) - (sum_k c_k) softmax(z); softmax(z) = exp(z - lse), made in
+            # the logits' own memory (no second [C, vocab] tensor, no second pass for the softmax's sums)
+            grad = logits.sub_(lse).exp_().mul_(-weights.sum(1, keepdim=True)).scatter_add_(1, index, weights)
             if not isinstance(slope, float):
                 grad = grad * slope
             grad_hidden[rows] = trainer.head.base.backward(grad.to(hidden.dtype))
