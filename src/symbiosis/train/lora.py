@@ -233,8 +233,9 @@ class HostedLora:
             moments = load_file(directory / "optimizer.safetensors")
             if moments:  # saved after at least one step: every matrix's two moments
                 exp_avg, exp_avg_sq = lora.moments()
+                slices = lora._named_slices()
                 for name, parameter in lora.named_tensors().items():
-                    elements = lora._named_slices()[name]
+                    elements = slices[name]
                     for moment, flat in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
                         saved = moments.get(f"{name}.{moment}")
                         if saved is None or saved.shape != parameter.shape or not torch.isfinite(saved).all():

@@ -32,11 +32,7 @@ from symbiosis.train.lora import HostedLora, TargetLayer
 
 @dataclass
 class PassState:
-    """The pass's adapters: `datums[d]` is datum d's (None: the base model alone); `scales` [B, 1, 1] is each
-    datum's LoRA scale (0 without one), made once a pass: a layer's copy of it to the device would be a wait for
-    the GPU at every layer. `begin` gives every layer of the decoder its stacks for the pass (`TrainLinear.lora`)."""
-    datums: list[HostedLora | None] = field(default_factory=list)
-    scales: torch.Tensor | None = None
+    """What the decoder's layers share for a pass: `begin` gives every one its stacks (`TrainLinear.lora`)."""
     linears: list["TrainLinear"] = field(default_factory=list)  # the decoder's, not the head's
     anchors: dict = field(default_factory=dict)  # device -> a leaf that requires grad (_LoraLinear)
     fused_norms: int = 0  # the model's RMSNorms that run by torch's rms_norm (_fuse_norms)
@@ -47,16 +43,17 @@ class PassState:
         return self.anchors[device]
 
     def begin(self, datums: list[HostedLora | None], device: torch.device, dtype: torch.dtype) -> None:
-        """`dtype`: the activations' (the LoRA's products run in it)."""
-        self.datums = datums
-        # pinned, so the copy is queued without waiting for the GPU (from pageable memory it may drain it first)
+        """`datums[d]`: datum d's adapter (None: the base model alone); `dtype`: the activations' (the LoRA's
+        products run in it)."""
+        # each datum's LoRA scale (0 without one) [B, 1, 1], once a pass (a layer's copy of it to the device would
+        # be a wait for the GPU at every layer); pinned, so the copy is queued without waiting for the GPU (from
+        # pageable memory it may drain it first)
         scales = torch.tensor([0.0 if lora is None else lora.scale for lora in datums], dtype=dtype).view(-1, 1, 1)
-        self.scales = _pinned(scales, device).to(device, non_blocking=True)
+        scales = _pinned(scales, device).to(device, non_blocking=True)
         for linear in self.linears:
-            linear.lora = linear.stacks(datums, dtype, self.scales)
+            linear.lora = linear.stacks(datums, dtype, scales)
 
     def end(self) -> None:
-        self.datums, self.scales = [], None
         for linear in self.linears:
             linear.lora = None
 

@@ -140,8 +140,7 @@ class TrainingQueue:
                 if not missing or left <= 0:
                     break
                 self._lock.wait(left)
-            self._expected = set()
-            return ready
+            return ready  # (round() sets what the next round expects)
 
     def round(self) -> bool:
         """Run what is ready: the optimizer steps, the calls, then one pass. Returns whether anything ran."""

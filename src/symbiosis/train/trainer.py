@@ -222,10 +222,11 @@ def _moved(tensors: list[torch.Tensor], move) -> list[torch.Tensor]:
     return out
 
 
-def _picked(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits) at `targets` ([n] or [n, K])."""
-    picked = logits.gather(1, targets if targets.dim() == 2 else targets[:, None])
-    lp = picked - torch.logsumexp(logits, dim=-1, keepdim=True)
+def _picked(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """log_softmax(logits) at `targets` ([n] or [n, K]); `lse`: the logits' log-sum-exp [n, 1], if made already."""
+    if lse is None:
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    lp = logits.gather(1, targets if targets.dim() == 2 else targets[:, None]) - lse
     return lp if targets.dim() == 2 else lp[:, 0]
 
 
@@ -248,8 +249,7 @@ class _FrozenHeadLoss(torch.autograd.Function):
             target = targets[rows]
             index = target if target.dim() == 2 else target[:, None]  # [C, K]
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            lp = logits.gather(1, index) - lse
-            lp = (lp if target.dim() == 2 else lp[:, 0]).requires_grad_()
+            lp = _picked(logits, target, lse).requires_grad_()
             with torch.enable_grad():  # c = d loss / d lp: every loss is a sum over tokens, so the chunk's own
                 loss = losses.LOSSES[loss_fn](lp, {k: v[rows] for k, v in inputs.items()}, config)
                 (c,) = torch.autograd.grad(loss, lp)
