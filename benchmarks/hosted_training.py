@@ -91,18 +91,42 @@ def _write_profile(profiler, path: str, title: str) -> None:
                           averages.table(sort_by="cpu_time_total", row_limit=50))
 
 
-def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: float, vocab: int) -> dict:
-    """Every tenant a thread submitting forward_backward then optim_step to one TrainingQueue."""
+def _trainer(model_dir: Path, devices: list[str] | None, micro_batches: int | None):
+    """(executor, trainer) over this machine's GPU, or over `devices` (the base's layers spread: executor/peers.py)."""
     from symbiosis.executor.executor import Executor
-    from symbiosis.train import HostedLora, LoraSpec, Trainer, Work
+    from symbiosis.executor.peers import on_devices
+    from symbiosis.train import Trainer
+
+    executor = on_devices(model_dir, devices, dtype=dtype()) if devices else \
+        Executor.from_pretrained(model_dir, device=device(), dtype=dtype())
+    trainer = Trainer(model_dir, executor)
+    if micro_batches:
+        trainer.micro_batches = micro_batches
+    return executor, trainer
+
+
+def _peaks(devices: list[str] | None) -> dict:
+    """Peak GPU memory: of this GPU, or of each of `devices`."""
+    if not devices or not torch.cuda.is_available():
+        return {"peak_gib": peak_gib()}
+    return {"peak_gib_per_gpu": [torch.cuda.max_memory_allocated(d) / 2**30 for d in devices]}
+
+
+def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: float, vocab: int, batch: int = 1,
+               devices: list[str] | None = None, max_pass_tokens: int | None = None,
+               micro_batches: int | None = None) -> dict:
+    """Every tenant a thread submitting forward_backward (`batch` datums) then optim_step to one TrainingQueue."""
+    from symbiosis.train import HostedLora, LoraSpec, Work
     from symbiosis.train.lora import AdamParams
     from symbiosis.train.scheduler import Operation, TrainingQueue
     from symbiosis.train.trainer import Datum
 
+    for d in devices or [None]:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats(d)
     reset_peak()
-    executor = Executor.from_pretrained(model_dir, device=device(), dtype=dtype())
-    trainer = Trainer(model_dir, executor)
-    queue = TrainingQueue(trainer, max_pass_tokens=tenants * length).start()
+    executor, trainer = _trainer(model_dir, devices, micro_batches)
+    queue = TrainingQueue(trainer, max_pass_tokens=max_pass_tokens or tenants * length * batch).start()
 
     def start_tenant(index: int):
         generator = torch.Generator().manual_seed(index)
@@ -123,19 +147,25 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
                 raise outcome["e"]
 
         def step() -> None:
-            tokens = _tokens(vocab, length, generator)
-            datum = Datum(tokens[:-1], {"target_tokens": torch.tensor(tokens[1:]),
-                                        "weights": torch.ones(length, dtype=torch.float64)})
-            run(work=Work(lora, [datum], "cross_entropy"))
+            datums = []
+            for _ in range(batch):
+                tokens = _tokens(vocab, length, generator)
+                datums.append(Datum(tokens[:-1], {"target_tokens": torch.tensor(tokens[1:]),
+                                                  "weights": torch.ones(length, dtype=torch.float64)}))
+            run(work=Work(lora, datums, "cross_entropy"))
             run(call=lambda metrics: metrics, step=(lora, AdamParams(1e-4)))  # with the round's other steps
 
         return step, lambda: None
 
     passes = []
-    trained, wall = drive(tenants, start_tenant, length, duration, on_start=lambda: passes.append(queue.passes))
+    trained, wall = drive(tenants, start_tenant, length * batch, duration,
+                          on_start=lambda: passes.append(queue.passes))
     passes_run = queue.passes - passes[0]
     result = {"tokens_per_s": trained / wall, "passes_per_s": passes_run / wall,
-              "datums_per_pass": trained / length / max(1, passes_run), "peak_gib": peak_gib()}
+              "datums_per_pass": trained / length / max(1, passes_run), **_peaks(devices)}
+    if devices:
+        result.update(devices=devices, micro_batches=trainer.micro_batches, batch=batch,
+                      max_pass_tokens=queue.max_pass_tokens)
     queue.stop()
     del trainer, executor, queue
     if torch.cuda.is_available():
@@ -144,19 +174,18 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
 
 
 def pass_anatomy(model_dir: Path, tenants: int, rank: int, length: int, vocab: int, repeats: int = 5,
-                 profile: str | None = None) -> dict:
+                 profile: str | None = None, devices: list[str] | None = None, micro_batches: int | None = None
+                 ) -> dict:
     """One pass of `tenants` datums (each its own adapter) and their optimizer steps, alone (no queue, no threads):
     wall milliseconds of the pass and of the steps (medians), and the pass's GPU milliseconds when the host has
     queued all of it in advance (behind a long GPU sleep, timed by events after the sleep): wall far above GPU
     means the host's launches bound the pass. `profile`: a torch.profiler table of the timed passes and steps
     (operators by GPU time, then by host time) written there."""
-    from symbiosis.executor.executor import Executor
-    from symbiosis.train import HostedLora, LoraSpec, Trainer, Work
+    from symbiosis.train import HostedLora, LoraSpec, Work
     from symbiosis.train.lora import AdamParams, step_together
     from symbiosis.train.trainer import Datum
 
-    executor = Executor.from_pretrained(model_dir, device=device(), dtype=dtype())
-    trainer = Trainer(model_dir, executor)
+    executor, trainer = _trainer(model_dir, devices, micro_batches)
     generator = torch.Generator().manual_seed(0)
     loras = [HostedLora(LoraSpec(rank=rank, seed=i, **PARTS), trainer.targets, trainer.device, trainer.dtype)
              for i in range(tenants)]
@@ -363,6 +392,13 @@ def main() -> None:
     parser.add_argument("--sdk-processes", type=int, help="the SDK tenants' processes (default: one a tenant)")
     parser.add_argument("--switch-interval", type=float, help="the service process's sys.setswitchinterval (the "
                                                                   "GIL's hand-over) for the SDK runs")
+    parser.add_argument("--batch", type=int, default=1, help="datums of seq-len tokens a tenant's step (the "
+                                                                 "Python API's runs)")
+    parser.add_argument("--devices", help="the base's layers over these GPUs (cuda:0,cuda:1; the Python API's "
+                                          "runs and --anatomy), a pass pipelined over them in micro-batches")
+    parser.add_argument("--micro-batches", type=int, help="a pass's micro-batches (default: the trainer's)")
+    parser.add_argument("--max-pass-tokens", type=int, help="the training queue's pass size (default: every "
+                                                             "tenant's step)")
     parser.add_argument("--no-peft", action="store_true", help="leave out the compiled PEFT jobs")
     parser.add_argument("--anatomy", action="store_true", help="also time one pass of 1 and of the most tenants "
                                                                     "alone (wall and GPU milliseconds)")
@@ -384,13 +420,16 @@ def main() -> None:
         emit(**common, system="symbiosis pass alone, profiled", tenants=max(counts),
              **pass_anatomy(model_dir, max(counts), args.rank, args.seq_len, vocab, repeats=3, profile=args.profile))
         return
+    devices = args.devices.split(",") if args.devices else None
     for n in sorted({1, max(counts)}) if args.anatomy else []:
         emit(**common, system="symbiosis pass alone", tenants=n,
-             **pass_anatomy(model_dir, n, args.rank, args.seq_len, vocab))
+             **pass_anatomy(model_dir, n, args.rank, args.seq_len, vocab, devices=devices,
+                            micro_batches=args.micro_batches))
     for n in counts:
         if "engine" in args.paths:
             emit(**common, system="symbiosis engine API", tenants=n,
-                 **engine_api(model_dir, n, args.rank, args.seq_len, args.duration, vocab))
+                 **engine_api(model_dir, n, args.rank, args.seq_len, args.duration, vocab, args.batch, devices,
+                              args.max_pass_tokens, args.micro_batches))
         if "sdk" in args.paths:
             emit(**common, system="symbiosis tinker SDK over HTTP", tenants=n,
                  **through_sdk(model_dir, n, args.rank, args.seq_len, args.duration, vocab, args.sdk_processes))

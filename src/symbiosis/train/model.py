@@ -36,26 +36,35 @@ class PassState:
     linears: list["TrainLinear"] = field(default_factory=list)  # the decoder's, not the head's
     anchors: dict = field(default_factory=dict)  # device -> a leaf that requires grad (_LoraLinear)
     fused_norms: int = 0  # the model's RMSNorms that run by torch's rms_norm (_fuse_norms)
+    stages: int = 1  # the devices the decoder's layers span (_place)
 
     def anchor(self, device: torch.device) -> torch.Tensor:
         if device not in self.anchors:
             self.anchors[device] = torch.zeros((), device=device, requires_grad=True)
         return self.anchors[device]
 
-    def begin(self, datums: list[HostedLora | None], device: torch.device, dtype: torch.dtype) -> None:
+    def begin(self, datums: list[HostedLora | None], dtype: torch.dtype) -> None:
         """`datums[d]`: datum d's adapter (None: the base model alone); `dtype`: the activations' (the LoRA's
         products run in it)."""
-        # each datum's LoRA scale (0 without one) [B, 1, 1], once a pass (a layer's copy of it to the device would
-        # be a wait for the GPU at every layer); pinned, so the copy is queued without waiting for the GPU (from
+        # each datum's LoRA scale (0 without one) [B, 1, 1], once a pass and device (a layer's copy of it would be
+        # a wait for the GPU at every layer); pinned, so the copy is queued without waiting for the GPU (from
         # pageable memory it may drain it first)
         scales = torch.tensor([0.0 if lora is None else lora.scale for lora in datums], dtype=dtype).view(-1, 1, 1)
-        scales = _pinned(scales, device).to(device, non_blocking=True)
+        on_device: dict[torch.device, torch.Tensor] = {}
         for linear in self.linears:
-            linear.lora = linear.stacks(datums, dtype, scales)
+            device = linear.device
+            if device not in on_device:
+                on_device[device] = _pinned(scales, device).to(device, non_blocking=True)
+            linear.whole = linear.lora = linear.stacks(datums, dtype, on_device[device])
+
+    def select(self, rows: slice) -> None:
+        """Run the next forward over the pass's datums `rows` only (a micro-batch: `Trainer.run`)."""
+        for linear in self.linears:
+            linear.lora = None if linear.whole is None else linear.whole.of(rows)
 
     def end(self) -> None:
         for linear in self.linears:
-            linear.lora = None
+            linear.whole = linear.lora = None
 
 
 @dataclass
@@ -71,35 +80,43 @@ class _Stacks:
     b_matrices: list[torch.Tensor]
     anchor: torch.Tensor
 
+    def of(self, rows: slice) -> "_Stacks | None":
+        """These stacks for datums `rows` only (views), or None if none of them has an adapter here."""
+        if all(row is None for row in self.rows[rows]):
+            return None
+        return _Stacks(self.a[rows], self.scaled_b[rows], self.scales[rows], self.rows[rows], self.a_matrices,
+                       self.b_matrices, self.anchor)
+
     def accumulate(self, grad_a: torch.Tensor, grad_b: torch.Tensor) -> None:
         """Every adapter's gradients (the sum of its rows') into its matrices' `.grad`s, views of its flat gradient:
         one multi-tensor launch for each of A and B."""
         for grad, matrices in ((grad_a, self.a_matrices), (grad_b, self.b_matrices)):
-            # contiguous: pieces whose strides differ from the gradients' they add into take foreach's per-tensor
-            # path (a launch per matrix)
-            grad = grad.to(matrices[0].dtype, memory_format=torch.contiguous_format)
-            pieces: list[torch.Tensor | None] = [None] * len(matrices)
+            # on the matrices' device (a layer on another GPU than the adapters: `_place`), contiguous: pieces whose
+            # strides differ from the gradients' they add into take foreach's per-tensor path (a launch per matrix)
+            grad = grad.to(matrices[0].device, matrices[0].dtype, memory_format=torch.contiguous_format)
+            pieces: dict[int, torch.Tensor] = {}
             if None not in self.rows and len(set(self.rows)) == len(self.rows) and \
                     all(m.shape == grad.shape[1:] for m in matrices):
-                for row, piece in zip(self.rows, grad.unbind(0)):  # row d is matrix rows[d], whole
-                    pieces[row] = piece
+                pieces = dict(zip(self.rows, grad.unbind(0)))  # row d is matrix rows[d], whole
             else:
                 for d, row in enumerate(self.rows):
                     if row is not None:  # a matrix in several rows (an adapter's datums): the sum of their gradients
                         piece = grad[(d, *_extent(matrices[row]))]
-                        pieces[row] = piece if pieces[row] is None else pieces[row] + piece
-            torch._foreach_add_([m.grad for m in matrices], pieces)
+                        pieces[row] = piece if row not in pieces else pieces[row] + piece
+            torch._foreach_add_([matrices[row].grad for row in pieces], list(pieces.values()))
 
 
 class TrainLinear(nn.Module):
     """y = x W^T + b with the executor's W (frozen: autograd computes only grad_x = g W), plus, for each datum's
     rows, its adapter's LoRA (the module's docstring)."""
 
-    def __init__(self, base: BaseLayer, state: PassState):
+    def __init__(self, base: BaseLayer, state: PassState, device: torch.device):
         super().__init__()
         self.base, self.state = base, state
+        self.device = device  # where `base` takes its input and gives its output
         self.layer_id = base.spec.layer_id
-        self.lora: _Stacks | None = None  # the pass's (PassState.begin)
+        self.whole: _Stacks | None = None  # the pass's (PassState.begin)
+        self.lora: _Stacks | None = None  # the forward's: the pass's, or a micro-batch's rows of it (select)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [B, L, in]: datum d's tokens in row d
@@ -120,10 +137,12 @@ class TrainLinear(nn.Module):
         spec = self.base.spec
         a_matrices = [lora.layers[self.layer_id][0] for _, lora in adapters.values()]
         b_matrices = [lora.layers[self.layer_id][1] for _, lora in adapters.values()]
+        device = scales.device  # this layer's (the adapters' matrices may live on another GPU: `_place`)
         with torch.no_grad():  # their gradients come from _LoraLinear's backward
-            a = _stack(rows, (rank, spec.in_features), dtype, a_matrices)
-            scaled_b = _stack(rows, (spec.out_features, rank), dtype, b_matrices).mul_(scales)
-        return _Stacks(a, scaled_b, scales, rows, a_matrices, b_matrices, self.state.anchor(a.device))
+            a = _stack(rows, (rank, spec.in_features), dtype, a_matrices).to(device, non_blocking=True)
+            scaled_b = _stack(rows, (spec.out_features, rank), dtype, b_matrices).to(device, non_blocking=True)
+            scaled_b.mul_(scales)
+        return _Stacks(a, scaled_b, scales, rows, a_matrices, b_matrices, self.state.anchor(device))
 
     def project(self, tokens: torch.Tensor, rows) -> torch.Tensor:
         """tokens [T, in] -> [T, out], `rows` covering 0..T (or none: no adapter anywhere)."""
@@ -134,7 +153,7 @@ class TrainLinear(nn.Module):
         for first, end, lora in rows:
             piece = y[first:end]
             if lora is not None and self.layer_id in lora.layers:
-                a, b = lora.layers[self.layer_id]
+                a, b = (m.to(tokens.device) for m in lora.layers[self.layer_id])
                 delta = (tokens[first:end].to(a.dtype) @ a.T) @ b.T * lora.scale  # [rows, out]
                 piece = piece + delta.to(y.dtype)
             pieces.append(piece)
@@ -209,8 +228,11 @@ def build(model_path, executor):
         if layer_id is None or not hasattr(module, "session"):
             continue
         base = executor.weights.layers[layer_id]
+        if isinstance(getattr(base, "layer", None), BaseLayer):  # a peer's (executor/peers.py): run it there
+            base = base.layer
+        device = base.weight.device if isinstance(base, BaseLayer) else torch.device(executor.device)
         part = "unembed" if module is head else "attn" if id(module) in in_attention else "mlp"
-        linear = TrainLinear(base, state)
+        linear = TrainLinear(base, state, device)
         model.set_submodule(name, linear)
         if part != "unembed":  # the head runs by `project`, a datum's rows at a time
             state.linears.append(linear)
@@ -221,8 +243,43 @@ def build(model_path, executor):
             targets.append(TargetLayer(f"{name}.{projection}", group_id, "mlp", spec.in_features, spec.out_features,
                                        experts=len(module.symbiosis_experts[projection])))
     model.requires_grad_(False)  # the client's own tensors (embeddings, norms) are the base's too: frozen
+    state.stages = _place(model, torch.device(executor.device))
     state.fused_norms = _fuse_norms(model)
     return model.train(False), state, targets
+
+
+def _place(model, front: torch.device) -> int:
+    """Each decoder layer where its base layers are (a base over several GPUs, executor/peers.py: whole layers a
+    GPU), and the final norm with the last: a layer's activations, norms and attention then stay on its GPU, and
+    only the hidden states [B, L, H] cross between GPUs, once at each change of GPU each way. Returns the number
+    of devices the decoder's layers span (Trainer.run pipelines micro-batches over them)."""
+    decoder = model.get_decoder()
+    devices = []
+    for layer in decoder.layers:
+        linears = [m for m in layer.modules() if isinstance(m, TrainLinear)]
+        device = linears[0].device if linears and len({m.device for m in linears}) == 1 else front
+        devices.append(device)
+        if device != front:
+            _move_to(layer, device)
+    if devices and devices[-1] != front:
+        _move_to(decoder.norm, devices[-1])
+    return len(dict.fromkeys(devices))
+
+
+def _move_to(module: nn.Module, device: torch.device) -> None:
+    """`module` on `device`, its inputs (tensors, in tuples too: the rotary embeddings' (cos, sin)) moved there as it
+    is called (each a copy queued on the GPUs, the host not waiting)."""
+    module.to(device)
+
+    def move(value):
+        if isinstance(value, torch.Tensor):
+            return value.to(device, non_blocking=True)
+        if isinstance(value, tuple):
+            return tuple(move(v) for v in value)
+        return value
+
+    module.register_forward_pre_hook(lambda _, args, kwargs: (move(args), {k: move(v) for k, v in kwargs.items()}),
+                                     with_kwargs=True)
 
 
 def _fuse_norms(model) -> int:

@@ -73,7 +73,13 @@ class Trainer:
                                      f"not {model_type!r}")
         self.transform = LOGIT_TRANSFORMS[model_type](self.model.config)
         self.head = self.model.get_output_embeddings()
+        self.head_device = self.head.device  # the front's, or a GPU of a base spread over several (model._place)
         self.vocab = self.head.base.spec.out_features
+        # a pass's datums in micro-batches when the decoder spans several GPUs: each GPU starts on the next one as
+        # soon as it hands the last one on (the host queues them all ahead), instead of waiting for the whole pass
+        # (GPipe's schedule: busy m / (m + stages - 1) of the time; backward too, autograd running each device's
+        # work on a thread of its own)
+        self.micro_batches = 1 if self.state.stages == 1 else 4 * self.state.stages
         self.context = getattr(self.config, "max_position_embeddings", None)
 
     def check(self, work: Work) -> None:
@@ -109,19 +115,17 @@ class Trainer:
         # pageable memory, may drain the GPU first: one a datum held the host and the GPU in lockstep), so the host
         # queues the pass ahead of the GPU.
         names = [sorted(datum.inputs) for datum in datums]
-        moved = iter(_to_device([input_ids, mask] + [d.inputs[k] for d, keys in zip(datums, names) for k in keys],
-                                self.device))
-        input_ids, mask = next(moved), next(moved)
+        input_ids, mask = _to_device([input_ids, mask], self.device)
+        moved = iter(_to_device([d.inputs[k] for d, keys in zip(datums, names) for k in keys], self.head_device))
         inputs_of = [{k: next(moved) for k in keys} for keys in names]
         try:
             with torch.enable_grad() if backward else torch.no_grad():
                 # the stacks of the adapters' matrices, made in the pass's grad mode (gradients flow through them)
-                self.state.begin([work.lora for work in works for _ in work.datums], self.device, self.activations)
+                self.state.begin([work.lora for work in works for _ in work.datums], self.activations)
                 # datums of one length need no mask beyond the causal one (and transformers' check of a mask reads
                 # it back: a wait for the GPU)
                 same_length = all(len(d.tokens) == length for d in datums)
-                hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=None if same_length else mask,
-                                                  use_cache=False)[0]  # [B, L, H]
+                hidden = self._decode(input_ids, None if same_length else mask)  # [B, L, H]
                 # every datum's log-probabilities and loss stay on the device until the pass is launched: read back
                 # once at the end, not one synchronization per datum between their launches
                 outputs: list = [None] * len(datums)  # per datum (lp, loss)
@@ -168,6 +172,20 @@ class Trainer:
             results.append(Result(logprobs_read[row:end], losses_read[row:end]))
             row = end
         return results
+
+    def _decode(self, input_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The decoder's last hidden states [B, L, H] of the pass's datums (their stacks begun), on the head's
+        device: a micro-batch of datums at a time (`micro_batches`)."""
+        decoder, rows = self.model.get_decoder(), input_ids.shape[0]
+        size = -(-rows // min(rows, self.micro_batches))
+        parts = []
+        for start in range(0, rows, size):
+            batch = slice(start, start + size)
+            if size < rows:
+                self.state.select(batch)
+            parts.append(decoder(input_ids=input_ids[batch], attention_mask=None if mask is None else mask[batch],
+                                 use_cache=False)[0].to(self.head_device, non_blocking=True))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def chunk_rows(self) -> int:
         """Tokens per chunk of the head: a chunk's logits at most CHUNK_ELEMENTS elements."""

@@ -260,3 +260,53 @@ def test_llamas_rmsnorms_run_by_torchs_rms_norm_and_other_norms_are_left_alone(t
 
     norm = OnePlusWeightNorm()
     assert _fuse_norms(torch.nn.Sequential(norm)) == 0 and "forward" not in vars(norm)
+
+
+def test_over_a_base_split_between_devices_micro_batches_train_as_each_alone(tmp_path):
+    """A base whose layers are spread over two devices (executor/peers.py: CPUs here, GPUs in use): each decoder
+    layer runs where its base layers are, a pass runs in micro-batches of its datums, and every adapter still
+    trains exactly as plain PEFT trains it alone."""
+    from symbiosis.executor.peers import on_devices
+
+    from symbiosis.train.model import TrainLinear
+
+    make_checkpoint("llama", tmp_path)
+    executor = on_devices(tmp_path, ["cpu", "cpu"], dtype=torch.float64)
+    trainer = Trainer(tmp_path, executor)
+    on_peer = {m.layer_id: m.base for m in trainer.model.modules()
+               if isinstance(m, TrainLinear) and m.layer_id in executor.weights.remote}
+    assert on_peer and all(base is executor.weights.remote[i].layer for i, base in on_peer.items())  # run there
+    trainer.micro_batches = 2
+    _train_as_each_alone(tmp_path, trainer, [LoraSpec(rank=2, seed=1), LoraSpec(rank=4, seed=2, train_mlp=False),
+                                             LoraSpec(rank=8, seed=3, train_unembed=False, train_attn=False)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_over_two_gpus_a_pass_follows_the_one_gpu_pass(tmp_path):
+    """The base's layers over two GPUs: decoder layers run on the GPU of their base layers (the head's too), the
+    pass in micro-batches; losses and every adapter's gradients equal a one-GPU pass's (float32)."""
+    from symbiosis.executor.peers import on_devices
+
+    make_checkpoint("llama", tmp_path)
+    outcomes = []
+    for executor in (symbiosis.Executor.from_pretrained(tmp_path, device="cuda:0", dtype=torch.float32),
+                     on_devices(tmp_path, ["cuda:0", "cuda:1"], dtype=torch.float32)):
+        trainer = Trainer(tmp_path, executor)
+        generator = torch.Generator().manual_seed(0)
+        loras = [HostedLora(LoraSpec(rank=r, seed=i), trainer.targets, trainer.device, torch.float32)
+                 for i, r in enumerate((4, 8, 4))]
+        with torch.no_grad():
+            for lora in loras:
+                lora.flat.copy_(torch.randn(lora.flat.shape, generator=generator) * 0.05)
+        works = [Work(lora, [_datum(generator, 24, "cross_entropy") for _ in range(2)], "cross_entropy")
+                 for lora in loras]
+        results = trainer.run(works)
+        outcomes.append((trainer, [r.loss for r in results], [lora.flat_grad.clone() for lora in loras]))
+    (_, losses1, grads1), (split, losses2, grads2) = outcomes
+    assert split.state.stages == 2 and split.micro_batches > 1
+    layers = {p.device for layer in split.model.get_decoder().layers for p in layer.parameters()}
+    assert layers == {torch.device("cuda:0"), torch.device("cuda:1")}
+    assert losses2 == pytest.approx(losses1, rel=1e-4)
+    for ours, theirs in zip(grads2, grads1):
+        torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-5)
