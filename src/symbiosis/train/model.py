@@ -37,6 +37,7 @@ class PassState:
     anchors: dict = field(default_factory=dict)  # device -> a leaf that requires grad (_LoraLinear)
     fused_norms: int = 0  # the model's RMSNorms that run by torch's rms_norm (_fuse_norms)
     stages: int = 1  # the devices the decoder's layers span (_place)
+    moved: dict = field(default_factory=dict)  # (id, device) -> (tensor, its copy there), for a pass (hop)
 
     def anchor(self, device: torch.device) -> torch.Tensor:
         if device not in self.anchors:
@@ -62,9 +63,28 @@ class PassState:
         for linear in self.linears:
             linear.lora = None if linear.whole is None else linear.whole.of(rows)
 
+    def finish(self) -> None:
+        """After the pass's backward: the gradients held on other GPUs than the adapters' into their matrices."""
+        for linear in self.linears:
+            if linear.whole is not None:
+                linear.whole.flush()
+
     def end(self) -> None:
         for linear in self.linears:
             linear.whole = linear.lora = None
+        self.moved.clear()
+
+    def hop(self, value, device: torch.device):
+        """`value` (a tensor, or a tuple of them) on `device` by `hop`, each tensor once a pass (the rotary
+        embeddings' (cos, sin), passed to every layer of a micro-batch, cross once, not once a layer)."""
+        if isinstance(value, tuple):
+            return tuple(self.hop(v, device) for v in value)
+        if not isinstance(value, torch.Tensor) or value.device == device:
+            return value
+        key = (id(value), device)
+        if key not in self.moved:  # (the source is kept with its copy: its id is not reused within the pass)
+            self.moved[key] = (value, hop(value, device))
+        return self.moved[key][1]
 
 
 @dataclass
@@ -79,21 +99,35 @@ class _Stacks:
     a_matrices: list[torch.Tensor]
     b_matrices: list[torch.Tensor]
     anchor: torch.Tensor
+    whole: "_Stacks | None" = None  # the pass's stacks whose rows first.. these are (of)
+    first: int = 0
+    held: list[torch.Tensor] | None = None  # the pass's gradients of A and B stacks, while on another GPU (flush)
 
     def of(self, rows: slice) -> "_Stacks | None":
         """These stacks for datums `rows` only (views), or None if none of them has an adapter here."""
         if all(row is None for row in self.rows[rows]):
             return None
         return _Stacks(self.a[rows], self.scaled_b[rows], self.scales[rows], self.rows[rows], self.a_matrices,
-                       self.b_matrices, self.anchor)
+                       self.b_matrices, self.anchor, whole=self, first=rows.start or 0)
 
     def accumulate(self, grad_a: torch.Tensor, grad_b: torch.Tensor) -> None:
         """Every adapter's gradients (the sum of its rows') into its matrices' `.grad`s, views of its flat gradient:
-        one multi-tensor launch for each of A and B."""
+        one multi-tensor launch for each of A and B. On another GPU than the matrices (a base over several: the
+        adapters live on the first), they wait in the pass's stacks until it ends (`flush`): a copy to the
+        adapters' GPU in the middle of the backward would tie the two GPUs' queues together."""
+        if grad_a.device != self.a_matrices[0].device:
+            whole = self.whole or self
+            if whole.held is None:
+                whole.held = [torch.zeros_like(whole.a, dtype=grad_a.dtype),
+                              torch.zeros_like(whole.scaled_b, dtype=grad_b.dtype)]
+            rows = slice(self.first, self.first + grad_a.shape[0])
+            whole.held[0][rows] += grad_a
+            whole.held[1][rows] += grad_b
+            return
         for grad, matrices in ((grad_a, self.a_matrices), (grad_b, self.b_matrices)):
-            # on the matrices' device (a layer on another GPU than the adapters: `_place`), contiguous: pieces whose
-            # strides differ from the gradients' they add into take foreach's per-tensor path (a launch per matrix)
-            grad = grad.to(matrices[0].device, matrices[0].dtype, memory_format=torch.contiguous_format)
+            # contiguous: pieces whose strides differ from the gradients' they add into take foreach's per-tensor
+            # path (a launch per matrix)
+            grad = grad.to(matrices[0].dtype, memory_format=torch.contiguous_format)
             pieces: dict[int, torch.Tensor] = {}
             if None not in self.rows and len(set(self.rows)) == len(self.rows) and \
                     all(m.shape == grad.shape[1:] for m in matrices):
@@ -104,6 +138,11 @@ class _Stacks:
                         piece = grad[(d, *_extent(matrices[row]))]
                         pieces[row] = piece if row not in pieces else pieces[row] + piece
             torch._foreach_add_([matrices[row].grad for row in pieces], list(pieces.values()))
+
+    def flush(self) -> None:
+        if self.held is not None:
+            held, self.held = self.held, None
+            self.accumulate(*(hop(grad, self.a_matrices[0].device) for grad in held))
 
 
 class TrainLinear(nn.Module):
@@ -243,12 +282,12 @@ def build(model_path, executor):
             targets.append(TargetLayer(f"{name}.{projection}", group_id, "mlp", spec.in_features, spec.out_features,
                                        experts=len(module.symbiosis_experts[projection])))
     model.requires_grad_(False)  # the client's own tensors (embeddings, norms) are the base's too: frozen
-    state.stages = _place(model, torch.device(executor.device))
+    state.stages = _place(model, torch.device(executor.device), state)
     state.fused_norms = _fuse_norms(model)
     return model.train(False), state, targets
 
 
-def _place(model, front: torch.device) -> int:
+def _place(model, front: torch.device, state: PassState) -> int:
     """Each decoder layer where its base layers are (a base over several GPUs, executor/peers.py: whole layers a
     GPU), and the final norm with the last: a layer's activations, norms and attention then stay on its GPU, and
     only the hidden states [B, L, H] cross between GPUs, once at each change of GPU each way. Returns the number
@@ -260,26 +299,54 @@ def _place(model, front: torch.device) -> int:
         device = linears[0].device if linears and len({m.device for m in linears}) == 1 else front
         devices.append(device)
         if device != front:
-            _move_to(layer, device)
+            _move_to(layer, device, state)
     if devices and devices[-1] != front:
-        _move_to(decoder.norm, devices[-1])
+        _move_to(decoder.norm, devices[-1], state)
     return len(dict.fromkeys(devices))
 
 
-def _move_to(module: nn.Module, device: torch.device) -> None:
+def _move_to(module: nn.Module, device: torch.device, state: PassState) -> None:
     """`module` on `device`, its inputs (tensors, in tuples too: the rotary embeddings' (cos, sin)) moved there as it
-    is called (each a copy queued on the GPUs, the host not waiting)."""
+    is called (`PassState.hop`)."""
     module.to(device)
+    module.register_forward_pre_hook(
+        lambda _, args, kwargs: (state.hop(args, device), {k: state.hop(v, device) for k, v in kwargs.items()}),
+        with_kwargs=True)
 
-    def move(value):
-        if isinstance(value, torch.Tensor):
-            return value.to(device, non_blocking=True)
-        if isinstance(value, tuple):
-            return tuple(move(v) for v in value)
-        return value
 
-    module.register_forward_pre_hook(lambda _, args, kwargs: (move(args), {k: move(v) for k, v in kwargs.items()}),
-                                     with_kwargs=True)
+def hop(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`, differentiably, its copy between GPUs waiting for the work that made it and nothing
+    else. (torch's own copy between GPUs, `.to`, makes each GPU's stream wait for all work queued so far on the
+    other's, both ways: a pass pipelined over GPUs would run in lockstep, each GPU waiting for the other's last
+    queued micro-batch at every crossing.)"""
+    return _Hop.apply(tensor, torch.device(device))
+
+
+class _Hop(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, device: torch.device):
+        ctx.source = tensor.device
+        return _copy(tensor, device)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _copy(grad, ctx.source), None
+
+
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if tensor.device == device or tensor.device.type != "cuda" or device.type != "cuda":
+        return tensor.to(device)
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    copies, compute = _COPY_STREAMS[device], torch.cuda.current_stream(device)
+    with torch.cuda.stream(copies):  # the destination's side of the copy's two-way barrier: this stream's alone
+        out = tensor.to(device, non_blocking=True)  # (runs on the source's current stream, after its producer)
+    compute.wait_stream(copies)
+    out.record_stream(compute)  # (allocated on `copies`, used on `compute`)
+    return out
 
 
 def _fuse_norms(model) -> int:

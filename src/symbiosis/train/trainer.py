@@ -159,6 +159,7 @@ class Trainer:
                         outputs[r] = (piece, loss)
                 if total is not None:
                     total.backward()
+                    self.state.finish()
                     for work in works:
                         if work.backward and work.lora is not None:
                             work.lora.pending = True
@@ -184,7 +185,8 @@ class Trainer:
             if size < rows:
                 self.state.select(batch)
             parts.append(decoder(input_ids=input_ids[batch], attention_mask=None if mask is None else mask[batch],
-                                 use_cache=False)[0].to(self.head_device, non_blocking=True))
+                                 use_cache=False)[0])
+        parts = [self.state.hop(part, self.head_device) for part in parts]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def chunk_rows(self) -> int:
