@@ -87,8 +87,50 @@ def _activities() -> list:
 def _write_profile(profiler, path: str, title: str) -> None:
     averages = profiler.key_averages()
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    Path(path).write_text(f"{title}\n" + averages.table(sort_by=key, row_limit=50) + "\n" +
-                          averages.table(sort_by="cpu_time_total", row_limit=50))
+    Path(path).write_text(f"{title}\n" + _timeline(profiler.events()) + averages.table(sort_by=key, row_limit=50) +
+                          "\n" + averages.table(sort_by="cpu_time_total", row_limit=50))
+
+
+def _timeline(events, bucket_us: float = 20_000) -> str:
+    """Each GPU's busy time (the union of its kernels) and, every `bucket_us`, its busy percentage beside what the
+    host was doing then (the trainer's ranges: F forward, H head, B backward, S the optimizer steps): where a
+    pipeline over GPUs stalls, and on what."""
+    kernels: dict[int, list[tuple[float, float]]] = {}
+    ranges = []
+    for event in events:
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.time_range.end > event.time_range.start:
+            kernels.setdefault(event.device_index, []).append((event.time_range.start, event.time_range.end))
+        elif event.name.startswith("trainer."):
+            ranges.append((event.time_range.start, event.time_range.end, event.name[8].upper()))
+    if not kernels:
+        return ""
+    start = min(a for spans in kernels.values() for a, _ in spans)
+    end = max(b for spans in kernels.values() for _, b in spans)
+    buckets = int((end - start) // bucket_us) + 1
+    lines = [f"window {(end - start) / 1e3:.1f} ms"]
+    busy = {}
+    for device, spans in sorted(kernels.items()):
+        spans.sort()
+        merged = []
+        for a, b in spans:
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        busy[device] = [0.0] * buckets
+        for a, b in merged:
+            while a < b:
+                index = int((a - start) // bucket_us)
+                edge = min(b, start + (index + 1) * bucket_us)
+                busy[device][index] += edge - a
+                a = edge
+        lines.append(f"GPU {device}: busy {sum(b - a for a, b in merged) / 1e3:.1f} ms")
+    for index in range(buckets):
+        at = start + (index + 0.5) * bucket_us
+        host = "".join(sorted({tag for a, b, tag in ranges if a <= at < b})) or "-"
+        lines.append(f"{index * bucket_us / 1e3:7.0f} ms  " + "  ".join(
+            f"gpu{d} {100 * busy[d][index] / bucket_us:3.0f}%" for d in sorted(busy)) + f"  host {host}")
+    return "\n".join(lines) + "\n"
 
 
 def _trainer(model_dir: Path, devices: list[str] | None, micro_batches: int | None):

@@ -125,7 +125,8 @@ class Trainer:
                 # datums of one length need no mask beyond the causal one (and transformers' check of a mask reads
                 # it back: a wait for the GPU)
                 same_length = all(len(d.tokens) == length for d in datums)
-                hidden = self._decode(input_ids, None if same_length else mask)  # [B, L, H]
+                with torch.profiler.record_function("trainer.forward"):
+                    hidden = self._decode(input_ids, None if same_length else mask)  # [B, L, H]
                 # every datum's log-probabilities and loss stay on the device until the pass is launched: read back
                 # once at the end, not one synchronization per datum between their launches
                 outputs: list = [None] * len(datums)  # per datum (lp, loss)
@@ -158,8 +159,9 @@ class Trainer:
                     for r, piece, loss in zip(rows, lp.split(lengths), group_losses.detach().unbind()):
                         outputs[r] = (piece, loss)
                 if total is not None:
-                    total.backward()
-                    self.state.finish()
+                    with torch.profiler.record_function("trainer.backward"):
+                        total.backward()
+                        self.state.finish()
                     for work in works:
                         if work.backward and work.lora is not None:
                             work.lora.pending = True
