@@ -458,11 +458,12 @@ def main() -> None:
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
         common["switch_interval"] = args.switch_interval
+    devices = args.devices.split(",") if args.devices else None
     if args.profile:
         emit(**common, system="symbiosis pass alone, profiled", tenants=max(counts),
-             **pass_anatomy(model_dir, max(counts), args.rank, args.seq_len, vocab, repeats=3, profile=args.profile))
+             **pass_anatomy(model_dir, max(counts), args.rank, args.seq_len, vocab, repeats=3, profile=args.profile,
+                            devices=devices, micro_batches=args.micro_batches))
         return
-    devices = args.devices.split(",") if args.devices else None
     for n in sorted({1, max(counts)}) if args.anatomy else []:
         emit(**common, system="symbiosis pass alone", tenants=n,
              **pass_anatomy(model_dir, n, args.rank, args.seq_len, vocab, devices=devices,
