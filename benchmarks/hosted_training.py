@@ -85,10 +85,12 @@ def _activities() -> list:
 
 
 def _write_profile(profiler, path: str, title: str) -> None:
+    Path(path).write_text(f"{title}\n" + _timeline(profiler.events()))  # first: the tables take minutes for 2 GPUs
     averages = profiler.key_averages()
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    Path(path).write_text(f"{title}\n" + _timeline(profiler.events()) + averages.table(sort_by=key, row_limit=50) +
-                          "\n" + averages.table(sort_by="cpu_time_total", row_limit=50))
+    with open(path, "a") as out:
+        out.write(averages.table(sort_by=key, row_limit=50) + "\n" + averages.table(sort_by="cpu_time_total",
+                                                                                    row_limit=50))
 
 
 def _timeline(events, bucket_us: float = 20_000) -> str:
@@ -461,7 +463,7 @@ def main() -> None:
     devices = args.devices.split(",") if args.devices else None
     if args.profile:
         emit(**common, system="symbiosis pass alone, profiled", tenants=max(counts),
-             **pass_anatomy(model_dir, max(counts), args.rank, args.seq_len, vocab, repeats=3, profile=args.profile,
+             **pass_anatomy(model_dir, max(counts), args.rank, args.seq_len, vocab, repeats=2, profile=args.profile,
                             devices=devices, micro_batches=args.micro_batches))
         return
     for n in sorted({1, max(counts)}) if args.anatomy else []:
