@@ -36,7 +36,7 @@ class PassState:
     linears: list["TrainLinear"] = field(default_factory=list)  # the decoder's, not the head's
     anchors: dict = field(default_factory=dict)  # device -> a leaf that requires grad (_LoraLinear)
     fused_norms: int = 0  # the model's RMSNorms that run by torch's rms_norm (_fuse_norms)
-    stages: int = 1  # the devices the decoder's layers span (_place)
+    devices: list[torch.device] = field(default_factory=list)  # those the decoder's layers span (_place)
     moved: dict = field(default_factory=dict)  # (id, device) -> (tensor, its copy there), for a pass (hop)
 
     def anchor(self, device: torch.device) -> torch.Tensor:
@@ -282,16 +282,16 @@ def build(model_path, executor):
             targets.append(TargetLayer(f"{name}.{projection}", group_id, "mlp", spec.in_features, spec.out_features,
                                        experts=len(module.symbiosis_experts[projection])))
     model.requires_grad_(False)  # the client's own tensors (embeddings, norms) are the base's too: frozen
-    state.stages = _place(model, torch.device(executor.device), state)
+    state.devices = _place(model, torch.device(executor.device), state)
     state.fused_norms = _fuse_norms(model)
     return model.train(False), state, targets
 
 
-def _place(model, front: torch.device, state: PassState) -> int:
+def _place(model, front: torch.device, state: PassState) -> list[torch.device]:
     """Each decoder layer where its base layers are (a base over several GPUs, executor/peers.py: whole layers a
     GPU), and the final norm with the last: a layer's activations, norms and attention then stay on its GPU, and
-    only the hidden states [B, L, H] cross between GPUs, once at each change of GPU each way. Returns the number
-    of devices the decoder's layers span (Trainer.run pipelines micro-batches over them)."""
+    only the hidden states [B, L, H] cross between GPUs, once at each change of GPU each way. Returns the devices
+    the decoder's layers span (Trainer.run pipelines micro-batches over several)."""
     decoder = model.get_decoder()
     devices = []
     for layer in decoder.layers:
@@ -302,7 +302,7 @@ def _place(model, front: torch.device, state: PassState) -> int:
             _move_to(layer, device, state)
     if devices and devices[-1] != front:
         _move_to(decoder.norm, devices[-1], state)
-    return len(dict.fromkeys(devices))
+    return list(dict.fromkeys(devices))
 
 
 def _move_to(module: nn.Module, device: torch.device, state: PassState) -> None:

@@ -17,6 +17,7 @@ head, each chunk runs under activation checkpointing (its forward again in backw
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -79,7 +80,13 @@ class Trainer:
         # soon as it hands the last one on (the host queues them all ahead), instead of waiting for the whole pass
         # (GPipe's schedule: busy m / (m + stages - 1) of the time; backward too, autograd running each device's
         # work on a thread of its own)
-        self.micro_batches = 1 if self.state.stages == 1 else 4 * self.state.stages
+        stages = len(self.state.devices)
+        self.micro_batches = 1 if stages == 1 else 4 * stages
+        # ... on streams of their own: a copy between GPUs queued on a device's default (legacy) stream waits for
+        # all work queued on both GPUs and holds back all work queued after it on both (CUDA's rule for the NULL
+        # stream), which would put the GPUs in lockstep
+        self.pass_streams = [torch.cuda.Stream(d) for d in self.state.devices if d.type == "cuda"] \
+            if stages > 1 else []
         self.context = getattr(self.config, "max_position_embeddings", None)
 
     def check(self, work: Work) -> None:
@@ -103,6 +110,21 @@ class Trainer:
 
     def run(self, works: list[Work]) -> list[Result]:
         """One pass over the works' datums; backward for those that ask. Returns each work's result."""
+        if not self.pass_streams:
+            return self._run(works)
+        with contextlib.ExitStack() as streams:
+            # after what the default streams hold (optimizer steps), and before what they get next (autograd's
+            # backward runs on its forward's streams); the first device's last, so that it is the current device
+            for stream in reversed(self.pass_streams):
+                stream.wait_stream(torch.cuda.default_stream(stream.device))
+                streams.enter_context(torch.cuda.stream(stream))
+            try:
+                return self._run(works)
+            finally:
+                for stream in self.pass_streams:
+                    torch.cuda.default_stream(stream.device).wait_stream(stream)
+
+    def _run(self, works: list[Work]) -> list[Result]:
         datums = [d for work in works for d in work.datums]
         length = max(len(d.tokens) for d in datums)
         input_ids = torch.zeros(len(datums), length, dtype=torch.long)
