@@ -286,11 +286,13 @@ def pass_anatomy(model_dir: Path, tenants: int, rank: int, length: int, vocab: i
 
 
 def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration: float, vocab: int,
-                processes: int | None = None) -> dict:
+                processes: int = 1) -> dict:
     """A loopback `symbiosis serve` (in this process) and the tenants, each a thread driving the tinker SDK, in
-    `processes` processes of their own (default: one a tenant, as users' loops are: neither the service's GIL nor
-    one client process's is shared by all tenants). The processes' windows open together: each says `ready` when
-    its tenants are warm, and all are told `go` at once."""
+    `processes` processes of their own. The processes' windows open together: each says `ready` when its tenants
+    are warm, and all are told `go` at once. One process by default: on one machine, a process a tenant was slower
+    (H100 host of 16 cores, 2026-11-27: 32 tenants 5,776 tokens/s against 14,358 in one process; 8 tenants 6,584
+    against 8,848), likely because the clients' interpreters compete for the cores with the service's threads,
+    which users' own machines would not (not profiled)."""
     import uvicorn
 
     from symbiosis.serve.app import create_app
@@ -310,7 +312,7 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
     while not server.started:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    processes = max(1, min(tenants, processes or tenants))
+    processes = max(1, min(tenants, processes))
     groups = [list(range(tenants))[i::processes] for i in range(processes)]
     children = []
     for group in groups:
@@ -433,7 +435,7 @@ def main() -> None:
     parser.add_argument("--paths", default="engine,sdk", help="engine (the Python API), sdk (tinker over HTTP)")
     parser.add_argument("--fleet", default="8,16", help="PEFT process fleets to run (empty: none)")
     parser.add_argument("--sdk-client", help=argparse.SUPPRESS)
-    parser.add_argument("--sdk-processes", type=int, help="the SDK tenants' processes (default: one a tenant)")
+    parser.add_argument("--sdk-processes", type=int, default=1, help="the SDK tenants' processes")
     parser.add_argument("--switch-interval", type=float, help="the service process's sys.setswitchinterval (the "
                                                                   "GIL's hand-over) for the SDK runs")
     parser.add_argument("--batch", type=int, default=1, help="datums of seq-len tokens a tenant's step (the "
