@@ -16,6 +16,7 @@ Reported: aggregate tokens/s (trained tokens over the window), GPU memory, passe
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -111,7 +112,7 @@ def _timeline(events, bucket_us: float = 20_000) -> str:
     buckets = int((end - start) // bucket_us) + 1
     lines = [f"window {(end - start) / 1e3:.1f} ms"]
     busy = {}
-    for device, spans in sorted(kernels.items()):
+    for gpu, spans in sorted(kernels.items()):
         spans.sort()
         merged = []
         for a, b in spans:
@@ -119,14 +120,14 @@ def _timeline(events, bucket_us: float = 20_000) -> str:
                 merged[-1][1] = max(merged[-1][1], b)
             else:
                 merged.append([a, b])
-        busy[device] = [0.0] * buckets
+        busy[gpu] = [0.0] * buckets
         for a, b in merged:
             while a < b:
                 index = int((a - start) // bucket_us)
                 edge = min(b, start + (index + 1) * bucket_us)
-                busy[device][index] += edge - a
+                busy[gpu][index] += edge - a
                 a = edge
-        lines.append(f"GPU {device}: busy {sum(b - a for a, b in merged) / 1e3:.1f} ms")
+        lines.append(f"GPU {gpu}: busy {sum(b - a for a, b in merged) / 1e3:.1f} ms")
     for index in range(buckets):
         at = start + (index + 0.5) * bucket_us
         host = "".join(sorted({tag for a, b, tag in ranges if a <= at < b})) or "-"
@@ -279,10 +280,89 @@ def pass_anatomy(model_dir: Path, tenants: int, rank: int, length: int, vocab: i
     result = {"pass_wall_ms": median(passes[1:]), "step_wall_ms": median(steps[1:])}
     if gpu:
         result["pass_gpu_ms"] = median(gpu[1:])
+    if devices and torch.cuda.is_available():  # one more pass, each stage's work on each micro-batch timed
+        clock = _StageClock(trainer)
+        trainer.run(works())
+        result["pipeline"] = clock.report()
+        for lora in loras:
+            lora.drop_gradients()
     del trainer, executor, loras
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result
+
+
+class _StageClock:
+    """When each GPU of a pass pipelined over several (Trainer over `--devices`) worked on which micro-batch: CUDA
+    events at the start and end of each stage's (its GPU's run of decoder layers) forward of each micro-batch
+    (module hooks) and backward (hooks on the gradients of the stage's output and input), read against events
+    recorded on every GPU at once while all were idle. Far cheaper than a profiler's trace of two GPUs."""
+
+    def __init__(self, trainer):
+        layers = trainer.model.get_decoder().layers
+        self.stages: list[list] = []  # [device, first layer, last layer]
+        for index, layer in enumerate(layers):
+            gpu = next(layer.parameters()).device
+            if self.stages and self.stages[-1][0] == gpu:
+                self.stages[-1][2] = index
+            else:
+                self.stages.append([gpu, index, index])
+        self.marks: list[tuple] = []  # (stage, micro-batch, what, event)
+        self.calls = [0] * len(self.stages)
+        self.hooks = []
+        for stage, (_, first, last) in enumerate(self.stages):
+            self.hooks.append(layers[first].register_forward_pre_hook(
+                functools.partial(self._began, stage), with_kwargs=True))
+            self.hooks.append(layers[last].register_forward_hook(functools.partial(self._ended, stage)))
+        sync()
+        for gpu in {d for d, _, _ in self.stages}:
+            torch.cuda.synchronize(gpu)
+        self.reference = {}
+        for gpu in {d for d, _, _ in self.stages}:  # every GPU idle: these run at (nearly) the same moment
+            self.reference[gpu] = torch.cuda.Event(enable_timing=True)
+            self.reference[gpu].record(torch.cuda.current_stream(gpu))
+
+    def _mark(self, stage: int, batch: int, what: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.stages[stage][0]))
+        self.marks.append((stage, batch, what, event))
+
+    def _began(self, stage, module, args, kwargs):
+        batch = self.calls[stage]
+        self._mark(stage, batch, "forward from")
+        x = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(x, torch.Tensor) and x.requires_grad:  # its gradient: this stage's backward is done
+            x.register_hook(lambda grad: self._mark(stage, batch, "backward to"))
+
+    def _ended(self, stage, module, args, output):
+        batch = self.calls[stage]
+        self.calls[stage] += 1
+        self._mark(stage, batch, "forward to")
+        out = output[0] if isinstance(output, tuple) else output
+        if isinstance(out, torch.Tensor) and out.requires_grad:  # its gradient: this stage's backward begins
+            out.register_hook(lambda grad: self._mark(stage, batch, "backward from"))
+
+    def report(self) -> dict:
+        """Per stage and micro-batch, forward and backward as [from, to] milliseconds since the pass began (a
+        backward without its end: the first stage, whose input needs no gradient), each GPU's busy time in them,
+        and the pass's span."""
+        for hook in self.hooks:
+            hook.remove()
+        for gpu in self.reference:
+            torch.cuda.synchronize(gpu)
+        times: dict = {}
+        for stage, batch, what, event in self.marks:
+            phase, edge = what.split()
+            ms = self.reference[self.stages[stage][0]].elapsed_time(event)
+            times.setdefault((stage, batch, phase), {})[edge] = round(ms, 2)
+        spans = [(stage, batch, phase, t.get("from"), t.get("to")) for (stage, batch, phase), t in sorted(times.items())]
+        busy = [0.0] * len(self.stages)
+        for stage, _, _, begin, end in spans:
+            if begin is not None and end is not None:
+                busy[stage] += end - begin
+        ends = [t for span in spans for t in span[3:] if t is not None]
+        return {"stages": [[str(d), first, last] for d, first, last in self.stages], "span_ms": max(ends) - min(ends),
+                "busy_ms_per_stage": [round(b, 1) for b in busy], "spans": spans}
 
 
 def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration: float, vocab: int,
