@@ -159,24 +159,34 @@ def _peaks(devices: list[str] | None) -> dict:
 
 def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: float, vocab: int, batch: int = 1,
                devices: list[str] | None = None, max_pass_tokens: int | None = None,
-               micro_batches: int | None = None) -> dict:
-    """Every tenant a thread submitting forward_backward (`batch` datums) then optim_step to one TrainingQueue."""
+               micro_batches: int | None = None, replicas: list[str] | None = None) -> dict:
+    """Every tenant a thread submitting forward_backward (`batch` datums) then optim_step to one TrainingQueue (or,
+    with `replicas`, to a `Replicas` of a base copy on each of those GPUs, the tenants spread over them)."""
     from symbiosis.train import HostedLora, LoraSpec, Work
     from symbiosis.train.lora import AdamParams
+    from symbiosis.train.replicas import Replicas
     from symbiosis.train.scheduler import Operation, TrainingQueue
     from symbiosis.train.trainer import Datum
 
-    for d in devices or [None]:
+    gpus = replicas or devices
+    for d in gpus or [None]:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats(d)
     reset_peak()
-    executor, trainer = _trainer(model_dir, devices, micro_batches)
-    queue = TrainingQueue(trainer, max_pass_tokens=max_pass_tokens or tenants * length * batch).start()
+    pass_tokens = max_pass_tokens or tenants * length * batch
+    if replicas:
+        executor = None
+        queue = Replicas.on_devices(model_dir, replicas, dtype=dtype(), max_pass_tokens=pass_tokens).start()
+        trainer = queue.trainers[0]
+    else:
+        executor, trainer = _trainer(model_dir, devices, micro_batches)
+        queue = TrainingQueue(trainer, max_pass_tokens=pass_tokens).start()
 
     def start_tenant(index: int):
         generator = torch.Generator().manual_seed(index)
-        lora = HostedLora(LoraSpec(rank=rank, seed=index, **PARTS), trainer.targets, trainer.device, trainer.dtype)
         key = f"tenant-{index}"
+        home = queue.place(key) if replicas else trainer
+        lora = HostedLora(LoraSpec(rank=rank, seed=index, **PARTS), home.targets, home.device, home.dtype)
         queue.open(key, 0)
         seq = 0
 
@@ -207,10 +217,13 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
                           on_start=lambda: passes.append(queue.passes))
     passes_run = queue.passes - passes[0]
     result = {"tokens_per_s": trained / wall, "passes_per_s": passes_run / wall,
-              "datums_per_pass": trained / length / max(1, passes_run), **_peaks(devices)}
+              "datums_per_pass": trained / length / max(1, passes_run), **_peaks(gpus)}
     if devices:
-        result.update(devices=devices, micro_batches=trainer.micro_batches, batch=batch,
-                      max_pass_tokens=queue.max_pass_tokens)
+        result.update(devices=devices, micro_batches=trainer.micro_batches)
+    if replicas:
+        result.update(replicas=replicas)
+    if gpus:
+        result.update(batch=batch, max_pass_tokens=pass_tokens)
     queue.stop()
     del trainer, executor, queue
     if torch.cuda.is_available():
@@ -522,6 +535,8 @@ def main() -> None:
                                                                  "Python API's runs)")
     parser.add_argument("--devices", help="the base's layers over these GPUs (cuda:0,cuda:1; the Python API's "
                                           "runs and --anatomy), a pass pipelined over them in micro-batches")
+    parser.add_argument("--replicas", help="a copy of the base on each of these GPUs (cuda:0,cuda:1), the tenants "
+                                           "spread over them (the Python API's runs)")
     parser.add_argument("--micro-batches", type=int, help="a pass's micro-batches (default: the trainer's)")
     parser.add_argument("--max-pass-tokens", type=int, help="the training queue's pass size (default: every "
                                                              "tenant's step)")
@@ -556,7 +571,8 @@ def main() -> None:
         if "engine" in args.paths:
             emit(**common, system="symbiosis engine API", tenants=n,
                  **engine_api(model_dir, n, args.rank, args.seq_len, args.duration, vocab, args.batch, devices,
-                              args.max_pass_tokens, args.micro_batches))
+                              args.max_pass_tokens, args.micro_batches,
+                              args.replicas.split(",") if args.replicas else None))
         if "sdk" in args.paths:
             emit(**common, system="symbiosis tinker SDK over HTTP", tenants=n,
                  **through_sdk(model_dir, n, args.rank, args.seq_len, args.duration, vocab, args.sdk_processes))

@@ -110,6 +110,12 @@ class Trainer:
 
     def run(self, works: list[Work]) -> list[Result]:
         """One pass over the works' datums; backward for those that ask. Returns each work's result."""
+        if torch.device(self.device).type == "cuda":  # its GPU current (a replica's thread: train/replicas.py)
+            with torch.cuda.device(self.device):
+                return self._on_streams(works)
+        return self._run(works)
+
+    def _on_streams(self, works: list[Work]) -> list[Result]:
         if not self.pass_streams:
             return self._run(works)
         with contextlib.ExitStack() as streams:
