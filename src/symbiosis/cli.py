@@ -180,7 +180,8 @@ def serve_command(args: argparse.Namespace) -> int:
                               "persist_every": args.persist_every, "max_pass_tokens": args.max_pass_tokens,
                               "tokenizer_id": args.tokenizer_id, "max_running_jobs": args.max_running_jobs,
                               "max_running_jobs_per_tenant": args.max_running_jobs_per_tenant,
-                              "checkpoint_every": args.checkpoint_every},
+                              "checkpoint_every": args.checkpoint_every,
+                              "devices": args.train_devices.split(",") if args.train_devices else None},
                           hmi=None if args.plot_root is None else {
                               "root": args.plot_root, "min_corpus_tokens": args.hmi_min_corpus_tokens})
     except (symbiosis.SymbiosisError, KeyFileError, ValueError, OSError) as e:
@@ -268,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--persist-every", type=int, default=1, help="write each training model's state to the state "
                        "dir every N optimizer steps (1: every step, before it is answered)")
     serve.add_argument("--max-pass-tokens", type=int, default=16384, help="tokens of one batched training pass")
+    serve.add_argument("--train-devices", help="hosted training's devices, comma-separated (default: --device): a "
+                       "copy of the base on each but --device's, each training model on one of them")
     serve.add_argument("--plot-root", help="a PLOT root table (`symbiosis plot build`): enables HMI's domains and "
                        "models (/v1/hmi, `symbiosis hmi`) over the layers it stands in for")
     serve.add_argument("--hmi-min-corpus-tokens", type=int, default=10_000, help="the smallest corpus a domain is "

@@ -7,6 +7,8 @@ import logging
 import time
 from pathlib import Path
 
+import torch
+
 from symbiosis.serve.adapters import AdapterRegistry
 from symbiosis.serve.dashboard import RecentRequests
 from symbiosis.serve.errors import not_found
@@ -60,11 +62,16 @@ class Service:
             from symbiosis.serve.jobs.service import JobService
             from symbiosis.serve.tinker.service import TinkerService
             from symbiosis.train import Trainer
-            from symbiosis.train.scheduler import TrainingQueue
+            from symbiosis.train.replicas import Replicas
 
             training = dict(training)
-            self.trainer = Trainer(self.model_path, self.executor)
-            self.training_queue = TrainingQueue(self.trainer, training.pop("max_pass_tokens", 16384))
+            # a trainer a device: the service's executor on its own, a copy of the base on each other one (each
+            # training model lives on one: train/replicas.py)
+            trainers = [Trainer(self.model_path, self.executor if torch.device(d) == self.executor.device else
+                                Executor.from_pretrained(self.model_path, device=d, dtype=dtype))
+                        for d in training.pop("devices", None) or [self.executor.device]]
+            self.training_queue = Replicas(trainers, max_pass_tokens=training.pop("max_pass_tokens", 16384))
+            self.trainer = trainers[0]  # the one of calls that belong to no model (prompt log-probabilities)
             tinker = {key: training.pop(key) for key in ("persist_every", "tokenizer_id") if key in training}
             self.tinker = TinkerService(self, **tinker)
             self.jobs = JobService(self, **training)

@@ -32,7 +32,6 @@ class Replicas:
         self.queues = [TrainingQueue(trainer, **queue_options) for trainer in trainers]
         self.homes: dict[str, int] = {}  # adapter key -> its replica's index
         self._lock = threading.Lock()
-        self._calls = 0
 
     @classmethod
     def on_devices(cls, path, devices: list[str | torch.device], dtype=None, **queue_options) -> "Replicas":
@@ -86,11 +85,9 @@ class Replicas:
 
     def submit_call(self, call: Callable[[], object], done: Callable[[object], None],
                     fail: Callable[[Exception], None]) -> None:
-        """A call of no adapter, to the replicas in turn."""
-        with self._lock:
-            queue = self.queues[self._calls % len(self.queues)]
-            self._calls += 1
-        queue.submit_call(call, done, fail)
+        """A call of no adapter: on the first replica's thread, between its passes (a call that runs a pass runs
+        `trainers[0]`'s, which no other thread runs at the same time)."""
+        self.queues[0].submit_call(call, done, fail)
 
     def start(self) -> "Replicas":
         for queue in self.queues:

@@ -29,7 +29,10 @@ def training_server(served_files, tmp_path_factory):
     keys = tmp_path_factory.mktemp("tinker-keys") / "keys.txt"
     # a tenant may have several keys: its OpenAI key and its `tml-` key for the tinker SDK
     keys.write_text("".join(f"{t} {k}\n" for t, k in [*KEYS.items(), *TINKER_KEYS.items()]))
-    running = start({**served_files, "keys": keys}, tmp_path_factory.mktemp("tinker-state"), training={})
+    # two trainers (`--train-devices cpu,cpu`: a base copy each), the training models placed on both: every test
+    # here runs across them
+    running = start({**served_files, "keys": keys}, tmp_path_factory.mktemp("tinker-state"),
+                    training={"devices": ["cpu", "cpu"]})
     yield running
     running.stop()
 
@@ -159,6 +162,9 @@ def test_two_tenants_train_at_once_and_see_only_their_own(training_server):
     assert set(outcomes) == {"alice", "bob"}
     for _, _, losses in outcomes.values():
         assert losses[-1] < losses[0]
+    replicas = training_server.service.training_queue
+    assert len(replicas.trainers) == 2 and set(replicas.homes.values()) == {0, 1}  # models on both trainers
+    assert all(queue.passes > 0 for queue in replicas.queues)
     bob = _client(training_server, "bob")
     alice_model, alice_path, _ = outcomes["alice"]
     rest = bob.create_rest_client()

@@ -269,7 +269,9 @@ class JobService:
             config = _peft_config(job["peft"]["method"], job["peft"]["config"])
             spec = _hosted_spec(config, job["seed"])
             if spec is not None:
-                backend = HostedBackend(self.service.trainer, self.service.training_queue, f"job:{job_id}", spec)
+                key = f"job:{job_id}"
+                replicas = self.service.training_queue
+                backend = HostedBackend(replicas.place(key), replicas, key, spec)
             else:
                 backend = SplitBackend(self.service.model_path, self.service.executor, config, job["seed"])
             kind = config.peft_type.value if hasattr(config.peft_type, "value") else str(config.peft_type)

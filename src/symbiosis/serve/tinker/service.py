@@ -77,8 +77,7 @@ class TinkerService:
         for row in self.store.all_models():
             model = row["model_id"]
             try:
-                lora = HostedLora.load(self._live(model), self.trainer.targets, self.trainer.device, self.trainer.dtype,
-                                       self.trainer.fingerprint, with_optimizer=True)
+                lora = self._load(model, self._live(model), with_optimizer=True)
             except (OSError, SymbiosisError) as e:
                 log.error("training model %s could not be restored: %s", model, e)
                 continue
@@ -164,13 +163,20 @@ class TinkerService:
         request_id, new = self.store.accept(tenant, model, 0, "create_model")
         if new:
             try:
-                lora = HostedLora(spec, self.trainer.targets, self.trainer.device, self.trainer.dtype)
+                home = self.queue.place(model)
+                lora = HostedLora(spec, home.targets, home.device, home.dtype)
                 self._start_model(tenant, session_id, model, lora)
             except Exception as e:  # noqa: BLE001 -- answered as this request's failure
                 self._fail(request_id, e)
             else:
                 self._json(request_id, {"model_id": model, "type": "create_model"})
         return request_id
+
+    def _load(self, model: str, directory: Path, with_optimizer: bool) -> HostedLora:
+        """A training model's state from `directory`, on the device of the trainer it lives on."""
+        home = self.queue.place(model)
+        return HostedLora.load(directory, home.targets, home.device, home.dtype, home.fingerprint,
+                               with_optimizer=with_optimizer)
 
     def _start_model(self, tenant: str, session_id: str, model: str, lora: HostedLora) -> None:
         self._write(lora, self._live(model), with_optimizer=True)
@@ -269,8 +275,7 @@ class TinkerService:
 
     def load_into(self, tenant: str, model: str, path: str, optimizer: bool) -> dict:
         _, directory = self.resolve(tenant, path)
-        lora = HostedLora.load(directory, self.trainer.targets, self.trainer.device, self.trainer.dtype,
-                               self.trainer.fingerprint, with_optimizer=optimizer)
+        lora = self._load(model, directory, with_optimizer=optimizer)
         self.loras[model] = lora
         self._write(lora, self._live(model), with_optimizer=True)
         self.store.update_model(model, completed_steps=lora.steps, persisted_steps=lora.steps, pending_grads=0,
@@ -286,8 +291,7 @@ class TinkerService:
         if new:
             try:
                 _, directory = self.resolve(tenant, path)
-                lora = HostedLora.load(directory, self.trainer.targets, self.trainer.device, self.trainer.dtype,
-                                       self.trainer.fingerprint, with_optimizer=optimizer)
+                lora = self._load(model, directory, with_optimizer=optimizer)
                 self._start_model(tenant, session_id, model, lora)
             except Exception as e:  # noqa: BLE001
                 self._fail(request_id, e)
