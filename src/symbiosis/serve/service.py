@@ -62,14 +62,14 @@ class Service:
             from symbiosis.serve.jobs.service import JobService
             from symbiosis.serve.tinker.service import TinkerService
             from symbiosis.train import Trainer
-            from symbiosis.train.replicas import Replicas
+            from symbiosis.train.replicas import Replicas, checked_devices
 
             training = dict(training)
             # a trainer a device: the service's executor on its own, a copy of the base on each other one (each
             # training model lives on one: train/replicas.py)
             trainers = [Trainer(self.model_path, self.executor if torch.device(d) == self.executor.device else
                                 Executor.from_pretrained(self.model_path, device=d, dtype=dtype))
-                        for d in training.pop("devices", None) or [self.executor.device]]
+                        for d in checked_devices(training.pop("devices", None) or [self.executor.device])]
             self.training_queue = Replicas(trainers, max_pass_tokens=training.pop("max_pass_tokens", 16384))
             self.trainer = trainers[0]  # the one of calls that belong to no model (prompt log-probabilities)
             tinker = {key: training.pop(key) for key in ("persist_every", "tokenizer_id") if key in training}
