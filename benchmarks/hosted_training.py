@@ -379,7 +379,7 @@ class _StageClock:
 
 
 def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration: float, vocab: int,
-                processes: int = 1) -> dict:
+                processes: int = 1, replicas: list[str] | None = None) -> dict:
     """A loopback `symbiosis serve` (in this process) and the tenants, each a thread driving the tinker SDK, in
     `processes` processes of their own. The processes' windows open together: each says `ready` when its tenants
     are warm, and all are told `go` at once. One process by default: on one machine, a process a tenant was slower
@@ -398,7 +398,8 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
     reset_peak()
     service = Service(model_dir, state / "state", keys, device=device(), dtype=dtype(), served_name="base",
                       engine_options={"kv_blocks": 64}, training={"persist_every": 10**9,
-                                                                  "max_pass_tokens": tenants * length}).start()
+                                                                  "max_pass_tokens": tenants * length,
+                                                                  "devices": replicas}).start()
     server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -536,7 +537,7 @@ def main() -> None:
     parser.add_argument("--devices", help="the base's layers over these GPUs (cuda:0,cuda:1; the Python API's "
                                           "runs and --anatomy), a pass pipelined over them in micro-batches")
     parser.add_argument("--replicas", help="a copy of the base on each of these GPUs (cuda:0,cuda:1), the tenants "
-                                           "spread over them (the Python API's runs)")
+                                           "spread over them (the Python API's and the SDK's runs: --train-devices)")
     parser.add_argument("--micro-batches", type=int, help="a pass's micro-batches (default: the trainer's)")
     parser.add_argument("--max-pass-tokens", type=int, help="the training queue's pass size (default: every "
                                                              "tenant's step)")
@@ -575,7 +576,8 @@ def main() -> None:
                               args.replicas.split(",") if args.replicas else None))
         if "sdk" in args.paths:
             emit(**common, system="symbiosis tinker SDK over HTTP", tenants=n,
-                 **through_sdk(model_dir, n, args.rank, args.seq_len, args.duration, vocab, args.sdk_processes))
+                 **through_sdk(model_dir, n, args.rank, args.seq_len, args.duration, vocab, args.sdk_processes,
+                               args.replicas.split(",") if args.replicas else None))
     if not args.no_peft:
         emit(**common, system="PEFT compiled, one job", batch=1,
              **compiled_peft(model_dir, 1, args.seq_len, args.duration))
