@@ -73,7 +73,7 @@ declare -A COMMAND=(
   [moe_train_captured]="$PY benchmarks/multi_tenant.py --model qwen3-30b-a3b-12l --tenants 1,8 --duration 5 --clients threads --compile symbiosis --capture symbiosis --chunked-loss symbiosis"
   # two GPUs (issue: runs on two GPUs), by name only: not in ORDER. Clients on GPU 1 over nccl:// against the same
   # clients in process on GPU 0; the 13B executor sharded over both GPUs, whole layers and columns
-  [gpu_tests_2gpu]="$PY -m pytest -q -m gpu tests/unit/executor/test_peers.py tests/unit/executor/test_sharded.py tests/unit/transport/test_collective.py tests/integration/test_gpu.py -p no:cacheprovider"
+  [gpu_tests_2gpu]="$PY -m pytest -q -m gpu tests/unit/executor/test_peers.py tests/unit/executor/test_sharded.py tests/unit/transport/test_collective.py tests/unit/train tests/integration/test_gpu.py -p no:cacheprovider"
   [remote_2gpu]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,4,8 --duration 5 --no-plain --clients threads --executor local --executor nccl:cuda:0 --client-device cuda:1"
   [sharded_13b_2gpu]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 24 --duration 5 --no-plain --clients threads --checkpointing --executor peers:cuda:0,cuda:1"
   [processes_13b_2gpu]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 20 --duration 5 --no-plain --checkpointing --executor devices:cuda:0,cuda:1"
