@@ -187,3 +187,26 @@ def test_an_adapter_that_does_not_come_back_delays_the_others_at_most_the_bound(
     queue.round()  # "a" answered: expected back, and never comes
     queue.submit("b", _operation(0, log, work=_work(trainer, 2, 1)))
     assert queue.round() and [seq for seq, _ in log] == [0, 0], "b ran once the bound had passed"
+
+
+def test_a_loop_answered_its_step_joins_the_pass_of_the_same_round(trainer):
+    """Loops out of phase (one adapter's forward_backward waiting while another's optimizer step is): the stepped
+    adapter's next forward_backward, sent as its step is answered, joins the round's pass instead of waiting for
+    the next round, where the first adapter would be stepping. Without it the two stay split for good."""
+    from symbiosis.train.lora import AdamParams
+
+    queue = TrainingQueue(trainer)
+    first, second = _work(trainer, 1, 1), _work(trainer, 2, 1)
+    log = []
+    queue.open("a", 0)
+    queue.open("b", 0)
+    queue.submit("a", _operation(0, log, work=first))  # a: its forward_backward
+    # b: its step, on whose answer its loop sends the next forward_backward at once
+    queue.submit("b", Operation(0, done=lambda result: (log.append(("b step", result)), queue.submit(
+        "b", _operation(1, log, work=second))), fail=lambda e: log.append(("b step", e)), call=lambda m: m,
+        step=(second.lora, AdamParams(0.01))))
+    assert queue.round()
+    assert queue.passes == 1
+    finished = [entry[0] for entry in log]
+    assert finished == ["b step", 0, 1] and all(not isinstance(r, Exception) for _, r in log), log
+    assert not queue.round()  # nothing left for another round
