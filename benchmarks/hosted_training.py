@@ -379,7 +379,8 @@ class _StageClock:
 
 
 def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration: float, vocab: int,
-                processes: int = 1, replicas: list[str] | None = None) -> dict:
+                processes: int = 1, replicas: list[str] | None = None,
+                gather_fraction: float | None = None) -> dict:
     """A loopback `symbiosis serve` (in this process) and the tenants, each a thread driving the tinker SDK, in
     `processes` processes of their own. The processes' windows open together: each says `ready` when its tenants
     are warm, and all are told `go` at once. One process by default: on one machine, a process a tenant was slower
@@ -399,7 +400,8 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
     service = Service(model_dir, state / "state", keys, device=device(), dtype=dtype(), served_name="base",
                       engine_options={"kv_blocks": 64}, training={"persist_every": 10**9,
                                                                   "max_pass_tokens": tenants * length,
-                                                                  "devices": replicas}).start()
+                                                                  "devices": replicas,
+                                                                  "gather_fraction": gather_fraction}).start()
     server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -542,6 +544,9 @@ def main() -> None:
                                           "runs and --anatomy), a pass pipelined over them in micro-batches")
     parser.add_argument("--replicas", help="a copy of the base on each of these GPUs (cuda:0,cuda:1), the tenants "
                                            "spread over them (the Python API's and the SDK's runs: --train-devices)")
+    parser.add_argument("--gather-fraction", type=float, help="the training queue's wait for the models it "
+                                                                 "expects back, as a fraction of the last pass (the "
+                                                                 "SDK's runs; default: the queue's)")
     parser.add_argument("--micro-batches", type=int, help="a pass's micro-batches (default: the trainer's)")
     parser.add_argument("--max-pass-tokens", type=int, help="the training queue's pass size (default: every "
                                                              "tenant's step)")
@@ -583,7 +588,7 @@ def main() -> None:
         if "sdk" in args.paths:
             emit(**common, system="symbiosis tinker SDK over HTTP", tenants=n,
                  **through_sdk(model_dir, n, args.rank, args.seq_len, args.duration, vocab, args.sdk_processes,
-                               args.replicas.split(",") if args.replicas else None))
+                               args.replicas.split(",") if args.replicas else None, args.gather_fraction))
     if not args.no_peft:
         emit(**common, system="PEFT compiled, one job", batch=1,
              **compiled_peft(model_dir, 1, args.seq_len, args.duration))

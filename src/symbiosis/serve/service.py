@@ -25,8 +25,9 @@ class Service:
                  device: str = "cpu", dtype=None, executor_listen: str | None = None, served_name: str | None = None,
                  max_requests: int = 256, max_requests_per_tenant: int = 64, max_chat_tokens: int = 4096,
                  engine_options: dict | None = None, training: dict | None = None, hmi: dict | None = None):
-        """`training`: hosted training's options (max_pass_tokens: tokens of one batched pass; the Tinker API's
-        persist_every and tokenizer_id; the fine-tuning jobs' max_running_jobs, max_running_jobs_per_tenant,
+        """`training`: hosted training's options (max_pass_tokens: tokens of one batched pass; devices: a trainer
+        on each (train/replicas.py); gather_fraction: the training queue's wait for models it expects back, as a
+        fraction of the last pass; the Tinker API's persist_every and tokenizer_id; the fine-tuning jobs' max_running_jobs, max_running_jobs_per_tenant,
         checkpoint_every), or None for no hosted training (neither the Tinker API nor fine-tuning jobs). `hmi`: HMI's
         domains and models (serve/hmi/: root, the PLOT root table's directory; min_corpus_tokens), which need
         hosted training's files."""
@@ -70,7 +71,8 @@ class Service:
             trainers = [Trainer(self.model_path, self.executor if torch.device(d) == self.executor.device else
                                 Executor.from_pretrained(self.model_path, device=d, dtype=dtype))
                         for d in checked_devices(training.pop("devices", None) or [self.executor.device])]
-            self.training_queue = Replicas(trainers, max_pass_tokens=training.pop("max_pass_tokens", 16384))
+            self.training_queue = Replicas(trainers, max_pass_tokens=training.pop("max_pass_tokens", 16384),
+                                           gather_fraction=training.pop("gather_fraction", None))
             self.trainer = trainers[0]  # the one of calls that belong to no model (prompt log-probabilities)
             tinker = {key: training.pop(key) for key in ("persist_every", "tokenizer_id") if key in training}
             self.tinker = TinkerService(self, **tinker)

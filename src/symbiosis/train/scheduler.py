@@ -62,12 +62,16 @@ class Operation:
 
 
 class TrainingQueue:
-    def __init__(self, trainer: Trainer, max_pass_tokens: int = 16384, max_gather_s: float = 0.2):
+    def __init__(self, trainer: Trainer, max_pass_tokens: int = 16384, max_gather_s: float = 0.2,
+                 gather_fraction: float | None = None):
         if max_pass_tokens < 1:
             raise ValueError("max_pass_tokens must be positive")
         if not max_gather_s >= 0:
             raise ValueError("max_gather_s must be at least 0")
+        if gather_fraction is not None and not gather_fraction >= 0:
+            raise ValueError("gather_fraction must be at least 0")
         self.trainer, self.max_pass_tokens, self.max_gather_s = trainer, max_pass_tokens, max_gather_s
+        self.gather_fraction = gather_fraction  # None: GATHER_FRACTION
         self._queues: dict[str, dict[int, Operation]] = {}  # adapter key -> seq -> operation
         self._next: dict[str, int] = {}  # adapter key -> the seq that runs next
         self._unordered = 0
@@ -134,7 +138,8 @@ class TrainingQueue:
         """The ready operations, once the adapters the last round answered are back or the bound has passed."""
         with self._lock:
             now = time.monotonic()
-            deadline, last_came, came = now + min(self.max_gather_s, GATHER_FRACTION * self._last_pass_s), now, 0
+            fraction = GATHER_FRACTION if self.gather_fraction is None else self.gather_fraction
+            deadline, last_came, came = now + min(self.max_gather_s, fraction * self._last_pass_s), now, 0
             while True:
                 ready = self._ready()
                 missing = {key for key in self._expected if key in self._queues and key not in ready}
