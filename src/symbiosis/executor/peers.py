@@ -77,18 +77,32 @@ class PeerLayer:
         return None if self.layer.bias is None else self.layer.bias.to(self.peer.front)
 
 
+def checked_devices(devices: list[str | torch.device]) -> list[torch.device]:
+    """`devices` as torch devices, each a CPU or a GPU of this process; ValueError naming one that is not a device,
+    not here, or a GPU listed twice (CPUs may repeat where no GPU is listed: tests)."""
+    parsed = []
+    for name in devices:
+        try:
+            parsed.append(torch.device(name))
+        except (RuntimeError, TypeError):
+            raise ValueError(f"{name!r} is not a device (cpu, cuda:0, ...)") from None
+    if len(set(parsed)) < len(parsed) and any(d.type == "cuda" for d in parsed):
+        raise ValueError(f"each GPU once: {', '.join(map(str, parsed))}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for device in parsed:
+        if device.type == "cuda" and (device.index is None or device.index >= gpus):
+            raise ValueError(f"no GPU {device} here ({gpus} GPUs): name each one with its index, cuda:0 to "
+                             f"cuda:{max(0, gpus - 1)}")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{device}: symbiosis runs on CPUs and CUDA GPUs")
+    return parsed
+
+
 def on_devices(path, devices: list[str | torch.device], dtype=None, split: str = "layers",
                **executor_options) -> Executor:
     """An `Executor` on devices[0] whose base layers are spread over `devices` (this process's GPUs; CPUs too,
     for tests) by `split` ("layers" or "columns", as `sharded.front`)."""
-    devices = [torch.device(d) for d in devices]
-    if len(set(devices)) < len(devices) and any(d.type == "cuda" for d in devices):
-        raise ValueError(f"each GPU once: {', '.join(map(str, devices))}")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    for device in devices:
-        if device.type == "cuda" and (device.index is None or device.index >= gpus):
-            raise ValueError(f"no GPU {device} here ({gpus} GPUs): name each one with its index, cuda:0 to "
-                             f"cuda:{max(0, gpus - 1)}")
+    devices = checked_devices(devices)
     checkpoint, layout, specs, dtype = read_base_plan(path, dtype)
     whole, columns = _plan(specs, len(devices), split)
     shares = [_own(specs, rank, whole, columns) for rank in range(len(devices))]

@@ -7,8 +7,6 @@ import logging
 import time
 from pathlib import Path
 
-import torch
-
 from symbiosis.serve.adapters import AdapterRegistry
 from symbiosis.serve.dashboard import RecentRequests
 from symbiosis.serve.errors import not_found
@@ -27,8 +25,8 @@ class Service:
                  engine_options: dict | None = None, training: dict | None = None, hmi: dict | None = None):
         """`training`: hosted training's options (max_pass_tokens: tokens of one batched pass; devices: a trainer
         on each (train/replicas.py); gather_fraction: the training queue's wait for models it expects back, as a
-        fraction of the last pass; the Tinker API's persist_every and tokenizer_id; the fine-tuning jobs' max_running_jobs, max_running_jobs_per_tenant,
-        checkpoint_every), or None for no hosted training (neither the Tinker API nor fine-tuning jobs). `hmi`: HMI's
+        fraction of the last pass; the Tinker API's persist_every and tokenizer_id; the fine-tuning jobs'
+        max_running_jobs, max_running_jobs_per_tenant, checkpoint_every), or None for no hosted training (neither the Tinker API nor fine-tuning jobs). `hmi`: HMI's
         domains and models (serve/hmi/: root, the PLOT root table's directory; min_corpus_tokens), which need
         hosted training's files."""
         from transformers import AutoTokenizer
@@ -62,18 +60,17 @@ class Service:
         if training is not None:
             from symbiosis.serve.jobs.service import JobService
             from symbiosis.serve.tinker.service import TinkerService
-            from symbiosis.train import Trainer
-            from symbiosis.train.replicas import Replicas, checked_devices
+            from symbiosis.train.replicas import Replicas
 
             training = dict(training)
             # a trainer a device: the service's executor on its own, a copy of the base on each other one (each
             # training model lives on one: train/replicas.py)
-            trainers = [Trainer(self.model_path, self.executor if torch.device(d) == self.executor.device else
-                                Executor.from_pretrained(self.model_path, device=d, dtype=dtype))
-                        for d in checked_devices(training.pop("devices", None) or [self.executor.device])]
-            self.training_queue = Replicas(trainers, max_pass_tokens=training.pop("max_pass_tokens", 16384),
-                                           gather_fraction=training.pop("gather_fraction", None))
-            self.trainer = trainers[0]  # the one of calls that belong to no model (prompt log-probabilities)
+            self.training_queue = Replicas.on_devices(
+                self.model_path, training.pop("devices", None) or [self.executor.device], dtype, self.executor,
+                max_pass_tokens=training.pop("max_pass_tokens", 16384),
+                gather_fraction=training.pop("gather_fraction", None))
+            # the trainer of calls that belong to no model (prompt log-probabilities)
+            self.trainer = self.training_queue.trainers[0]
             tinker = {key: training.pop(key) for key in ("persist_every", "tokenizer_id") if key in training}
             self.tinker = TinkerService(self, **tinker)
             self.jobs = JobService(self, **training)

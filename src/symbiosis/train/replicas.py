@@ -25,28 +25,6 @@ from symbiosis.train.scheduler import Operation, TrainingQueue
 from symbiosis.train.trainer import Trainer
 
 
-def checked_devices(devices: list[str | torch.device]) -> list[torch.device]:
-    """`devices` as torch devices: ValueError naming one that is not a device here, or a GPU named twice (CPUs may
-    repeat: tests)."""
-    out = []
-    for name in devices:
-        try:
-            device = torch.device(name)
-        except (RuntimeError, TypeError):
-            raise ValueError(f"{name!r} is not a device (cpu, cuda:0, ...)") from None
-        if device.type == "cuda":
-            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if device.index is None or device.index >= gpus:
-                raise ValueError(f"no GPU {name!r} here ({gpus} GPUs): name each one with its index")
-        elif device.type != "cpu":
-            raise ValueError(f"{name!r}: hosted training runs on CPUs and CUDA GPUs")
-        out.append(device)
-    gpus = [d for d in out if d.type == "cuda"]
-    if len(set(gpus)) < len(gpus):
-        raise ValueError(f"each GPU once: {', '.join(map(str, devices))}")
-    return out
-
-
 class Replicas:
     def __init__(self, trainers: list[Trainer], **queue_options):
         if not trainers:
@@ -56,11 +34,15 @@ class Replicas:
         self._lock = threading.Lock()
 
     @classmethod
-    def on_devices(cls, path, devices: list[str | torch.device], dtype=None, **queue_options) -> "Replicas":
-        """A replica on each of `devices` (a base copy on each), over the checkpoint at `path`."""
+    def on_devices(cls, path, devices: list[str | torch.device], dtype=None, executor=None,
+                   **queue_options) -> "Replicas":
+        """A replica on each of `devices` (a base copy on each), over the checkpoint at `path`; `executor`, one
+        already on one of them (a service's), is that device's instead of a copy."""
         from symbiosis.executor.executor import Executor
+        from symbiosis.executor.peers import checked_devices
 
-        trainers = [Trainer(path, Executor.from_pretrained(path, device=device, dtype=dtype))
+        trainers = [Trainer(path, executor if executor is not None and device == executor.device else
+                            Executor.from_pretrained(path, device=device, dtype=dtype))
                     for device in checked_devices(devices)]
         return cls(trainers, **queue_options)
 

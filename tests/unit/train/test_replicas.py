@@ -93,7 +93,8 @@ def test_an_adapter_never_placed_is_refused_and_a_closed_one_is_forgotten(tmp_pa
     replicas.open("a", 0)
     replicas.close("a")
     assert "a" not in replicas.homes
-    for devices, problem in ((["cpu", "gpu7"], "'gpu7' is not a device"), (["cuda:99"], "no GPU 'cuda:99' here"),
-                             (["cuda"], "no GPU 'cuda' here"), (["meta"], "runs on CPUs and CUDA GPUs")):
+    for devices, problem in ((["cpu", "gpu7"], "'gpu7' is not a device"), (["cuda:99"], "no GPU cuda:99 here"),
+                             (["cuda"], "no GPU cuda here"), (["meta"], "runs on CPUs and CUDA GPUs"),
+                             (["cuda:0", "cuda:0"], "each GPU once")):
         with pytest.raises(ValueError, match=problem):
             Replicas.on_devices(tmp_path, devices)
