@@ -96,8 +96,8 @@ def _write_profile(profiler, path: str, title: str) -> None:
 
 def _timeline(events, bucket_us: float = 20_000) -> str:
     """Each GPU's busy time (the union of its kernels) and, every `bucket_us`, its busy percentage beside what the
-    host was doing then (the trainer's ranges: F forward, H head, B backward, S the optimizer steps): where a
-    pipeline over GPUs stalls, and on what."""
+    host was doing then (the trainer's ranges: F its decoder's forward, B its backward; - anything else, the head's
+    forward among it): whether the host or the GPU bounds a pass."""
     kernels: dict[int, list[tuple[float, float]]] = {}
     ranges = []
     for event in events:
