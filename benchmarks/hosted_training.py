@@ -39,10 +39,13 @@ def _tokens(vocab: int, length: int, generator: torch.Generator) -> list[int]:
 
 def drive(tenants: int, start_tenant, length: int, duration: float, on_start=lambda: None) -> tuple[int, float]:
     """Each tenant a thread: `start_tenant(index)` sets it up and returns (step, finish); after one warm-up step
-    each, every tenant steps until the window of `duration` seconds closes. Returns the tokens trained inside the
-    window and its length in seconds. A tenant that fails breaks the barrier, so nobody waits for it for ever."""
+    each, every tenant steps until the window of `duration` seconds closes. Returns the tokens of the steps that
+    finished inside the window and the seconds from its opening to the last of them (not to its close: the steps
+    still running then, up to a round of every tenant's, would count as time without their tokens). A tenant that
+    fails breaks the barrier, so nobody waits for it for ever."""
     trained = [0] * tenants
     stop_at = [None]
+    last_done = [0.0] * tenants
 
     def open_window() -> None:  # run by the barrier once every tenant is there, before any is released
         on_start()
@@ -57,8 +60,9 @@ def drive(tenants: int, start_tenant, length: int, duration: float, on_start=lam
             ready.wait()
             while time.perf_counter() < stop_at[0]:
                 step()
-                if time.perf_counter() < stop_at[0]:
+                if (now := time.perf_counter()) < stop_at[0]:
                     trained[index] += length
+                    last_done[index] = now
             finish()
         except BaseException:
             ready.abort()
@@ -76,8 +80,7 @@ def drive(tenants: int, start_tenant, length: int, duration: float, on_start=lam
     start = stop_at[0] - duration
     for thread in threads:
         thread.join()
-    sync()
-    return sum(trained), time.perf_counter() - start
+    return sum(trained), max(last_done) - start if sum(trained) else duration
 
 
 def _activities() -> list:
@@ -136,7 +139,7 @@ def _timeline(events, bucket_us: float = 20_000) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _trainer(model_dir: Path, devices: list[str] | None, micro_batches: int | None):
+def _trainer(model_dir: Path, devices: list[str] | None, micro_batch_tokens: int | None):
     """(executor, trainer) over this machine's GPU, or over `devices` (the base's layers spread: executor/peers.py)."""
     from symbiosis.executor.executor import Executor
     from symbiosis.executor.peers import on_devices
@@ -145,8 +148,8 @@ def _trainer(model_dir: Path, devices: list[str] | None, micro_batches: int | No
     executor = on_devices(model_dir, devices, dtype=dtype()) if devices else \
         Executor.from_pretrained(model_dir, device=device(), dtype=dtype())
     trainer = Trainer(model_dir, executor)
-    if micro_batches:
-        trainer.micro_batches = micro_batches
+    if micro_batch_tokens:
+        trainer.micro_batch_tokens = micro_batch_tokens
     return executor, trainer
 
 
@@ -159,7 +162,7 @@ def _peaks(devices: list[str] | None) -> dict:
 
 def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: float, vocab: int, batch: int = 1,
                devices: list[str] | None = None, max_pass_tokens: int | None = None,
-               micro_batches: int | None = None, replicas: list[str] | None = None) -> dict:
+               micro_batch_tokens: int | None = None, replicas: list[str] | None = None) -> dict:
     """Every tenant a thread submitting forward_backward (`batch` datums) then optim_step to one TrainingQueue (or,
     with `replicas`, to a `Replicas` of a base copy on each of those GPUs, the tenants spread over them)."""
     from symbiosis.train import HostedLora, LoraSpec, Work
@@ -179,7 +182,7 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
         queue = Replicas.on_devices(model_dir, replicas, dtype=dtype(), max_pass_tokens=pass_tokens).start()
         trainer = queue.trainers[0]
     else:
-        executor, trainer = _trainer(model_dir, devices, micro_batches)
+        executor, trainer = _trainer(model_dir, devices, micro_batch_tokens)
         queue = TrainingQueue(trainer, max_pass_tokens=pass_tokens).start()
 
     def start_tenant(index: int):
@@ -212,14 +215,18 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
 
         return step, lambda: None
 
-    passes = []
+    at_start = []
     trained, wall = drive(tenants, start_tenant, length * batch, duration,
-                          on_start=lambda: passes.append(queue.passes))
-    passes_run = queue.passes - passes[0]
+                          on_start=lambda: at_start.append((queue.passes, dict(queue.seconds))))
+    passes_run = queue.passes - at_start[0][0]
+    runners = len(queue.queues) if replicas else 1
     result = {"tokens_per_s": trained / wall, "passes_per_s": passes_run / wall,
-              "datums_per_pass": trained / length / max(1, passes_run), **_peaks(gpus)}
+              "datums_per_pass": trained / length / max(1, passes_run), **_peaks(gpus),
+              # the share of the window each training runner spent waiting for tenants, stepping, passing
+              "runner_share": {what: round((queue.seconds[what] - at_start[0][1][what]) / runners / wall, 3)
+                               for what in queue.seconds}}
     if devices:
-        result.update(devices=devices, micro_batches=trainer.micro_batches)
+        result.update(devices=devices, micro_batch_tokens=trainer.micro_batch_tokens)
     if replicas:
         result.update(replicas=replicas)
     if gpus:
@@ -232,7 +239,7 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
 
 
 def pass_anatomy(model_dir: Path, tenants: int, rank: int, length: int, vocab: int, repeats: int = 5,
-                 profile: str | None = None, devices: list[str] | None = None, micro_batches: int | None = None
+                 profile: str | None = None, devices: list[str] | None = None, micro_batch_tokens: int | None = None
                  ) -> dict:
     """One pass of `tenants` datums (each its own adapter) and their optimizer steps, alone (no queue, no threads):
     wall milliseconds of the pass and of the steps (medians), and the pass's GPU milliseconds when the host has
@@ -243,7 +250,7 @@ def pass_anatomy(model_dir: Path, tenants: int, rank: int, length: int, vocab: i
     from symbiosis.train.lora import AdamParams, step_together
     from symbiosis.train.trainer import Datum
 
-    executor, trainer = _trainer(model_dir, devices, micro_batches)
+    executor, trainer = _trainer(model_dir, devices, micro_batch_tokens)
     generator = torch.Generator().manual_seed(0)
     loras = [HostedLora(LoraSpec(rank=rank, seed=i, **PARTS), trainer.targets, trainer.device, trainer.dtype)
              for i in range(tenants)]
@@ -421,7 +428,7 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
         for child in children:  # every process's tenants warm
             if child.stdout.readline().strip() != "ready":
                 raise RuntimeError("an SDK client process failed before its window (its traceback is above)")
-        passes = service.training_queue.passes
+        passes, seconds = service.training_queue.passes, dict(service.training_queue.seconds)
         for child in children:
             child.stdin.write("go\n")
             child.stdin.flush()
@@ -436,8 +443,12 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
         raise RuntimeError(f"an SDK client process failed, exit status {[c.returncode for c in children]} (its "
                            "traceback, if any, is above)")
     trained, wall = sum(t for t, _ in outcomes), max(w for _, w in outcomes)
+    queue = service.training_queue
+    runners = len(queue.queues) if hasattr(queue, "queues") else 1
     result = {"tokens_per_s": trained / wall, "datums_per_pass": trained / length / max(1, passes),
-              "peak_gib": peak_gib(), "client_processes": processes}
+              "peak_gib": peak_gib(), "client_processes": processes,
+              "runner_share": {what: round((queue.seconds[what] - seconds[what]) / runners / wall, 3)
+                               for what in queue.seconds}}
     server.should_exit = True
     thread.join(30)
     service.close()
@@ -547,7 +558,8 @@ def main() -> None:
     parser.add_argument("--gather-fraction", type=float, help="the training queue's wait for the models it "
                                                                  "expects back, as a fraction of the last pass (the "
                                                                  "SDK's runs; default: the queue's)")
-    parser.add_argument("--micro-batches", type=int, help="a pass's micro-batches (default: the trainer's)")
+    parser.add_argument("--micro-batch-tokens", type=int,
+                        help="tokens a micro-batch at least, over --devices (default: the trainer's)")
     parser.add_argument("--max-pass-tokens", type=int, help="the training queue's pass size (default: every "
                                                              "tenant's step)")
     parser.add_argument("--no-peft", action="store_true", help="leave out the compiled PEFT jobs")
@@ -573,17 +585,17 @@ def main() -> None:
     if args.profile:
         emit(**common, system="symbiosis pass alone, profiled", tenants=max(counts),
              **pass_anatomy(model_dir, max(counts), args.rank, args.seq_len, vocab, repeats=2, profile=args.profile,
-                            devices=devices, micro_batches=args.micro_batches))
+                            devices=devices, micro_batch_tokens=args.micro_batch_tokens))
         return
     for n in sorted({1, max(counts)}) if args.anatomy else []:
         emit(**common, system="symbiosis pass alone", tenants=n,
              **pass_anatomy(model_dir, n, args.rank, args.seq_len, vocab, devices=devices,
-                            micro_batches=args.micro_batches))
+                            micro_batch_tokens=args.micro_batch_tokens))
     for n in counts:
         if "engine" in args.paths:
             emit(**common, system="symbiosis engine API", tenants=n,
                  **engine_api(model_dir, n, args.rank, args.seq_len, args.duration, vocab, args.batch, devices,
-                              args.max_pass_tokens, args.micro_batches,
+                              args.max_pass_tokens, args.micro_batch_tokens,
                               args.replicas.split(",") if args.replicas else None))
         if "sdk" in args.paths:
             emit(**common, system="symbiosis tinker SDK over HTTP", tenants=n,

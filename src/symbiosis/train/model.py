@@ -326,22 +326,28 @@ class _Hop(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, device: torch.device):
         ctx.source = tensor.device
+        # where the gradient will be used: the stream the source's layers ran on, which autograd runs their backward
+        # on too. (The backward of this node runs on a worker thread of the gradient's GPU, whose current stream
+        # for the source's GPU is that GPU's default stream, not the pass's.)
+        ctx.source_stream = torch.cuda.current_stream(tensor.device) if tensor.device.type == "cuda" else None
         return _copy(tensor, device)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _copy(grad, ctx.source), None
+        return _copy(grad, ctx.source, ctx.source_stream), None
 
 
 _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _copy(tensor: torch.Tensor, device: torch.device, compute: torch.cuda.Stream | None = None) -> torch.Tensor:
+    """`tensor` on `device`, ready for the work queued on `compute` (device's current stream by default) from now
+    on, and kept from reuse by the allocator until that stream is past it."""
     if tensor.device == device or tensor.device.type != "cuda" or device.type != "cuda":
         return tensor.to(device)
     if device not in _COPY_STREAMS:
         _COPY_STREAMS[device] = torch.cuda.Stream(device)
-    copies, compute = _COPY_STREAMS[device], torch.cuda.current_stream(device)
+    copies, compute = _COPY_STREAMS[device], compute or torch.cuda.current_stream(device)
     with torch.cuda.stream(copies):  # the destination's side of the copy's two-way barrier: this stream's alone
         out = tensor.to(device, non_blocking=True)  # (runs on the source's current stream, after its producer)
     compute.wait_stream(copies)

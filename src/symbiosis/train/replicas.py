@@ -54,6 +54,11 @@ class Replicas:
     def passes(self) -> int:
         return sum(queue.passes for queue in self.queues)
 
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Each replica's runner's seconds (TrainingQueue.seconds), summed."""
+        return {what: sum(queue.seconds[what] for queue in self.queues) for what in self.queues[0].seconds}
+
     def place(self, key: str) -> Trainer:
         """The trainer adapter `key` lives on (chosen at its first call: the replica with the fewest adapters), on
         whose device and dtype its `HostedLora` is to be made."""

@@ -81,6 +81,9 @@ class TrainingQueue:
         self._answered: set[str] = set()  # adapters this round answered
         self._last_pass_s = 0.0
         self.passes = 0
+        # seconds the runner spent waiting for expected adapters, on optimizer steps and calls, and on passes:
+        # where a round's time goes (the benchmarks read it; a monotonic count, as Prometheus's counters)
+        self.seconds = {"gather": 0.0, "steps": 0.0, "pass": 0.0}
 
     def open(self, key: str, next_seq: int) -> None:
         """An adapter whose first (next) operation will have `next_seq`."""
@@ -137,7 +140,7 @@ class TrainingQueue:
     def _gather(self) -> dict[str, Operation]:
         """The ready operations, once the adapters the last round answered are back or the bound has passed."""
         with self._lock:
-            now = time.monotonic()
+            now = began = time.monotonic()
             fraction = GATHER_FRACTION if self.gather_fraction is None else self.gather_fraction
             deadline, last_came, came = now + min(self.max_gather_s, fraction * self._last_pass_s), now, 0
             while True:
@@ -150,6 +153,7 @@ class TrainingQueue:
                 if not missing or left <= 0:
                     break
                 self._lock.wait(left)
+            self.seconds["gather"] += time.monotonic() - began
             return ready  # (round() sets what the next round expects)
 
     def round(self) -> bool:
@@ -158,16 +162,19 @@ class TrainingQueue:
         steps = {key: op for key, op in ready.items() if op.step is not None}
         calls = {key: op for key, op in ready.items() if op.work is None and op.step is None}
         passes = {key: op for key, op in ready.items() if op.work is not None}
+        started = time.monotonic()
         if steps:
             self._steps(steps)
         for key, op in calls.items():
             self._answer(key, op, op.call)
+        self.seconds["steps"] += time.monotonic() - started
         if steps or calls:  # their adapters' next forward_backward joins this pass (`_rejoin`)
             passes.update(self._rejoin(set(steps) | set(calls) - {UNORDERED}, set(passes)))
         if passes:
             started = time.monotonic()
             self._pass(passes)
             self._last_pass_s = time.monotonic() - started
+            self.seconds["pass"] += self._last_pass_s
         with self._lock:
             self._expected, self._answered = self._answered, set()
         return bool(ready)

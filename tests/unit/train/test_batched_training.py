@@ -276,7 +276,7 @@ def test_over_a_base_split_between_devices_micro_batches_train_as_each_alone(tmp
     on_peer = {m.layer_id: m.base for m in trainer.model.modules()
                if isinstance(m, TrainLinear) and m.layer_id in executor.weights.remote}
     assert on_peer and all(base is executor.weights.remote[i].layer for i, base in on_peer.items())  # run there
-    trainer.micro_batches = 2
+    trainer.micro_batch_tokens = 24  # 6 datums padded to 12 tokens: 3 micro-batches of 2
     _train_as_each_alone(tmp_path, trainer, [LoraSpec(rank=2, seed=1), LoraSpec(rank=4, seed=2, train_mlp=False),
                                              LoraSpec(rank=8, seed=3, train_unembed=False, train_attn=False)])
 
@@ -293,6 +293,8 @@ def test_over_two_gpus_a_pass_follows_the_one_gpu_pass(tmp_path):
     for executor in (symbiosis.Executor.from_pretrained(tmp_path, device="cuda:0", dtype=torch.float32),
                      on_devices(tmp_path, ["cuda:0", "cuda:1"], dtype=torch.float32)):
         trainer = Trainer(tmp_path, executor)
+        if trainer.micro_batch_tokens:
+            trainer.micro_batch_tokens = 48  # 6 datums of 24 tokens: 3 micro-batches
         generator = torch.Generator().manual_seed(0)
         loras = [HostedLora(LoraSpec(rank=r, seed=i), trainer.targets, trainer.device, torch.float32)
                  for i, r in enumerate((4, 8, 4))]
@@ -305,11 +307,11 @@ def test_over_two_gpus_a_pass_follows_the_one_gpu_pass(tmp_path):
                      for lora in loras]
             losses += [r.loss for r in trainer.run(works)]
             grads = [lora.flat_grad.clone() for lora in loras]
-            for lora in loras:
-                lora.step(**ADAM)
+            for lora in loras:  # eps 1: a step in proportion to the gradient (Adam's first step is lr * sign(g),
+                lora.step(learning_rate=0.5, eps=1.0)  # which float32 rounding flips where g is ~0)
         outcomes.append((trainer, losses, grads))
     (_, losses1, grads1), (split, losses2, grads2) = outcomes
-    assert len(split.state.devices) == 2 and split.micro_batches > 1 and len(split.pass_streams) == 2
+    assert len(split.state.devices) == 2 and split.micro_batch_tokens and len(split.pass_streams) == 2
     layers = {p.device for layer in split.model.get_decoder().layers for p in layer.parameters()}
     assert layers == {torch.device("cuda:0"), torch.device("cuda:1")}
     assert losses2 == pytest.approx(losses1, rel=1e-4)
