@@ -81,9 +81,9 @@ declare -A COMMAND=(
   [sharded_13b_2gpu_columns]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 24 --duration 5 --no-plain --clients threads --checkpointing --executor peers:cuda:0,cuda:1/columns"
   [fsdp_13b_2gpu]="$PY benchmarks/fsdp_fleet.py --model llama-2-13b --jobs 1,2,3 --gpus 2 --duration 10"
   # hosted training of Llama-2-13B LoRA tenants (r8 q/k/v/o, 2 x 512 a step) on two GPUs: the base split over both,
-  # a pass pipelined in micro-batches (--anatomy: each stage's spans), and a base copy on each GPU
-  [hosted_13b_2gpu]="$PY benchmarks/hosted_training.py --model llama-2-13b --seq-len 512 --rank 8 --batch 2 --tenants 16 --devices cuda:0,cuda:1 --max-pass-tokens 8192 --paths engine --fleet= --no-peft --duration 10 --anatomy"
-  [hosted_13b_replicas]="$PY benchmarks/hosted_training.py --model llama-2-13b --seq-len 512 --rank 8 --batch 2 --tenants 24 --replicas cuda:0,cuda:1 --max-pass-tokens 4096 --paths engine --fleet= --no-peft --duration 10"
+  # a pass pipelined in micro-batches (add --anatomy --tenants 16 for each stage's spans), and a base copy on each GPU
+  [hosted_13b_2gpu]="$PY benchmarks/hosted_training.py --model llama-2-13b --seq-len 512 --rank 8 --batch 2 --tenants 24 --devices cuda:0,cuda:1 --max-pass-tokens 16384 --paths engine --fleet= --no-peft --duration 12"
+  [hosted_13b_replicas]="$PY benchmarks/hosted_training.py --model llama-2-13b --seq-len 512 --rank 8 --batch 2 --tenants 24 --replicas cuda:0,cuda:1 --max-pass-tokens 4096 --paths engine --fleet= --no-peft --duration 12"
   # eight GPUs, by name only: Gemma-2-27B's executor over GPUs 0-3, 8 clients on GPUs 4-7 over nccl:// (bs 2, seq 64),
   # against FSDP2 + PEFT jobs over all eight
   [sharded_remote_8gpu]="$PY benchmarks/multi_tenant.py --model gemma-2-27b --tenants 8 --duration 5 --seq-len 64 --no-plain --clients threads --executor nccl:sharded:cuda:0,cuda:1,cuda:2,cuda:3 --client-device cuda:4,cuda:5,cuda:6,cuda:7"
