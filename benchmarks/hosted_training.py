@@ -562,6 +562,9 @@ def main() -> None:
                         help="tokens a micro-batch at least, over --devices (default: the trainer's)")
     parser.add_argument("--max-pass-tokens", type=int, help="the training queue's pass size (default: every "
                                                              "tenant's step)")
+    parser.add_argument("--head-in-torch", action="store_true",
+                        help="the frozen head's loss gradient by the torch reference, not the Triton kernels "
+                             "(kernels/softmax_grad.py): the baseline of the kernels")
     parser.add_argument("--no-peft", action="store_true", help="leave out the compiled PEFT jobs")
     parser.add_argument("--anatomy", action="store_true", help="also time one pass of 1 and of the most tenants "
                                                                     "alone (wall and GPU milliseconds)")
@@ -581,6 +584,11 @@ def main() -> None:
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
         common["switch_interval"] = args.switch_interval
+    if args.head_in_torch:
+        from symbiosis.kernels import softmax_grad
+
+        softmax_grad._use_triton = lambda t: False
+        common["head"] = "torch"
     devices = args.devices.split(",") if args.devices else None
     if args.profile:
         emit(**common, system="symbiosis pass alone, profiled", tenants=max(counts),

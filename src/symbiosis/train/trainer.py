@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from symbiosis.client.loss import CHUNK_ELEMENTS, LOGIT_TRANSFORMS
 from symbiosis.errors import BadCall, UnsupportedAdapter
+from symbiosis.kernels import softmax_grad
 from symbiosis.train import losses
 from symbiosis.train.lora import HostedLora
 from symbiosis.train.model import build
@@ -298,22 +299,25 @@ class _FrozenHeadLoss(torch.autograd.Function):
         lps = []
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            logits, slope = trainer.logits(hidden[rows], None)  # [C, vocab], this chunk's own
+            # z [C, vocab], this chunk's own: the head's output as it is (half precision on a GPU: the kernels
+            # compute in float32 from it), or the model's logit transform of it in float32
+            z, slope = trainer.head.base.forward(hidden[rows]), 1.0
+            if trainer.transform is not None:
+                z, slope = trainer.transform(z.to(torch.promote_types(z.dtype, torch.float32)))
             target = targets[rows]
             index = target if target.dim() == 2 else target[:, None]  # [C, K]
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            lp = _picked(logits, target, lse).requires_grad_()
+            lse = softmax_grad.logsumexp_rows(z)  # [C], float32 at least
+            lp = (z.gather(1, index).to(lse.dtype) - lse[:, None]).requires_grad_()
             with torch.enable_grad():  # c = d loss / d lp: every loss is a sum over tokens, so the chunk's own
-                loss = losses.LOSSES[loss_fn](lp, {k: v[rows] for k, v in inputs.items()}, config)
+                loss = losses.LOSSES[loss_fn](lp if target.dim() == 2 else lp[:, 0],
+                                              {k: v[rows] for k, v in inputs.items()}, config)
                 (c,) = torch.autograd.grad(loss, lp)
-            weights = c if c.dim() == 2 else c[:, None]  # [C, K]
-            # d loss / d z = sum_k c_k onehot(t_k) - (sum_k c_k) softmax(z); softmax(z) = exp(z - lse), made in
-            # the logits' own memory (no second [C, vocab] tensor, no second pass for the softmax's sums)
-            grad = logits.sub_(lse).exp_().mul_(-weights.sum(1, keepdim=True)).scatter_add_(1, index, weights)
+            # d loss / d z = sum_k c_k onehot(t_k) - (sum_k c_k) softmax(z), made in z's own memory
+            grad = softmax_grad.softmax_grad_(z, lse, index, c)
             if not isinstance(slope, float):
                 grad = grad * slope
             grad_hidden[rows] = trainer.head.base.backward(grad.to(hidden.dtype))
-            lps.append(lp.detach())
+            lps.append((lp if target.dim() == 2 else lp[:, 0]).detach())
         lp = torch.cat(lps)
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         per_datum = torch.stack([losses.LOSSES[loss_fn](lp[a:a + n], {k: v[a:a + n] for k, v in inputs.items()}, config)
