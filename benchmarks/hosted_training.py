@@ -442,11 +442,13 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
     if any(child.returncode != 0 for child in children):
         raise RuntimeError(f"an SDK client process failed, exit status {[c.returncode for c in children]} (its "
                            "traceback, if any, is above)")
-    trained, wall = sum(t for t, _ in outcomes), max(w for _, w in outcomes)
+    trained, wall = sum(t for t, _, _ in outcomes), max(w for _, w, _ in outcomes)
     queue = service.training_queue
     runners = len(queue.queues) if hasattr(queue, "queues") else 1
     result = {"tokens_per_s": trained / wall, "datums_per_pass": trained / length / max(1, passes),
               "peak_gib": peak_gib(), "client_processes": processes,
+              # each client process's CPU seconds over its window: near 1, its interpreter is what bounds the run
+              "client_cpu_share": [round(cpu / w, 2) for _, w, cpu in outcomes],
               "runner_share": {what: round((queue.seconds[what] - seconds[what]) / runners / wall, 3)
                                for what in queue.seconds}}
     server.should_exit = True
@@ -463,8 +465,9 @@ def _sdk_key(index: int) -> str:
 
 
 def sdk_tenants(url: str, indices: list[int], rank: int, length: int, duration: float, vocab: int
-                ) -> tuple[int, float]:
-    """`through_sdk`'s client processes: tenants `indices`, each a thread with its own `tinker.ServiceClient`."""
+                ) -> tuple[int, float, float]:
+    """`through_sdk`'s client processes: tenants `indices`, each a thread with its own `tinker.ServiceClient`.
+    Returns (tokens, seconds, this process's CPU seconds in them)."""
     import tinker
     from tinker import types
 
@@ -485,12 +488,16 @@ def sdk_tenants(url: str, indices: list[int], rank: int, length: int, duration: 
 
         return step, lambda: client.close("success")
 
+    cpu_at_go = []
+
     def wait_for_go() -> None:  # every tenant of this process warm: say so, and open the window when told
         print("ready", flush=True)
         if sys.stdin.readline().strip() != "go":
             raise RuntimeError("no go")
+        cpu_at_go.append(time.process_time())
 
-    return drive(len(indices), start_tenant, length, duration, on_start=wait_for_go)
+    trained, wall = drive(len(indices), start_tenant, length, duration, on_start=wait_for_go)
+    return trained, wall, time.process_time() - cpu_at_go[0]
 
 
 def compiled_peft(model_dir: Path, batch: int, length: int, duration: float) -> dict:
