@@ -48,13 +48,17 @@ def test_a_small_request_is_not_held_up_by_a_big_one_and_the_big_one_is_unchange
     log = []
     queue.submit("big", _operation(0, log, work=big))
     queue.submit("small", _operation(0, log, work=small))
+    assert queue.seconds == {"gather": 0.0, "steps": 0.0, "pass": 0.0}
     queue.round()
     assert [entry[0] for entry in log] == [0] and log[0][1].losses and len(log[0][1].losses) == 1, \
         "the small request finished in the first pass"
+    first_pass = queue.seconds["pass"]
+    assert first_pass > 0 and queue.seconds["gather"] >= 0
     while queue.round():
         pass
     big_result = log[1][1]
     assert queue.passes == 1 + 5
+    assert queue.seconds["pass"] > first_pass  # the runner's time, counted up pass after pass
     assert big_result.losses == pytest.approx(expected.losses, rel=1e-12)
     for name, tensor in big.lora.named_tensors().items():  # gradients add up across the passes
         torch.testing.assert_close(tensor.grad, reference_grads[name], rtol=1e-12, atol=1e-14)
