@@ -15,9 +15,12 @@ layers cost a few kernels a batch instead of host work and a copy to the device.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
+from symbiosis.kernels import plot_lookup
 from symbiosis.plot.lookup import Plot, checked_sequences
 
 
@@ -31,6 +34,17 @@ class DevicePlot:
                                  torch.from_numpy(np.array(level.values)).to(self.device))
                         for length, level in table.levels.items() if level.keys.size}
                        for table in (plot.domain, plot.root) if table is not None]
+        # on a GPU, one Triton kernel a batch (kernels/plot_lookup.py) over the tables packed into one buffer each
+        # for keys and values, in place of the torch ops below (~100 launches a batch)
+        self.packed = None
+        if plot_lookup.triton is not None and self.device.type == "cuda" and self.dtype == torch.float32:
+            self.pack()
+
+    def pack(self) -> None:
+        """The tables packed for `kernels.plot_lookup` (which the lookups then run by), the per-table copies let go."""
+        values_dtype = functools.reduce(torch.promote_types, [v.dtype for t in self.tables for _, v in t.values()])
+        self.packed = plot_lookup.PackedTables.pack(self.tables, self.n, self.hidden, values_dtype)
+        self.tables = []
 
     def represent(self, sequences: list[list[int]]) -> list[np.ndarray]:
         """As `Plot.represent`: each sequence's [T, hidden], on the host."""
@@ -44,14 +58,17 @@ class DevicePlot:
         arrays = checked_sequences(sequences, self.vocab)
         if not arrays:
             raise ValueError("no sequences to look up")
-        longest = max(a.size for a in arrays)
-        tokens = torch.zeros(len(arrays), longest, dtype=torch.long)
-        mask = torch.zeros(len(arrays), longest, dtype=torch.bool)
-        for row, array in enumerate(arrays):
-            tokens[row, :array.size] = torch.from_numpy(array)
-            mask[row, :array.size] = True
-        tokens, mask = tokens.to(self.device), mask.to(self.device)
-        hidden = self._decoder(tokens, mask) if self.kind == "decoder" else self._encoder(tokens, mask)
+        # the padded batch made on the host in a few numpy operations, then one copy each way
+        lengths = np.array([a.size for a in arrays], dtype=np.int64)
+        mask = np.arange(lengths.max())[None, :] < lengths[:, None]
+        tokens = np.zeros(mask.shape, dtype=np.int64)
+        tokens[mask] = np.concatenate(arrays)
+        tokens, mask = torch.from_numpy(tokens).to(self.device), torch.from_numpy(mask).to(self.device)
+        if self.packed is not None:
+            hidden = plot_lookup.lookup(self.kind, tokens, torch.from_numpy(lengths).to(self.device), self.packed,
+                                        self.vocab, self.hidden)
+        else:
+            hidden = self._decoder(tokens, mask) if self.kind == "decoder" else self._encoder(tokens, mask)
         return hidden.to(dtype or self.dtype), mask.long()
 
     def _find(self, windows: torch.Tensor, wanted: torch.Tensor):
