@@ -5,6 +5,7 @@ once who cannot see each other's runs, bad requests answered as the SDK's errors
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 
@@ -224,4 +225,19 @@ def test_a_resubmitted_request_gets_the_first_ones_answer_and_runs_once(training
     other = httpx.post(training_server.url + "/api/v1/retrieve_future", json={"request_id": first["request_id"]},
                        headers={"X-API-Key": TINKER_KEYS["bob"]})
     assert other.status_code == 404
+    service.close("success")
+
+
+def test_a_diverged_model_gets_its_non_finite_loss_not_a_server_error(training_server):
+    """A learning rate far too large makes the loss inf or NaN: the tenant gets that loss (JSON's NaN/Infinity,
+    which the SDK's parser reads), not a 500 from re-encoding it as strict JSON."""
+    service = _client(training_server)
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=3).result()
+    datum, _, _ = _datum(training.get_tokenizer(), TEXT)
+    training.forward_backward([datum], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=1e30)).result()
+    result = training.forward_backward([datum], "cross_entropy").result()
+    assert not math.isfinite(result.metrics["loss:sum"])
+    stepped = training.optim_step(types.AdamParams(learning_rate=1e-3)).result()  # its gradients are not finite
+    assert not math.isfinite(stepped.metrics["grad_norm:mean"])
     service.close("success")

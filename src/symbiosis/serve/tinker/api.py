@@ -272,7 +272,10 @@ def router(service, tinker: TinkerService) -> APIRouter:
             return {"error": row["error"], "category": row["category"]}
         if row["content_type"] == "proto":
             return Response(row["result"], media_type="application/x-protobuf")
-        return JSONResponse(json.loads(row["result"]))
+        # the stored JSON as it is: no parse and re-encode per answer, and a diverged model's NaN or infinite
+        # metrics stay what Python's json (the SDK's parser) reads, where strict JSON would refuse them (a 500,
+        # which the SDK retries for ever)
+        return Response(row["result"], media_type="application/json")
 
     # -- training runs and checkpoints --
 

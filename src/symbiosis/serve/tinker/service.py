@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import secrets
 import shutil
 import threading
@@ -127,7 +128,7 @@ class TinkerService:
         self.answered(request_id)
 
     def _json(self, request_id: str, value: dict) -> None:
-        self._answer(request_id, "json", json.dumps(value).encode())
+        self._answer(request_id, "json", json.dumps(_named_non_finite(value), allow_nan=False).encode())
 
     def model(self, tenant: str, model: str) -> dict:
         row = self.store.model(tenant, model) if isinstance(model, str) else None
@@ -443,3 +444,16 @@ class _Samples:
             last = self._left == 0 and self._error is None
         if last:
             self.answer(wire.sample_response([self.sequences[i] for i in sorted(self.sequences)], self.prompt))
+
+
+def _named_non_finite(value):
+    """`value` with every NaN or infinite float as the string "NaN", "Infinity" or "-Infinity": strict JSON (the
+    SDK parses answers with orjson, which refuses those numbers), which the SDK's pydantic models read back as the
+    float (a diverged model's gradient norm is NaN: it gets its NaN, not a server error that it retries for ever)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k: _named_non_finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_named_non_finite(v) for v in value]
+    return value
