@@ -64,10 +64,10 @@ def lookup(kind: str, tokens: torch.Tensor, lengths: torch.Tensor, packed: Packe
     batch, width = tokens.shape
     out = torch.empty(batch, width, hidden, dtype=torch.float32, device=tokens.device)
     if out.numel():
-        kernel = _decoder_kernel if kind == "decoder" else _encoder_kernel
-        kernel[(batch * width,)](tokens, lengths, packed.keys, packed.offsets, packed.values, packed.value_offsets,
-                                 out, width, vocab, hidden, N=packed.n, TABLES=packed.tables, STEPS=packed.steps,
-                                 BLOCK_H=triton.next_power_of_2(hidden), num_warps=4)
+        _kernel[(batch * width,)](tokens, lengths, packed.keys, packed.offsets, packed.values, packed.value_offsets,
+                                  out, width, vocab, hidden, ENCODER=int(kind != "decoder"), N=packed.n,
+                                  TABLES=packed.tables, STEPS=packed.steps, BLOCK_H=triton.next_power_of_2(hidden),
+                                  num_warps=4)
     return out
 
 
@@ -99,58 +99,46 @@ if triton is not None:
         return key
 
     @triton.jit
-    def _decoder_kernel(tokens_ptr, lengths_ptr, keys_ptr, offsets_ptr, values_ptr, value_offsets_ptr, out_ptr,
-                        width, vocab, hidden, N: tl.constexpr, TABLES: tl.constexpr, STEPS: tl.constexpr,
-                        BLOCK_H: tl.constexpr):
-        # token i: the last position of the longest fragment ending at it that a table holds (domain first)
-        program = tl.program_id(0)
-        row, i = program // width, program % width
-        columns = tl.arange(0, BLOCK_H)
-        in_hidden = columns < hidden
-        done = i >= tl.load(lengths_ptr + row)  # padding: zeros
-        acc = tl.zeros([BLOCK_H], tl.float32)
-        for g in tl.static_range(N):
-            length: tl.constexpr = N - g
-            start = i - length + 1
-            wanted = (start >= 0) & (done == 0)
-            key = _pack(tokens_ptr, row * width, start, length, vocab, wanted)
-            for table in tl.static_range(TABLES):
-                segment = table * N + length - 1
-                hit, found_row = _find(keys_ptr, offsets_ptr, segment, key, wanted, STEPS)
-                at = tl.load(value_offsets_ptr + segment) + (found_row * length + length - 1) * hidden
-                value = tl.load(values_ptr + at + columns, mask=in_hidden & hit, other=0.0).to(tl.float32)
-                acc = tl.where(hit, value, acc)
-                wanted = wanted & (hit == 0)
-                done = done | hit
-        tl.store(out_ptr + program.to(tl.int64) * hidden + columns, acc, mask=in_hidden)
+    def _look_up(keys_ptr, offsets_ptr, values_ptr, value_offsets_ptr, key, wanted, length: tl.constexpr, position,
+                 hidden, columns, N: tl.constexpr, TABLES: tl.constexpr, STEPS: tl.constexpr):
+        """(hit, the values at `position` [BLOCK_H] float32) of the fragment `key` of `length` tokens, if `wanted`:
+        from the first table (domain, root) that holds it."""
+        hit = wanted & (key < 0)  # false (keys are never negative), of the scalar's type
+        value = tl.zeros(columns.shape, tl.float32)
+        for table in tl.static_range(TABLES):
+            segment = table * N + length - 1
+            found, found_row = _find(keys_ptr, offsets_ptr, segment, key, wanted & (hit == 0), STEPS)
+            at = tl.load(value_offsets_ptr + segment) + (found_row * length + position) * hidden
+            value = tl.where(found, tl.load(values_ptr + at + columns, mask=(columns < hidden) & found,
+                                            other=0.0).to(tl.float32), value)
+            hit = hit | found
+        return hit, value
 
     @triton.jit
-    def _encoder_kernel(tokens_ptr, lengths_ptr, keys_ptr, offsets_ptr, values_ptr, value_offsets_ptr, out_ptr,
-                        width, vocab, hidden, N: tl.constexpr, TABLES: tl.constexpr, STEPS: tl.constexpr,
-                        BLOCK_H: tl.constexpr):
-        # token i: the mean of its representations in the covering fragments of the longest length with any found
+    def _kernel(tokens_ptr, lengths_ptr, keys_ptr, offsets_ptr, values_ptr, value_offsets_ptr, out_ptr, width, vocab,
+                hidden, ENCODER: tl.constexpr, N: tl.constexpr, TABLES: tl.constexpr, STEPS: tl.constexpr,
+                BLOCK_H: tl.constexpr):
+        # token i, longest fragments first: an encoder's, the mean of its representations in the fragments that
+        # cover it (the one starting at i - j holds it at j) of the longest length with any found; a decoder's, the
+        # last position of the longest fragment ending at it that a table holds
         program = tl.program_id(0)
         row, i = program // width, program % width
         columns = tl.arange(0, BLOCK_H)
-        in_hidden = columns < hidden
         n = tl.load(lengths_ptr + row)
         open_ = i < n  # padding: zeros
         acc = tl.zeros([BLOCK_H], tl.float32)
         count = tl.zeros([], tl.float32)
         for g in tl.static_range(N):
             length: tl.constexpr = N - g
-            for j in tl.static_range(length):  # the fragment starting at i - j holds token i at position j
-                start = i - j
+            for j in tl.static_range(length * ENCODER + 1 - ENCODER):  # a decoder: one fragment, ending at i
+                position: tl.constexpr = j * ENCODER + (length - 1) * (1 - ENCODER)
+                start = i - position
                 wanted = open_ & (start >= 0) & (start + length <= n)
                 key = _pack(tokens_ptr, row * width, start, length, vocab, wanted)
-                for table in tl.static_range(TABLES):
-                    segment = table * N + length - 1
-                    hit, found_row = _find(keys_ptr, offsets_ptr, segment, key, wanted, STEPS)
-                    at = tl.load(value_offsets_ptr + segment) + (found_row * length + j) * hidden
-                    value = tl.load(values_ptr + at + columns, mask=in_hidden & hit, other=0.0).to(tl.float32)
-                    acc += tl.where(hit, value, 0.0)
-                    count += tl.where(hit, 1.0, 0.0)
-                    wanted = wanted & (hit == 0)
+                hit, value = _look_up(keys_ptr, offsets_ptr, values_ptr, value_offsets_ptr, key, wanted, length,
+                                      position, hidden, columns, N, TABLES, STEPS)
+                acc += tl.where(hit, value, 0.0)
+                count += tl.where(hit, 1.0, 0.0)
             open_ = open_ & (count == 0)
         acc = tl.where(count > 0, acc / tl.maximum(count, 1.0), 0.0)
-        tl.store(out_ptr + program.to(tl.int64) * hidden + columns, acc, mask=in_hidden)
+        tl.store(out_ptr + program.to(tl.int64) * hidden + columns, acc, mask=columns < hidden)

@@ -13,8 +13,9 @@ from matrix import make_checkpoint
 from symbiosis.kernels import plot_lookup
 from symbiosis.plot import DevicePlot, LowerLayers, Plot, build_table
 
-CORPUS = [[5, 6, 7], [5, 6, 7, 8, 9, 10], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27], [5, 6, 7, 8]]
-SEQUENCES = [[5, 6, 7, 8, 30, 9], [11, 12, 30], [20], [5, 6, 7], [40, 41, 5, 6, 7, 8, 9, 10, 3]]
+# [11, 12, 0]: a fragment that a lookup running past the end of [11, 12] into its padding (token 0) would find
+CORPUS = [[5, 6, 7], [5, 6, 7, 8, 9, 10], [11, 12, 0], [20, 21, 22, 23, 24, 25, 26, 27], [5, 6, 7, 8]]
+SEQUENCES = [[5, 6, 7, 8, 30, 9], [11, 12, 30], [20], [11, 12], [5, 6, 7], [40, 41, 5, 6, 7, 8, 9, 10, 3]]
 LAYERS = {"llama": {"num_hidden_layers": 4}, "bert": {"num_hidden_layers": 4}}
 
 ON_GPU = torch.cuda.is_available()
