@@ -200,8 +200,14 @@ def main() -> None:
     upper = UpperModel(path, LOWER, args.device)
     model = PlotModel(upper, plot)
     on_device = PlotModel(upper, DevicePlot(plot, args.device))  # the tables copied to the device, batch lookups
+    from symbiosis.kernels import plot_lookup  # the same with torch operations (the kernel's baseline)
+
+    triton, plot_lookup.triton = plot_lookup.triton, None
+    in_torch = PlotModel(upper, DevicePlot(plot, args.device))
+    plot_lookup.triton = triton
     timings = {}
-    for name, run in (("computed", computed), ("lookup", model.hidden), ("device_lookup", on_device.hidden)):
+    for name, run in (("computed", computed), ("lookup", model.hidden), ("device_lookup", on_device.hidden),
+                      ("device_lookup_torch", in_torch.hidden)):
         for batch in batches[:2]:
             run(batch)  # warm
         sync()
@@ -215,6 +221,8 @@ def main() -> None:
     emit(**common, what="lower_path", batch=64, computed_ms=timings["computed"], lookup_ms=timings["lookup"],
          speedup=timings["computed"] / timings["lookup"], device_lookup_ms=timings["device_lookup"],
          device_speedup=timings["computed"] / timings["device_lookup"],
+         device_kernel=on_device.plot.packed is not None, device_lookup_torch_ms=timings["device_lookup_torch"],
+         device_torch_speedup=timings["computed"] / timings["device_lookup_torch"],
          test_trigrams_found=float(np.concatenate(found).mean()))
 
     schedule = Schedule(steps=args.steps, learning_rate=2e-3, batch_size=32, seed=args.seed, checkpoint_every=10**6)
