@@ -42,6 +42,8 @@ class DevicePlot:
 
     def pack(self) -> None:
         """The tables packed for `kernels.plot_lookup` (which the lookups then run by), the per-table copies let go."""
+        if self.packed is not None:
+            return
         values_dtype = functools.reduce(torch.promote_types, [v.dtype for t in self.tables for _, v in t.values()])
         self.packed = plot_lookup.PackedTables.pack(self.tables, self.n, self.hidden, values_dtype)
         self.tables = []
