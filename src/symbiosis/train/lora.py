@@ -141,6 +141,9 @@ class HostedLora:
                     where.append(elements)
                 self.layers[target.layer_id] = (pair[0], pair[1])
                 self._slices[target.layer_id] = (where[0], where[1])
+        # adapters of one layout have every matrix at the same place of their flat buffers (train/model.py gathers
+        # a pass's adapters' buffers at once, each layer's stacks then views of them)
+        self.layout = (spec.rank, tuple(self._slices), self.flat.shape, self.flat.dtype, self.flat.device)
         self.steps = 0
 
     def drop_gradients(self) -> None:

@@ -74,6 +74,19 @@ def test_three_adapters_in_one_pass_train_as_each_alone(trainer):
                                          LoraSpec(rank=8, seed=3, train_unembed=False, train_attn=False)])
 
 
+def test_adapters_of_one_layout_train_as_each_alone_from_one_gathered_buffer(trainer, monkeypatch):
+    """Adapters of one rank and parts: a pass gathers their flat buffers once and each layer's stacks are views of
+    that (train/model.py `_gathered`); still exactly plain PEFT's training of each (datums 2, 1 and 3 an adapter)."""
+    path, trainer = trainer
+    from symbiosis.train import model
+
+    gathered = []
+    original = model._gathered
+    monkeypatch.setattr(model, "_gathered", lambda *args: gathered.append(original(*args)) or gathered[-1])
+    _train_as_each_alone(path, trainer, [LoraSpec(rank=4, seed=seed) for seed in (1, 2, 3)])
+    assert gathered and all(g is not None and g.shape[0] == 6 for g in gathered)
+
+
 def test_on_a_mixture_of_experts_base_attention_adapters_train_as_each_alone(tmp_path):
     """Qwen3-MoE: the experts are the executor's (called per projection, grouped); attention and head adapters
     train exactly as plain PEFT trains each (the loss is Tinker's, the router's auxiliary loss is not in it).
