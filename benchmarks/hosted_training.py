@@ -153,6 +153,13 @@ def _trainer(model_dir: Path, devices: list[str] | None, micro_batch_tokens: int
     return executor, trainer
 
 
+def _runner_share(queue, seconds_at_start: dict, wall: float) -> dict:
+    """The share of a window of `wall` seconds each training runner (a TrainingQueue's, or each replica's, averaged)
+    spent gathering its tenants' requests, stepping and passing, from `queue.seconds` at the window's start."""
+    runners = len(queue.queues) if hasattr(queue, "queues") else 1
+    return {what: round((queue.seconds[what] - seconds_at_start[what]) / runners / wall, 3) for what in queue.seconds}
+
+
 def _peaks(devices: list[str] | None) -> dict:
     """Peak GPU memory: of this GPU, or of each of `devices`."""
     if not devices or not torch.cuda.is_available():
@@ -219,12 +226,9 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
     trained, wall = drive(tenants, start_tenant, length * batch, duration,
                           on_start=lambda: at_start.append((queue.passes, dict(queue.seconds))))
     passes_run = queue.passes - at_start[0][0]
-    runners = len(queue.queues) if replicas else 1
     result = {"tokens_per_s": trained / wall, "passes_per_s": passes_run / wall,
               "datums_per_pass": trained / length / max(1, passes_run), **_peaks(gpus),
-              # the share of the window each training runner spent waiting for tenants, stepping, passing
-              "runner_share": {what: round((queue.seconds[what] - at_start[0][1][what]) / runners / wall, 3)
-                               for what in queue.seconds}}
+              "runner_share": _runner_share(queue, at_start[0][1], wall)}
     if devices:
         result.update(devices=devices, micro_batch_tokens=trainer.micro_batch_tokens)
     if replicas:
@@ -443,14 +447,11 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
         raise RuntimeError(f"an SDK client process failed, exit status {[c.returncode for c in children]} (its "
                            "traceback, if any, is above)")
     trained, wall = sum(t for t, _, _ in outcomes), max(w for _, w, _ in outcomes)
-    queue = service.training_queue
-    runners = len(queue.queues) if hasattr(queue, "queues") else 1
     result = {"tokens_per_s": trained / wall, "datums_per_pass": trained / length / max(1, passes),
               "peak_gib": peak_gib(), "client_processes": processes,
               # each client process's CPU seconds over its window: near 1, its interpreter is what bounds the run
               "client_cpu_share": [round(cpu / w, 2) for _, w, cpu in outcomes],
-              "runner_share": {what: round((queue.seconds[what] - seconds[what]) / runners / wall, 3)
-                               for what in queue.seconds}}
+              "runner_share": _runner_share(service.training_queue, seconds, wall)}
     server.should_exit = True
     thread.join(30)
     service.close()

@@ -228,10 +228,13 @@ class Trainer:
         return max(1, CHUNK_ELEMENTS // self.vocab)
 
     def logits(self, hidden: torch.Tensor, lora: HostedLora | None) -> tuple[torch.Tensor, object]:
-        """(logits [n, vocab] in at least float32, the transform's slope d logits / d raw) of hidden [n, H]."""
+        """(logits [n, vocab], the transform's slope d logits / d raw) of hidden [n, H]: the head's output as it is
+        (half precision on a GPU: what reads them computes in at least float32), or the model's logit transform
+        of it in at least float32."""
         raw = self.head.project(hidden, [(0, hidden.shape[0], lora)])
-        raw = raw.to(torch.promote_types(raw.dtype, torch.float32))
-        return self.transform(raw) if self.transform is not None else (raw, 1.0)
+        if self.transform is None:
+            return raw, 1.0
+        return self.transform(raw.to(torch.promote_types(raw.dtype, torch.float32)))
 
     def _target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, lora: HostedLora | None) -> torch.Tensor:
         """log p(targets) [n] (or [n, K]) from hidden [n, H]: the head (with the adapter's LoRA on it, if any),
@@ -277,7 +280,9 @@ def _moved(tensors: list[torch.Tensor], move) -> list[torch.Tensor]:
 
 
 def _picked(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
-    """log_softmax(logits) at `targets` ([n] or [n, K]); `lse`: the logits' log-sum-exp [n, 1], if made already."""
+    """log_softmax(logits) at `targets` ([n] or [n, K]), in at least float32; `lse`: the logits' log-sum-exp [n, 1],
+    if made already."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if lse is None:
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     lp = logits.gather(1, targets if targets.dim() == 2 else targets[:, None]) - lse
@@ -299,25 +304,21 @@ class _FrozenHeadLoss(torch.autograd.Function):
         lps = []
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            # z [C, vocab], this chunk's own: the head's output as it is (half precision on a GPU: the kernels
-            # compute in float32 from it), or the model's logit transform of it in float32
-            z, slope = trainer.head.base.forward(hidden[rows]), 1.0
-            if trainer.transform is not None:
-                z, slope = trainer.transform(z.to(torch.promote_types(z.dtype, torch.float32)))
+            z, slope = trainer.logits(hidden[rows], None)  # [C, vocab], this chunk's own
             target = targets[rows]
             index = target if target.dim() == 2 else target[:, None]  # [C, K]
             lse = softmax_grad.logsumexp_rows(z)  # [C], float32 at least
-            lp = (z.gather(1, index).to(lse.dtype) - lse[:, None]).requires_grad_()
+            lp = (z.gather(1, index).to(lse.dtype) - lse[:, None]).requires_grad_()  # [C, K]
             with torch.enable_grad():  # c = d loss / d lp: every loss is a sum over tokens, so the chunk's own
-                loss = losses.LOSSES[loss_fn](lp if target.dim() == 2 else lp[:, 0],
-                                              {k: v[rows] for k, v in inputs.items()}, config)
+                picked = lp if target.dim() == 2 else lp[:, 0]  # as the targets' shape
+                loss = losses.LOSSES[loss_fn](picked, {k: v[rows] for k, v in inputs.items()}, config)
                 (c,) = torch.autograd.grad(loss, lp)
             # d loss / d z = sum_k c_k onehot(t_k) - (sum_k c_k) softmax(z), made in z's own memory
             grad = softmax_grad.softmax_grad_(z, lse, index, c)
             if not isinstance(slope, float):
                 grad = grad * slope
             grad_hidden[rows] = trainer.head.base.backward(grad.to(hidden.dtype))
-            lps.append((lp if target.dim() == 2 else lp[:, 0]).detach())
+            lps.append(picked.detach())
         lp = torch.cat(lps)
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         per_datum = torch.stack([losses.LOSSES[loss_fn](lp[a:a + n], {k: v[a:a + n] for k, v in inputs.items()}, config)
