@@ -115,6 +115,27 @@ if triton is not None:
         return hit, value
 
     @triton.jit
+    def _fragments(tokens_ptr, keys_ptr, offsets_ptr, values_ptr, value_offsets_ptr, row_start, i, n, open_, columns,
+                   vocab, hidden, length: tl.constexpr, ENCODER: tl.constexpr, N: tl.constexpr, TABLES: tl.constexpr,
+                   STEPS: tl.constexpr):
+        """(the sum of the found values [BLOCK_H], how many were found) of the fragments of `length` tokens that
+        cover token i (an encoder's) or end at it (a decoder's, one), if `open_`."""
+        acc = tl.zeros(columns.shape, tl.float32)
+        count = tl.zeros([], tl.float32)
+        for j in tl.static_range(length * ENCODER + 1 - ENCODER):
+            position = j * ENCODER + (length - 1) * (1 - ENCODER)  # token i's place in the fragment
+            start = i - position
+            wanted = open_ & (start >= 0) & (start + length <= n)
+            key = _pack(tokens_ptr, row_start, start, length, vocab, wanted)
+            hit, value = _look_up(keys_ptr, offsets_ptr, values_ptr, value_offsets_ptr, key, wanted, length,
+                                  position, hidden, columns, N, TABLES, STEPS)
+            acc += tl.where(hit, value, 0.0)
+            count += tl.where(hit, 1.0, 0.0)
+        return acc, count
+
+    # a batch's width changes from batch to batch: specialized (on divisibility by 16), it would compile the kernel
+    # again for widths not seen yet, mid-service
+    @triton.jit(do_not_specialize=["width"])
     def _kernel(tokens_ptr, lengths_ptr, keys_ptr, offsets_ptr, values_ptr, value_offsets_ptr, out_ptr, width, vocab,
                 hidden, ENCODER: tl.constexpr, N: tl.constexpr, TABLES: tl.constexpr, STEPS: tl.constexpr,
                 BLOCK_H: tl.constexpr):
@@ -129,16 +150,10 @@ if triton is not None:
         acc = tl.zeros([BLOCK_H], tl.float32)
         count = tl.zeros([], tl.float32)
         for g in tl.static_range(N):
-            length: tl.constexpr = N - g
-            for j in tl.static_range(length * ENCODER + 1 - ENCODER):  # a decoder: one fragment, ending at i
-                position: tl.constexpr = j * ENCODER + (length - 1) * (1 - ENCODER)
-                start = i - position
-                wanted = open_ & (start >= 0) & (start + length <= n)
-                key = _pack(tokens_ptr, row * width, start, length, vocab, wanted)
-                hit, value = _look_up(keys_ptr, offsets_ptr, values_ptr, value_offsets_ptr, key, wanted, length,
-                                      position, hidden, columns, N, TABLES, STEPS)
-                acc += tl.where(hit, value, 0.0)
-                count += tl.where(hit, 1.0, 0.0)
+            part, found = _fragments(tokens_ptr, keys_ptr, offsets_ptr, values_ptr, value_offsets_ptr, row * width,
+                                     i, n, open_, columns, vocab, hidden, N - g, ENCODER, N, TABLES, STEPS)
+            acc += part
+            count += found
             open_ = open_ & (count == 0)
         acc = tl.where(count > 0, acc / tl.maximum(count, 1.0), 0.0)
         tl.store(out_ptr + program.to(tl.int64) * hidden + columns, acc, mask=columns < hidden)
