@@ -83,6 +83,34 @@ def drive(tenants: int, start_tenant, length: int, duration: float, on_start=lam
     return sum(trained), max(last_done) - start if sum(trained) else duration
 
 
+class Loop:
+    """A tenant's training loop, as `--loop` says: `sequential` waits for each request before sending the next
+    (forward_backward, then optim_step); `together` sends an iteration's forward_backward and optim_step, then waits
+    for both (tinker-cookbook's loops); `ahead` sends the next iteration before waiting for the last one, so that its
+    requests are queued while the last ones run. `iteration()` sends one iteration's requests and returns their
+    waits (callables); `step()` is `drive`'s step: one iteration done a call (the first waits for its own)."""
+
+    def __init__(self, kind: str, submit):
+        self.kind, self.submit, self.pending, self.started = kind, submit, [], False
+
+    def step(self) -> None:
+        if self.kind == "sequential":
+            for wait in self.submit(sequential=True):
+                wait()
+            return
+        self.pending.append(self.submit(sequential=False))
+        keep = 1 if self.kind == "ahead" and self.started else 0
+        self.started = True
+        while len(self.pending) > keep:
+            for wait in self.pending.pop(0):
+                wait()
+
+    def finish(self) -> None:
+        while self.pending:
+            for wait in self.pending.pop(0):
+                wait()
+
+
 def _activities() -> list:
     return [torch.profiler.ProfilerActivity.CPU] + \
         ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -169,9 +197,11 @@ def _peaks(devices: list[str] | None) -> dict:
 
 def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: float, vocab: int, batch: int = 1,
                devices: list[str] | None = None, max_pass_tokens: int | None = None,
-               micro_batch_tokens: int | None = None, replicas: list[str] | None = None) -> dict:
-    """Every tenant a thread submitting forward_backward (`batch` datums) then optim_step to one TrainingQueue (or,
-    with `replicas`, to a `Replicas` of a base copy on each of those GPUs, the tenants spread over them)."""
+               micro_batch_tokens: int | None = None, replicas: list[str] | None = None, loop: str = "together"
+               ) -> dict:
+    """Every tenant a thread submitting forward_backward (`batch` datums) and optim_step (`Loop`) to one
+    TrainingQueue (or, with `replicas`, to a `Replicas` of a base copy on each of those GPUs, the tenants spread
+    over them)."""
     from symbiosis.train import HostedLora, LoraSpec, Work
     from symbiosis.train.lora import AdamParams
     from symbiosis.train.replicas import Replicas
@@ -200,27 +230,33 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
         queue.open(key, 0)
         seq = 0
 
-        def run(work=None, call=None, step=None):
+        def send(work=None, call=None, step=None, wait=False):
             nonlocal seq
             done = threading.Event()
             outcome = {}
             queue.submit(key, Operation(seq, lambda r: (outcome.update(r=r), done.set()),
                                         lambda e: (outcome.update(e=e), done.set()), work=work, call=call, step=step))
             seq += 1
-            done.wait()
-            if "e" in outcome:
-                raise outcome["e"]
 
-        def step() -> None:
+            def waited():
+                done.wait()
+                if "e" in outcome:
+                    raise outcome["e"]
+            if wait:
+                waited()
+            return waited
+
+        def iteration(sequential: bool) -> list:
             datums = []
             for _ in range(batch):
                 tokens = _tokens(vocab, length, generator)
                 datums.append(Datum(tokens[:-1], {"target_tokens": torch.tensor(tokens[1:]),
                                                   "weights": torch.ones(length, dtype=torch.float64)}))
-            run(work=Work(lora, datums, "cross_entropy"))
-            run(call=lambda metrics: metrics, step=(lora, AdamParams(1e-4)))  # with the round's other steps
+            return [send(work=Work(lora, datums, "cross_entropy"), wait=sequential),
+                    send(call=lambda metrics: metrics, step=(lora, AdamParams(1e-4)), wait=sequential)]
 
-        return step, lambda: None
+        tenant_loop = Loop(loop, iteration)
+        return tenant_loop.step, tenant_loop.finish
 
     at_start = []
     trained, wall = drive(tenants, start_tenant, length * batch, duration,
@@ -391,7 +427,7 @@ class _StageClock:
 
 def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration: float, vocab: int,
                 processes: int = 1, replicas: list[str] | None = None,
-                gather_fraction: float | None = None) -> dict:
+                gather_fraction: float | None = None, loop: str = "together") -> dict:
     """A loopback `symbiosis serve` (in this process) and the tenants, each a thread driving the tinker SDK, in
     `processes` processes of their own. The processes' windows open together: each says `ready` when its tenants
     are warm, and all are told `go` at once. One process by default: on one machine, a process a tenant was slower
@@ -423,7 +459,7 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
     groups = [list(range(tenants))[i::processes] for i in range(processes)]
     children = []
     for group in groups:
-        spec = dict(url=url, indices=group, rank=rank, length=length, duration=duration, vocab=vocab)
+        spec = dict(url=url, indices=group, rank=rank, length=length, duration=duration, vocab=vocab, loop=loop)
         child = subprocess.Popen([sys.executable, __file__, "--sdk-client", json.dumps(spec)], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True, env={**os.environ, "TINKER_TELEMETRY": "0"})
         children.append(child)
@@ -465,8 +501,8 @@ def _sdk_key(index: int) -> str:
     return f"tml-tenant-{index:04d}-0123456789"
 
 
-def sdk_tenants(url: str, indices: list[int], rank: int, length: int, duration: float, vocab: int
-                ) -> tuple[int, float, float]:
+def sdk_tenants(url: str, indices: list[int], rank: int, length: int, duration: float, vocab: int,
+                loop: str = "together") -> tuple[int, float, float]:
     """`through_sdk`'s client processes: tenants `indices`, each a thread with its own `tinker.ServiceClient`.
     Returns (tokens, seconds, this process's CPU seconds in them)."""
     import tinker
@@ -478,16 +514,18 @@ def sdk_tenants(url: str, indices: list[int], rank: int, length: int, duration: 
         client = tinker.ServiceClient(base_url=url, api_key=_sdk_key(index))
         training = client.create_lora_training_client(base_model="base", rank=rank, seed=index, **PARTS).result()
 
-        def step() -> None:
+        def iteration(sequential: bool) -> list:
             tokens = _tokens(vocab, length, generator)
             datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
                                 loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * length})
             backward = training.forward_backward([datum], "cross_entropy")
+            if sequential:
+                backward.result()
             update = training.optim_step(types.AdamParams(learning_rate=1e-4))
-            backward.result()
-            update.result()
+            return [backward.result, update.result]
 
-        return step, lambda: client.close("success")
+        tenant_loop = Loop(loop, iteration)
+        return tenant_loop.step, lambda: (tenant_loop.finish(), client.close("success"))
 
     cpu_at_go = []
 
@@ -573,6 +611,10 @@ def main() -> None:
     parser.add_argument("--head-in-torch", action="store_true",
                         help="the frozen head's loss gradient by the torch reference, not the Triton kernels "
                              "(kernels/softmax_grad.py): the baseline of the kernels")
+    parser.add_argument("--loop", default="together", choices=("sequential", "together", "ahead"),
+                        help="each tenant's loop (both paths): wait for each request before the next; send an "
+                             "iteration's forward_backward and optim_step, then wait for both (tinker-cookbook's); "
+                             "send the next iteration before waiting for the last (Loop)")
     parser.add_argument("--no-peft", action="store_true", help="leave out the compiled PEFT jobs")
     parser.add_argument("--anatomy", action="store_true", help="also time one pass of 1 and of the most tenants "
                                                                     "alone (wall and GPU milliseconds)")
@@ -587,7 +629,8 @@ def main() -> None:
     model_dir = checkpoint(args.model)
     vocab = CONFIGS[args.model]["vocab_size"]
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    common = dict(bench="hosted_training", model=args.model, rank=args.rank, seq_len=args.seq_len, gpu=gpu)
+    common = dict(bench="hosted_training", model=args.model, rank=args.rank, seq_len=args.seq_len, gpu=gpu,
+                  loop=args.loop)
     counts = [int(n) for n in args.tenants.split(",")]
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
@@ -612,11 +655,12 @@ def main() -> None:
             emit(**common, system="symbiosis engine API", tenants=n,
                  **engine_api(model_dir, n, args.rank, args.seq_len, args.duration, vocab, args.batch, devices,
                               args.max_pass_tokens, args.micro_batch_tokens,
-                              args.replicas.split(",") if args.replicas else None))
+                              args.replicas.split(",") if args.replicas else None, args.loop))
         if "sdk" in args.paths:
             emit(**common, system="symbiosis tinker SDK over HTTP", tenants=n,
                  **through_sdk(model_dir, n, args.rank, args.seq_len, args.duration, vocab, args.sdk_processes,
-                               args.replicas.split(",") if args.replicas else None, args.gather_fraction))
+                               args.replicas.split(",") if args.replicas else None, args.gather_fraction,
+                               args.loop))
     if not args.no_peft:
         emit(**common, system="PEFT compiled, one job", batch=1,
              **compiled_peft(model_dir, 1, args.seq_len, args.duration))

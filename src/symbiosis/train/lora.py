@@ -19,6 +19,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.optim.adamw import adamw
@@ -283,6 +284,13 @@ def step_together(steps: list[tuple[HostedLora, AdamParams]]) -> list[dict[str, 
     weights of all adapters with equal hyperparameters in one AdamW call over their flat buffers. The training queue
     runs every tenant's step of a round here. An adapter with no gradients since its last step does not move (as
     torch skips parameters without gradients). Returns each adapter's metrics."""
+    return launch_steps(steps)()
+
+
+def launch_steps(steps: list[tuple[HostedLora, AdamParams]]) -> Callable[[], list[dict[str, float]]]:
+    """`step_together`'s steps queued on the device, not waited for: the adapters' states are the stepped ones for
+    whatever is queued after; the returned call reads the metrics (gradient norms), waiting for the steps alone (their
+    norms are copied to the host as soon as they are made, so work queued after the steps is not waited for)."""
     moving = [(lora, adam) for lora, adam in steps if lora.pending]
     norms = torch._foreach_norm([lora.flat_grad for lora, _ in moving]) if moving else []
     groups: dict[tuple, tuple[list, list, list, list, list]] = {}
@@ -303,9 +311,25 @@ def step_together(steps: list[tuple[HostedLora, AdamParams]]) -> list[dict[str, 
     for lora, _ in moving:
         lora.pending = False
         lora.steps += 1
-    read = dict(zip((id(lora) for lora, _ in moving), torch.stack(norms).tolist() if moving else []))  # one read
-    return [{"grad_norm:mean": read.get(id(lora), 0.0), "learning_rate:mean": adam.learning_rate}
-            for lora, adam in steps]
+    copied, event = None, None
+    if moving:
+        stacked = torch.stack(norms)
+        if stacked.is_cuda:  # into pinned memory behind the norms, an event after it: a read that waits for them alone
+            copied = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+            copied.copy_(stacked, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(stacked.device))
+        else:
+            copied = stacked
+
+    def metrics() -> list[dict[str, float]]:
+        if event is not None:
+            event.synchronize()
+        read = dict(zip((id(lora) for lora, _ in moving), copied.tolist() if moving else []))
+        return [{"grad_norm:mean": read.get(id(lora), 0.0), "learning_rate:mean": adam.learning_rate}
+                for lora, adam in steps]
+
+    return metrics
 
 
 def _scalar_dtype() -> torch.dtype:

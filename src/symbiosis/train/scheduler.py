@@ -25,6 +25,12 @@ twice, in its round and in the next. Clients in the process
 come back within a millisecond or two; clients of the Tinker SDK over HTTP one after another over tens of
 milliseconds, the service's event loop answering each and taking its next request.
 
+Loops that send ahead (the next forward_backward queued before the step's answer: `--loop ahead` in
+benchmarks/hosted_training.py) are not waited for: the round queues the steps, then the pass, and answers the steps
+once the pass is on the device, so the host's answers overlap the GPU's pass and the steps cost no wait of their own
+for the GPU. Where any stepped adapter's next request is not there yet, its loop waits for the answer: every step
+is answered at once, as before.
+
 A pass that fails (out of memory, say) fails the requests in it, and the gradients their adapters gathered since
 their last optimizer step are dropped (`Operation.fail` says so): a later optimizer step must not apply half a
 pass.
@@ -37,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from symbiosis.train.lora import AdamParams, HostedLora, step_together
+from symbiosis.train.lora import AdamParams, HostedLora, launch_steps
 from symbiosis.train.trainer import Result, Trainer, Work
 from symbiosis.worker import Worker
 
@@ -45,6 +51,10 @@ log = logging.getLogger("symbiosis.train")
 UNORDERED = ""  # the queue of calls that belong to no adapter (submit_call); adapter keys are never empty
 GATHER_FRACTION = 0.5  # a round waits for the adapters the last one answered at most this much of the last pass
 GATHER_QUIET_S = 0.02  # ... and no longer than this after the last of them came
+
+
+def _nothing() -> None:
+    pass
 
 
 @dataclass
@@ -163,21 +173,29 @@ class TrainingQueue:
         calls = {key: op for key, op in ready.items() if op.work is None and op.step is None}
         passes = {key: op for key, op in ready.items() if op.work is not None}
         started = time.monotonic()
-        if steps:
-            self._steps(steps)
+        answer_steps = self._launch_steps(steps) if steps else _nothing
         for key, op in calls.items():
             self._answer(key, op, op.call)
+        if not self._next_queued(set(steps)):  # a loop that waits for its step's answer before its next request
+            answer_steps()
         self.seconds["steps"] += time.monotonic() - started
         if steps or calls:  # their adapters' next forward_backward joins this pass (`_rejoin`)
             passes.update(self._rejoin(set(steps) | set(calls) - {UNORDERED}, set(passes)))
         if passes:
             started = time.monotonic()
-            self._pass(passes)
+            self._pass(passes, answer_steps)
             self._last_pass_s = time.monotonic() - started
             self.seconds["pass"] += self._last_pass_s
+        answer_steps()
         with self._lock:
             self._expected, self._answered = self._answered, set()
         return bool(ready)
+
+    def _next_queued(self, keys: set[str]) -> bool:
+        """Whether each of these adapters' next request is queued already (its loop sends ahead of the answers)."""
+        with self._lock:
+            ready = self._ready()
+            return all(key in ready for key in keys)
 
     def _rejoin(self, answered: set[str], passing: set[str]) -> dict[str, Operation]:
         """The pass requests of `answered` adapters (their step or call just answered) that come within the
@@ -190,16 +208,44 @@ class TrainingQueue:
         more = self._gather()
         return {key: op for key, op in more.items() if op.work is not None and key not in passing}
 
-    def _steps(self, operations: dict[str, Operation]) -> None:
-        """Every adapter's optimizer step of the round together (`step_together`: a few launches for all)."""
+    def _launch_steps(self, operations: dict[str, Operation]) -> Callable[[], None]:
+        """Every adapter's optimizer step of the round queued on the device together (`launch_steps`: a few launches
+        for all). Their queues move on at once (what runs after sees the stepped states); the returned call answers
+        them (once), reading their metrics: at once where a loop waits for the answer before its next request,
+        otherwise when the round's pass is queued, so that the GPU runs the pass while the host answers the steps
+        (an answer may write the adapter's state: serve/tinker)."""
         try:
-            metrics = step_together([op.step for op in operations.values()])
+            read_metrics = launch_steps([op.step for op in operations.values()])
         except Exception as e:  # noqa: BLE001 -- these steps fail; the other requests go on
             for key, op in operations.items():
                 self._finish(key, op, error=e)
-            return
-        for (key, op), step_metrics in zip(operations.items(), metrics):
-            self._answer(key, op, lambda: op.call(step_metrics))
+            return _nothing
+        with self._lock:
+            for key, op in operations.items():
+                if self._queues.get(key, {}).get(op.seq) is op:
+                    self._advance(key)
+                self._answered.add(key)
+        answered = []
+
+        def answer() -> None:
+            if answered:
+                return
+            answered.append(True)
+            try:
+                metrics = read_metrics()
+            except Exception as e:  # noqa: BLE001 -- these steps fail; the other requests go on
+                for op in operations.values():
+                    op.fail(e)
+                return
+            for op, step_metrics in zip(operations.values(), metrics):
+                try:
+                    result = op.call(step_metrics)
+                except Exception as e:  # noqa: BLE001 -- this request fails; the others go on
+                    op.fail(e)
+                else:
+                    op.done(result)
+
+        return answer
 
     def _answer(self, key: str, op: Operation, compute: Callable[[], object]) -> None:
         """Finish `op` with what `compute` returns, or with its error (which fails this request alone)."""
@@ -210,7 +256,9 @@ class TrainingQueue:
         else:
             self._finish(key, op, result=result)
 
-    def _pass(self, operations: dict[str, Operation]) -> None:
+    def _pass(self, operations: dict[str, Operation], launched: Callable[[], None] = lambda: None) -> None:
+        """One pass of the operations' next datums (each its share of `max_pass_tokens`); `launched` runs once the
+        pass is queued on the device, before its answers (or its failure's)."""
         share = max(1, self.max_pass_tokens // len(operations))
         parts = []
         for key, op in operations.items():
@@ -222,9 +270,10 @@ class TrainingQueue:
                 tokens += len(datum.tokens)
             parts.append((key, op, Work(op.work.lora, datums, op.work.loss_fn, op.work.config, op.work.backward)))
         try:
-            results = self.trainer.run([work for _, _, work in parts])
+            results = self.trainer.run([work for _, _, work in parts], launched=launched)
         except Exception as e:  # noqa: BLE001 -- the pass's requests fail; their adapters drop their gradients
             log.exception("a training pass failed")
+            launched()
             for key, op, work in parts:
                 if op.work.backward:
                     work.lora.drop_gradients()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -111,16 +112,18 @@ class Trainer:
             if targets.is_floating_point() or bool(((targets < 0) | (targets >= self.vocab)).any()):
                 raise BadCall(f"datum {i}: target_tokens outside the vocabulary (0..{self.vocab - 1})")
 
-    def run(self, works: list[Work]) -> list[Result]:
-        """One pass over the works' datums; backward for those that ask. Returns each work's result."""
+    def run(self, works: list[Work], launched: Callable[[], None] | None = None) -> list[Result]:
+        """One pass over the works' datums; backward for those that ask. Returns each work's result. `launched`: a
+        call made once the pass is queued on the device, before its results are read back (the host's work done
+        there overlaps the GPU's)."""
         if torch.device(self.device).type == "cuda":  # its GPU current (a replica's thread: train/replicas.py)
             with torch.cuda.device(self.device):
-                return self._on_streams(works)
-        return self._run(works)
+                return self._on_streams(works, launched)
+        return self._run(works, launched)
 
-    def _on_streams(self, works: list[Work]) -> list[Result]:
+    def _on_streams(self, works: list[Work], launched: Callable[[], None] | None) -> list[Result]:
         if not self.pass_streams:
-            return self._run(works)
+            return self._run(works, launched)
         with contextlib.ExitStack() as streams:
             # after what the default streams hold (optimizer steps), and before what they get next (autograd's
             # backward runs on its forward's streams); the first device's last, so that it is the current device
@@ -128,12 +131,12 @@ class Trainer:
                 stream.wait_stream(torch.cuda.default_stream(stream.device))
                 streams.enter_context(torch.cuda.stream(stream))
             try:
-                return self._run(works)
+                return self._run(works, launched)
             finally:
                 for stream in self.pass_streams:
                     torch.cuda.default_stream(stream.device).wait_stream(stream)
 
-    def _run(self, works: list[Work]) -> list[Result]:
+    def _run(self, works: list[Work], launched: Callable[[], None] | None = None) -> list[Result]:
         datums = [d for work in works for d in work.datums]
         length = max(len(d.tokens) for d in datums)
         input_ids = torch.zeros(len(datums), length, dtype=torch.long)
@@ -198,6 +201,8 @@ class Trainer:
                             work.lora.pending = True
         finally:
             self.state.end()
+        if launched is not None:
+            launched()
         read = _to_host([t for pair in outputs for t in pair])
         logprobs_read, losses_read = read[0::2], [float(loss) for loss in read[1::2]]
         results, row = [], 0

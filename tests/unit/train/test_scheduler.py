@@ -101,14 +101,14 @@ def test_a_failing_call_fails_alone_and_a_skipped_seq_lets_the_queue_go_on(train
 
 
 def test_the_optimizer_steps_of_a_round_run_together_and_each_answers_its_own(trainer, monkeypatch):
-    """Three adapters' optimizer steps waiting at once: one `step_together` for all, each result from its own
+    """Three adapters' optimizer steps waiting at once: one `launch_steps` for all, each result from its own
     metrics; a step whose follow-up fails fails alone."""
     import symbiosis.train.scheduler as scheduler
     from symbiosis.train.lora import AdamParams
 
     calls = []
-    real = scheduler.step_together
-    monkeypatch.setattr(scheduler, "step_together", lambda steps: calls.append(len(steps)) or real(steps))
+    real = scheduler.launch_steps
+    monkeypatch.setattr(scheduler, "launch_steps", lambda steps: calls.append(len(steps)) or real(steps))
     queue, log = TrainingQueue(trainer), []
     works = {key: _work(trainer, seed, 1) for seed, key in enumerate("abc")}
     for key, work in works.items():
@@ -131,6 +131,50 @@ def test_the_optimizer_steps_of_a_round_run_together_and_each_answers_its_own(tr
     assert all(work.lora.steps == 1 and not work.lora.has_gradients() for work in works.values())
 
 
+@pytest.mark.parametrize("ahead", ["both", "one"])
+def test_steps_of_loops_that_send_ahead_are_answered_once_the_pass_is_queued(trainer, monkeypatch, ahead):
+    """Loops that send their next forward_backward before their step's answer: the round queues the steps, then the
+    pass (which sees the stepped matrices), and answers the steps while the pass runs, before the pass's answers.
+    Where one loop waits for its step's answer instead, every step is answered before the pass."""
+    from symbiosis.train.lora import AdamParams
+
+    queue, log = TrainingQueue(trainer, max_gather_s=0), []
+    real_run = trainer.run
+    monkeypatch.setattr(trainer, "run", lambda works, **kw: log.append("pass") or real_run(works, **kw))
+    works = {key: _work(trainer, seed, 1) for seed, key in enumerate("ab")}
+    for key, work in works.items():
+        queue.open(key, 0)
+        queue.submit(key, _operation(0, log, work=work))
+    queue.round()
+    log.clear()
+    second = {}
+    for key, work in works.items():
+        queue.submit(key, Operation(1, done=lambda result, key=key: log.append((key, "step", result)),
+                                    fail=lambda e: log.append(e), call=lambda metrics: metrics["grad_norm:mean"],
+                                    step=(work.lora, AdamParams(0.01))))
+        if ahead == "both" or key == "a":
+            datum = _work(trainer, 7, 1).datums
+            second[key] = Work(work.lora, datum, "cross_entropy")
+            queue.submit(key, Operation(2, done=lambda result, key=key: log.append((key, "pass", result)),
+                                        fail=lambda e: log.append(e), work=second[key]))
+    before = {key: real_run([Work(w.lora, w.datums, "cross_entropy", backward=False)])[0].loss
+              for key, w in second.items()}
+    queue.round()
+    kinds = [entry if isinstance(entry, str) else entry[1] for entry in log]
+    assert all(not isinstance(entry, Exception) for entry in log), log
+    if ahead == "both":
+        assert kinds == ["pass", "step", "step", "pass", "pass"], "steps answered while the pass runs"
+    else:
+        assert kinds[:3] == ["step", "step", "pass"], "a loop waiting for its answer gets it before the pass"
+        queue.round()
+    assert all(work.lora.steps == 1 for work in works.values())
+    for key, w in second.items():  # the pass ran on the stepped matrices (which it does not change)
+        loss = next(entry[2].loss for entry in log if not isinstance(entry, str) and entry[:2] == (key, "pass"))
+        after = real_run([Work(w.lora, w.datums, "cross_entropy", backward=False)])[0].loss
+        assert loss == pytest.approx(after, rel=1e-12) and abs(loss - before[key]) > 1e-9
+    assert all(step > 0 for _, kind, step in (e for e in log if not isinstance(e, str)) if kind == "step")
+
+
 def test_clients_answered_together_are_awaited_so_their_loops_stay_in_one_pass(trainer, monkeypatch):
     """Four client threads, each a loop of forward_backward then optimizer step, each waiting for its answers: the
     queue waits for the adapters it answered, so every pass holds all four (without it the loops split into groups
@@ -144,7 +188,7 @@ def test_clients_answered_together_are_awaited_so_their_loops_stay_in_one_pass(t
     monkeypatch.setattr(scheduler, "GATHER_QUIET_S", 60.0)
     passes = []
     real = trainer.run
-    monkeypatch.setattr(trainer, "run", lambda works: passes.append(len(works)) or real(works))
+    monkeypatch.setattr(trainer, "run", lambda works, **kw: passes.append(len(works)) or real(works, **kw))
     queue = TrainingQueue(trainer, max_gather_s=60)
     works = {key: _work(trainer, seed, 1) for seed, key in enumerate("abcd")}
     answered = {key: threading.Event() for key in works}
