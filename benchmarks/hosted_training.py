@@ -117,12 +117,15 @@ def _activities() -> list:
 
 
 def _write_profile(profiler, path: str, title: str) -> None:
-    Path(path).write_text(f"{title}\n" + _timeline(profiler.events()))  # first: the tables take minutes for 2 GPUs
+    """The operators by device time, the timeline, the operators by host time: each written as soon as it is made
+    (the timeline and the host table take minutes for 2 GPUs; a run cut short keeps what came before)."""
     averages = profiler.key_averages()
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    Path(path).write_text(f"{title}\n" + averages.table(sort_by=key, row_limit=60) + "\n")
     with open(path, "a") as out:
-        out.write(averages.table(sort_by=key, row_limit=50) + "\n" + averages.table(sort_by="cpu_time_total",
-                                                                                    row_limit=50))
+        out.write(_timeline(profiler.events()) + "\n")
+        out.flush()
+        out.write(averages.table(sort_by="cpu_time_total", row_limit=50))
 
 
 def _timeline(events, bucket_us: float = 20_000) -> str:
@@ -643,7 +646,7 @@ def main() -> None:
     devices = args.devices.split(",") if args.devices else None
     if args.profile:
         emit(**common, system="symbiosis pass alone, profiled", tenants=max(counts),
-             **pass_anatomy(model_dir, max(counts), args.rank, args.seq_len, vocab, repeats=2, profile=args.profile,
+             **pass_anatomy(model_dir, max(counts), args.rank, args.seq_len, vocab, repeats=1, profile=args.profile,
                             devices=devices, micro_batch_tokens=args.micro_batch_tokens))
         return
     for n in sorted({1, max(counts)}) if args.anatomy else []:
