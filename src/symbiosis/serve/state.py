@@ -51,13 +51,21 @@ class StateStore:
                 self._db.execute("ROLLBACK")
                 raise
 
+    @contextmanager
+    def reading(self):
+        """The connection, for one statement that only reads (SQLite makes it a snapshot of its own): no write
+        transaction around it (BEGIN IMMEDIATE and COMMIT were two more statements and the database's write lock
+        for every read, each statement handing the interpreter to the other threads and back)."""
+        with self._lock:
+            yield self._db
+
     def _write(self, sql: str, parameters: tuple) -> int:
         with self.transaction() as db:
             return db.execute(sql, parameters).rowcount
 
     def _read(self, sql: str, parameters: tuple = ()) -> list[tuple]:
-        with self._lock:
-            return self._db.execute(sql, parameters).fetchall()
+        with self.reading() as db:
+            return db.execute(sql, parameters).fetchall()
 
     def create(self, schema: str) -> None:
         """More tables (a part of the service keeps its own: serve/tinker/store.py)."""
@@ -135,7 +143,8 @@ class Tables:
                 for name, value in fields.items()}
 
     def _query(self, sql: str, parameters: tuple = ()) -> list[dict]:
-        with self.state.transaction() as db:
+        """The rows of one SELECT."""
+        with self.state.reading() as db:
             return self._rows(db.execute(sql, parameters))
 
     def _one(self, sql: str, parameters: tuple) -> dict | None:
