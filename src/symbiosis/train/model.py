@@ -397,11 +397,7 @@ def _fuse_norms(model) -> int:
                 not isinstance(eps, float):
             continue
         probe = torch.randn(4, weight.shape[0], generator=generator).to(weight.device, weight.dtype)
-        with torch.no_grad():
-            theirs, ours = module(probe).float(), _rms_norm(module, probe).float()
-        if (theirs - ours).norm() <= 1e-2 * theirs.norm():
-            module.forward = functools.partial(_rms_norm, module)
-            fused += 1
+        fused += _replace_if_alike(module, _rms_norm, probe)
     return fused
 
 
@@ -419,12 +415,19 @@ def _fuse_mlps(model, dtype: torch.dtype) -> int:
             continue
         gate = projections[0]  # outside a pass a TrainLinear is its base layer alone
         probe = torch.randn(1, 4, gate.base.spec.in_features, generator=generator).to(gate.device, dtype)
-        with torch.no_grad():
-            theirs, ours = module(probe).float(), _swiglu(module, probe).float()
-        if (theirs - ours).norm() <= 1e-2 * theirs.norm():
-            module.forward = functools.partial(_swiglu, module)
-            fused += 1
+        fused += _replace_if_alike(module, _swiglu, probe)
     return fused
+
+
+def _replace_if_alike(module: nn.Module, forward, probe: torch.Tensor) -> bool:
+    """`module` runs by `forward(module, x)` from now on if that gives its own output on `probe` (up to half
+    precision's rounding); whether it does."""
+    with torch.no_grad():
+        theirs, ours = module(probe).float(), forward(module, probe).float()
+    if (theirs - ours).norm() > 1e-2 * theirs.norm():
+        return False
+    module.forward = functools.partial(forward, module)
+    return True
 
 
 def _swiglu(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
