@@ -99,14 +99,15 @@ class Loop:
                 wait()
             return
         self.pending.append(self.submit(sequential=False))
-        keep = 1 if self.kind == "ahead" and self.started else 0
+        self._drain(keep=1 if self.kind == "ahead" and self.started else 0)
         self.started = True
-        while len(self.pending) > keep:
-            for wait in self.pending.pop(0):
-                wait()
 
     def finish(self) -> None:
-        while self.pending:
+        self._drain(keep=0)
+
+    def _drain(self, keep: int) -> None:
+        """Wait for the oldest iterations until `keep` are left in flight."""
+        while len(self.pending) > keep:
             for wait in self.pending.pop(0):
                 wait()
 

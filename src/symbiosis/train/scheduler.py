@@ -220,11 +220,8 @@ class TrainingQueue:
             for key, op in operations.items():
                 self._finish(key, op, error=e)
             return _nothing
-        with self._lock:
-            for key, op in operations.items():
-                if self._queues.get(key, {}).get(op.seq) is op:
-                    self._advance(key)
-                self._answered.add(key)
+        for key, op in operations.items():
+            self._release(key, op)
         answered = []
 
         def answer() -> None:
@@ -256,7 +253,7 @@ class TrainingQueue:
         else:
             self._finish(key, op, result=result)
 
-    def _pass(self, operations: dict[str, Operation], launched: Callable[[], None] = lambda: None) -> None:
+    def _pass(self, operations: dict[str, Operation], launched: Callable[[], None] = _nothing) -> None:
         """One pass of the operations' next datums (each its share of `max_pass_tokens`); `launched` runs once the
         pass is queued on the device, before its answers (or its failure's)."""
         share = max(1, self.max_pass_tokens // len(operations))
@@ -289,12 +286,16 @@ class TrainingQueue:
                 self._finish(key, op, result=Result([lp for r in op.results for lp in r.logprobs],
                                                     [loss for r in op.results for loss in r.losses]))
 
-    def _finish(self, key: str, op: Operation, result=None, error: Exception | None = None) -> None:
+    def _release(self, key: str, op: Operation) -> None:
+        """`op` is over for its adapter's queue, which goes on past it; the adapter was answered this round."""
         with self._lock:
             if self._queues.get(key, {}).get(op.seq) is op:
                 self._advance(key)
             if key != UNORDERED:
                 self._answered.add(key)
+
+    def _finish(self, key: str, op: Operation, result=None, error: Exception | None = None) -> None:
+        self._release(key, op)
         if error is not None:
             op.fail(error)
         else:
