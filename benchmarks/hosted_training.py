@@ -185,6 +185,12 @@ def _trainer(model_dir: Path, devices: list[str] | None, micro_batch_tokens: int
     return executor, trainer
 
 
+def _graph_counts(trainer) -> dict:
+    """The decoder's CUDA graphs captured and replayed by `trainer` (train/graphs.py), where it has them."""
+    graphs = getattr(trainer, "graphs", None)
+    return {} if graphs is None else {"graphs": {"captures": graphs.captures, "replays": graphs.replays}}
+
+
 def _runner_share(queue, seconds_at_start: dict, wall: float) -> dict:
     """The share of a window of `wall` seconds each training runner (a TrainingQueue's, or each replica's, averaged)
     spent gathering its tenants' requests, stepping and passing, from `queue.seconds` at the window's start."""
@@ -268,7 +274,7 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
     passes_run = queue.passes - at_start[0][0]
     result = {"tokens_per_s": trained / wall, "passes_per_s": passes_run / wall,
               "datums_per_pass": trained / length / max(1, passes_run), **_peaks(gpus),
-              "runner_share": _runner_share(queue, at_start[0][1], wall)}
+              "runner_share": _runner_share(queue, at_start[0][1], wall), **_graph_counts(trainer)}
     if devices:
         result.update(devices=devices, micro_batch_tokens=trainer.micro_batch_tokens)
     if replicas:
@@ -491,7 +497,8 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
               "peak_gib": peak_gib(), "client_processes": processes,
               # each client process's CPU seconds over its window: near 1, its interpreter is what bounds the run
               "client_cpu_share": [round(cpu / w, 2) for _, w, cpu in outcomes],
-              "runner_share": _runner_share(service.training_queue, seconds, wall)}
+              "runner_share": _runner_share(service.training_queue, seconds, wall),
+              **_graph_counts(service.trainer)}
     server.should_exit = True
     thread.join(30)
     service.close()

@@ -40,6 +40,8 @@ class PassState:
     fused_mlps: int = 0  # the model's gated MLPs whose silu(gate) * up runs by kernels/silu_mul.py (_fuse_mlps)
     devices: list[torch.device] = field(default_factory=list)  # those the decoder's layers span (_place)
     moved: dict = field(default_factory=dict)  # (id, device) -> (tensor, its copy there), for a pass (hop)
+    # a pass's gathered gradients [B, F] and the datums' adapters, which `finish` adds them into
+    gradients: tuple[torch.Tensor, list[HostedLora]] | None = None
 
     def anchor(self, device: torch.device) -> torch.Tensor:
         if device not in self.anchors:
@@ -49,17 +51,33 @@ class PassState:
     def begin(self, datums: list[HostedLora | None], dtype: torch.dtype) -> None:
         """`datums[d]`: datum d's adapter (None: the base model alone); `dtype`: the activations' (the LoRA's
         products run in it)."""
-        # each datum's LoRA scale (0 without one) [B, 1, 1], once a pass and device (a layer's copy of it would be
-        # a wait for the GPU at every layer); pinned, so the copy is queued without waiting for the GPU (from
-        # pageable memory it may drain it first)
-        scales = torch.tensor([0.0 if lora is None else lora.scale for lora in datums], dtype=dtype).view(-1, 1, 1)
-        on_device: dict[torch.device, torch.Tensor] = {}
         gathered = _gathered(datums, dtype)
+        scales = _scales(datums, dtype)
+        if gathered is not None:
+            grads = torch.zeros(gathered.shape, dtype=datums[0].flat.dtype, device=gathered.device) \
+                if torch.is_grad_enabled() else None
+            self.begin_gathered(gathered, scales, grads, datums[0])
+            self.gradients = None if grads is None else (grads, datums)
+            return
+        on_device: dict[torch.device, torch.Tensor] = {}
         for linear in self.linears:
             device = linear.device
             if device not in on_device:
-                on_device[device] = _pinned(scales, device).to(device, non_blocking=True)
-            linear.whole = linear.lora = linear.stacks(datums, dtype, on_device[device], gathered)
+                on_device[device] = _on(scales, device)
+            linear.whole = linear.lora = linear.stacks(datums, dtype, on_device[device])
+
+    def begin_gathered(self, gathered: torch.Tensor, scales: torch.Tensor, grads: torch.Tensor | None,
+                       layout: HostedLora) -> None:
+        """Every layer's stacks as views of `gathered` [B, F] (the flat buffers of B datums' adapters, all of
+        `layout`'s layout, in the activations' dtype) with `scales` [B, 1, 1] (each datum's LoRA scale), their
+        gradients added into `grads` [B, F] (the adapters' dtype), if given. Nothing here depends on which adapters
+        they are: a CUDA graph of the pass (train/graphs.py) replays it over other adapters of the layout."""
+        on_device: dict[torch.device, torch.Tensor] = {}
+        for linear in self.linears:
+            device = linear.device
+            if device not in on_device:
+                on_device[device] = _on(scales, device)
+            linear.whole = linear.lora = linear.gathered_stacks(gathered, on_device[device], grads, layout)
 
     def select(self, rows: slice) -> None:
         """Run the next forward over the pass's datums `rows` only (a micro-batch: `Trainer.run`)."""
@@ -67,15 +85,19 @@ class PassState:
             linear.lora = None if linear.whole is None else linear.whole.of(rows)
 
     def finish(self) -> None:
-        """After the pass's backward: the gradients held on other GPUs than the adapters' into their matrices."""
+        """After the pass's backward: the gradients held on other GPUs than the adapters' into their matrices, and
+        the pass's gathered gradients into each adapter's (`gradients`)."""
         for linear in self.linears:
             if linear.whole is not None:
                 linear.whole.flush()
+        if self.gradients is not None:
+            _scatter(*self.gradients)
 
     def end(self) -> None:
         for linear in self.linears:
             linear.whole = linear.lora = None
         self.moved.clear()
+        self.gradients = None
 
     def hop(self, value, device: torch.device):
         """`value` (a tensor, or a tuple of them) on `device` by `hop`, each tensor once a pass (the rotary
@@ -94,31 +116,37 @@ class PassState:
 class _Stacks:
     """One layer's LoRA for a pass: A [B, R, in] and scale * B [B, out, R] of each datum's adapter, in the
     activations' dtype (ranks padded with zeros; zeros for a datum whose adapter does not train the layer);
-    `rows[d]`: the index of datum d's adapter among `a_matrices` / `b_matrices` (its float32 leaves), or None."""
+    `rows[d]`: the index of datum d's adapter among `a_matrices` / `b_matrices` (its float32 leaves), or None.
+    Gathered stacks (`PassState.begin_gathered`) have neither: their gradients go to `grads`, the pass's gathered
+    gradient [B, F] and this layer's A's and B's elements of it."""
     a: torch.Tensor
     scaled_b: torch.Tensor
     scales: torch.Tensor
-    rows: list[int | None]
-    a_matrices: list[torch.Tensor]
-    b_matrices: list[torch.Tensor]
     anchor: torch.Tensor
+    rows: list[int | None] | None = None
+    a_matrices: list[torch.Tensor] = field(default_factory=list)
+    b_matrices: list[torch.Tensor] = field(default_factory=list)
+    grads: tuple[torch.Tensor, slice, slice] | None = None
     whole: "_Stacks | None" = None  # the pass's stacks whose rows first.. these are (of)
     first: int = 0
     held: list[torch.Tensor] | None = None  # the pass's gradients of A and B stacks, while on another GPU (flush)
 
     def of(self, rows: slice) -> "_Stacks | None":
         """These stacks for datums `rows` only (views), or None if none of them has an adapter here."""
-        if all(row is None for row in self.rows[rows]):
+        if self.rows is not None and all(row is None for row in self.rows[rows]):
             return None
-        return _Stacks(self.a[rows], self.scaled_b[rows], self.scales[rows], self.rows[rows], self.a_matrices,
-                       self.b_matrices, self.anchor, whole=self, first=rows.start or 0)
+        return _Stacks(self.a[rows], self.scaled_b[rows], self.scales[rows], self.anchor,
+                       None if self.rows is None else self.rows[rows], self.a_matrices, self.b_matrices, self.grads,
+                       whole=self, first=rows.start or 0)
 
     def accumulate(self, grad_a: torch.Tensor, grad_b: torch.Tensor) -> None:
         """Every adapter's gradients (the sum of its rows') into its matrices' `.grad`s, views of its flat gradient:
         one multi-tensor launch for each of A and B. On another GPU than the matrices (a base over several: the
         adapters live on the first), they wait in the pass's stacks until it ends (`flush`): a copy to the
-        adapters' GPU in the middle of the backward would tie the two GPUs' queues together."""
-        if grad_a.device != self.a_matrices[0].device:
+        adapters' GPU in the middle of the backward would tie the two GPUs' queues together. Gathered stacks add
+        them into the pass's gathered gradient, a launch for each of A and B."""
+        home = self.grads[0].device if self.grads is not None else self.a_matrices[0].device
+        if grad_a.device != home:
             whole = self.whole or self
             if whole.held is None:
                 whole.held = [torch.zeros_like(whole.a, dtype=grad_a.dtype),
@@ -126,6 +154,12 @@ class _Stacks:
             rows = slice(self.first, self.first + grad_a.shape[0])
             whole.held[0][rows] += grad_a
             whole.held[1][rows] += grad_b
+            return
+        if self.grads is not None:
+            buffer, a_elements, b_elements = self.grads
+            rows = slice(self.first, self.first + grad_a.shape[0])
+            buffer[rows, a_elements].view(grad_a.shape).add_(grad_a)
+            buffer[rows, b_elements].view(grad_b.shape).add_(grad_b)
             return
         for grad, matrices in ((grad_a, self.a_matrices), (grad_b, self.b_matrices)):
             # contiguous: pieces whose strides differ from the gradients' they add into take foreach's per-tensor
@@ -145,7 +179,8 @@ class _Stacks:
     def flush(self) -> None:
         if self.held is not None:
             held, self.held = self.held, None
-            self.accumulate(*(hop(grad, self.a_matrices[0].device) for grad in held))
+            home = self.grads[0].device if self.grads is not None else self.a_matrices[0].device
+            self.accumulate(*(hop(grad, home) for grad in held))
 
 
 class TrainLinear(nn.Module):
@@ -166,10 +201,8 @@ class TrainLinear(nn.Module):
             return self.base.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)  # [B, L, out]
         return _LoraLinear.apply(x, self.lora.anchor, self.base, self.lora)
 
-    def stacks(self, datums: list[HostedLora | None], dtype: torch.dtype, scales: torch.Tensor,
-               gathered: torch.Tensor | None = None) -> _Stacks | None:
-        """This layer's LoRA for the datums' adapters, or None if no datum's adapter trains it. `gathered`: every
-        datum's adapter's flat buffer [B, F] in `dtype`, when they share one layout (`_gathered`)."""
+    def stacks(self, datums: list[HostedLora | None], dtype: torch.dtype, scales: torch.Tensor) -> _Stacks | None:
+        """This layer's LoRA for the datums' adapters, or None if no datum's adapter trains it."""
         adapters: dict[int, tuple[int, HostedLora]] = {}  # id -> (index among the layer's adapters, adapter)
         for lora in datums:
             if lora is not None and self.layer_id in lora.layers and id(lora) not in adapters:
@@ -183,16 +216,25 @@ class TrainLinear(nn.Module):
         b_matrices = [lora.layers[self.layer_id][1] for _, lora in adapters.values()]
         device = scales.device  # this layer's (the adapters' matrices may live on another GPU: `_place`)
         with torch.no_grad():  # their gradients come from _LoraLinear's backward
-            if gathered is not None:  # views of the pass's gathered buffers: no stack of matrices per layer
-                a_elements, b_elements = datums[0]._slices[self.layer_id]
-                a = gathered[:, a_elements].view(len(datums), rank, spec.in_features).to(device, non_blocking=True)
-                scaled_b = gathered[:, b_elements].view(len(datums), spec.out_features, rank).to(
-                    device, non_blocking=True) * scales
-            else:
-                a = _stack(rows, (rank, spec.in_features), dtype, a_matrices).to(device, non_blocking=True)
-                scaled_b = _stack(rows, (spec.out_features, rank), dtype, b_matrices).to(device, non_blocking=True)
-                scaled_b.mul_(scales)
-        return _Stacks(a, scaled_b, scales, rows, a_matrices, b_matrices, self.state.anchor(device))
+            a = _stack(rows, (rank, spec.in_features), dtype, a_matrices).to(device, non_blocking=True)
+            scaled_b = _stack(rows, (spec.out_features, rank), dtype, b_matrices).to(device, non_blocking=True)
+            scaled_b.mul_(scales)
+        return _Stacks(a, scaled_b, scales, self.state.anchor(device), rows, a_matrices, b_matrices)
+
+    def gathered_stacks(self, gathered: torch.Tensor, scales: torch.Tensor, grads: torch.Tensor | None,
+                        layout: HostedLora) -> _Stacks | None:
+        """This layer's LoRA as views of the pass's gathered buffer [B, F] (`PassState.begin_gathered`), or None
+        if adapters of `layout`'s layout do not train it."""
+        if self.layer_id not in layout.layers:
+            return None
+        a_elements, b_elements = layout._slices[self.layer_id]
+        rank, spec, rows, device = layout.spec.rank, self.base.spec, gathered.shape[0], scales.device
+        with torch.no_grad():
+            a = gathered[:, a_elements].view(rows, rank, spec.in_features).to(device, non_blocking=True)
+            scaled_b = gathered[:, b_elements].view(rows, spec.out_features, rank).to(
+                device, non_blocking=True) * scales
+        return _Stacks(a, scaled_b, scales, self.state.anchor(device),
+                       grads=None if grads is None else (grads, a_elements, b_elements))
 
     def project(self, tokens: torch.Tensor, rows) -> torch.Tensor:
         """tokens [T, in] -> [T, out], `rows` covering 0..T (or none: no adapter anywhere)."""
@@ -256,6 +298,38 @@ def _gathered(datums: list[HostedLora | None], dtype: torch.dtype) -> torch.Tens
             rows = torch.tensor([index[id(lora)] for lora in datums])
             flats = flats[_pinned(rows, flats.device).to(flats.device, non_blocking=True)]
         return flats.to(dtype)
+
+
+def _scales(datums: list[HostedLora | None], dtype: torch.dtype) -> torch.Tensor:
+    """Each datum's LoRA scale (0 without one) [B, 1, 1], on the host."""
+    return torch.tensor([0.0 if lora is None else lora.scale for lora in datums], dtype=dtype).view(-1, 1, 1)
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, once a pass and device (a layer's copy of it would be a wait for the GPU at every
+    layer); through pinned memory, so the copy is queued without waiting for the GPU (from pageable memory it may
+    drain it first)."""
+    if tensor.device.type != "cpu":
+        return tensor.to(device, non_blocking=True)
+    return _pinned(tensor, device).to(device, non_blocking=True)
+
+
+def _scatter(grads: torch.Tensor, datums: list[HostedLora]) -> None:
+    """The pass's gathered gradients [B, F] (row d: datum d's adapter's) added into each adapter's flat gradient:
+    one multi-tensor launch (an adapter with several datums: the sum of their rows)."""
+    rows: dict[int, list[int]] = {}
+    for d, lora in enumerate(datums):
+        rows.setdefault(id(lora), []).append(d)
+    adapters = {id(lora): lora for lora in datums}
+    pieces = []
+    for key, indices in rows.items():
+        if len(indices) == 1:
+            pieces.append(grads[indices[0]])
+        elif indices == list(range(indices[0], indices[-1] + 1)):
+            pieces.append(grads[indices[0]:indices[-1] + 1].sum(0))
+        else:
+            pieces.append(grads[torch.tensor(indices, device=grads.device)].sum(0))
+    torch._foreach_add_([adapters[key].flat_grad for key in rows], pieces)
 
 
 def _stack(rows: list[int | None], shape: tuple[int, int], dtype: torch.dtype,

@@ -28,6 +28,7 @@ from symbiosis.client.loss import CHUNK_ELEMENTS, LOGIT_TRANSFORMS
 from symbiosis.errors import BadCall, UnsupportedAdapter
 from symbiosis.kernels import softmax_grad
 from symbiosis.train import losses
+from symbiosis.train.graphs import DecoderGraphs
 from symbiosis.train.lora import HostedLora
 from symbiosis.train.model import build
 
@@ -92,6 +93,9 @@ class Trainer:
         self.pass_streams = [torch.cuda.Stream(d) for d in self.state.devices if d.type == "cuda"] \
             if stages > 1 else []
         self.context = getattr(self.config, "max_position_embeddings", None)
+        # the decoder's forward and backward replayed as CUDA graphs for shapes of pass that recur (graphs.py)
+        self.graphs = DecoderGraphs(self.model.get_decoder(), self.state, self.device, self.activations) \
+            if torch.device(self.device).type == "cuda" and stages == 1 else None
 
     def check(self, work: Work) -> None:
         """`BadCall` naming what is wrong with a request, before it joins a pass."""
@@ -154,13 +158,17 @@ class Trainer:
         inputs_of = [{k: next(moved) for k in keys} for keys in names]
         try:
             with torch.enable_grad() if backward else torch.no_grad():
-                # the stacks of the adapters' matrices, made in the pass's grad mode (gradients flow through them)
-                self.state.begin([work.lora for work in works for _ in work.datums], self.activations)
+                adapters = [work.lora for work in works for _ in work.datums]  # datum d's
                 # datums of one length need no mask beyond the causal one (and transformers' check of a mask reads
                 # it back: a wait for the GPU)
                 same_length = all(len(d.tokens) == length for d in datums)
                 with torch.profiler.record_function("trainer.forward"):
-                    hidden = self._decode(input_ids, None if same_length else mask)  # [B, L, H]
+                    hidden = self.graphs.decode(input_ids, adapters) \
+                        if self.graphs is not None and backward and same_length else None  # [B, L, H]
+                    if hidden is None:
+                        # the stacks of the adapters' matrices, in the pass's grad mode (gradients flow through them)
+                        self.state.begin(adapters, self.activations)
+                        hidden = self._decode(input_ids, None if same_length else mask)
                 # every datum's log-probabilities and loss stay on the device until the pass is launched: read back
                 # once at the end, not one synchronization per datum between their launches
                 outputs: list = [None] * len(datums)  # per datum (lp, loss)

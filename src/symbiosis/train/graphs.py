@@ -1,0 +1,157 @@
+"""The decoder's part of a training pass as CUDA graphs: its forward and its backward each one replay, where eager
+they are ~100 launches a decoder layer each way from Python (a pass of one tenant's 256 tokens on Llama-3.2-1B:
+~65-70 ms of host time for ~15 ms of GPU work, so a small pass runs at the host's pace, and an eager pass's host
+thread takes the interpreter from the HTTP server beside it).
+
+A graph is made for a shape of pass: (datums B, rounded up to a `bucket`; tokens a datum L; the adapters' layout)
+with every datum of one length (no padding mask) and every datum's adapter of one layout (`HostedLora.layout`),
+which is when the pass's LoRA stacks are views of one gathered buffer [B, F] (train/model.py `PassState.begin_gathered`): nothing in the
+captured work then depends on which adapters they are. Its static inputs are the token ids [B, L], the gathered
+buffer, the datums' LoRA scales [B, 1, 1] and the gradient of the decoder's output [B, L, H]; its static outputs
+the decoder's output and the gathered gradient [B, F], which the pass then adds into each adapter's
+(`PassState.finish`). The head and the losses run eagerly as before (their shapes follow each request's).
+
+Captured on a shape's `CAPTURE_AFTER`-th pass (a shape seen once may never come back: capture costs a few passes'
+time and the graph keeps its pass's activations in a memory pool of its own); at most `MAX_GRAPHS` at once, the
+least recently used given up first, and none while less than `MIN_FREE` of the device's memory is free. A shape
+whose capture fails runs eagerly from then on (logged once).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+
+from symbiosis.train.lora import HostedLora
+from symbiosis.train.model import PassState, _gathered, _on, _scales
+
+log = logging.getLogger(__name__)
+
+CAPTURE_AFTER = 3
+MAX_GRAPHS = 8
+MIN_FREE = 0.25  # of the device's memory, free or cached by torch, to capture another graph
+WARMUP = 2  # eager passes on a side stream before capture (cuBLAS workspaces, Triton's compiles)
+
+
+class DecoderGraphs:
+    """The decoder's graphs of one trainer (single GPU)."""
+
+    def __init__(self, decoder, state: PassState, device: torch.device, dtype: torch.dtype):
+        self.decoder, self.state, self.device, self.dtype = decoder, state, torch.device(device), dtype
+        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.seen: dict[tuple, int] = {}
+        self.refused: set[tuple] = set()
+        self.captures = self.replays = 0
+
+    def decode(self, input_ids: torch.Tensor, datums: list[HostedLora | None]) -> torch.Tensor | None:
+        """The decoder's output [B, L, H] of `input_ids` (on the device, every datum L tokens) for a pass that
+        trains (grad mode on), with the pass's gathered gradient left for `PassState.finish`; or None where this
+        pass runs eagerly (`PassState.begin` and the decoder)."""
+        if not datums or any(lora is None or lora.layout != datums[0].layout for lora in datums):
+            return None
+        rows, length = input_ids.shape
+        key = (bucket(rows), length, datums[0].layout)
+        if key in self.refused:
+            return None
+        graph = self.graphs.get(key)
+        if graph is None:
+            self.seen[key] = self.seen.get(key, 0) + 1
+            if self.seen[key] < CAPTURE_AFTER or not self._room():
+                return None
+            graph = self._capture(key, input_ids, datums)
+            if graph is None:
+                return None
+        self.graphs.move_to_end(key)
+        with torch.no_grad():  # the first `rows` rows; the bucket's others keep zeros (no adapter, no gradient)
+            graph.input_ids[:rows].copy_(input_ids, non_blocking=True)
+            graph.gathered[:rows].copy_(_gathered(datums, self.dtype), non_blocking=True)
+            graph.scales[:rows].copy_(_on(_scales(datums, self.dtype), self.device), non_blocking=True)
+        self.state.gradients = (graph.grads[:rows], datums)
+        self.replays += 1
+        return _Replay.apply(self.state.anchor(self.device), graph, rows)
+
+    def _room(self) -> bool:
+        free, total = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return free + cached >= MIN_FREE * total
+
+    def _capture(self, key: tuple, input_ids: torch.Tensor, datums: list[HostedLora]) -> "_Graph | None":
+        while len(self.graphs) >= MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+        rows, length = key[0], key[1]
+        try:
+            graph = _Graph(self.decoder, self.state, input_ids.new_zeros(rows, length),
+                           torch.zeros(rows, datums[0].flat.numel(), dtype=self.dtype, device=self.device),
+                           torch.zeros(rows, 1, 1, dtype=self.dtype, device=self.device), datums[0])
+        except Exception as e:  # an operator that cannot be captured, or no memory: this shape runs eagerly
+            self.state.end()
+            self.refused.add(key)
+            log.warning("training passes of %d datums of %d tokens run without a CUDA graph: %s", rows, length, e)
+            return None
+        self.graphs[key] = graph
+        self.captures += 1
+        return graph
+
+
+def bucket(rows: int) -> int:
+    """The datums a graph of a pass of `rows` datums runs: 1, 2, 4, 8, then multiples of 8 (the rows past `rows`
+    compute for nothing; so few shapes recur, and each is captured once)."""
+    return 1 << (rows - 1).bit_length() if rows <= 8 else -(-rows // 8) * 8
+
+
+class _Graph:
+    """One shape's captured forward and backward, with their static buffers."""
+
+    def __init__(self, decoder, state: PassState, input_ids: torch.Tensor, gathered: torch.Tensor,
+                 scales: torch.Tensor, layout: HostedLora):
+        self.decoder, self.state, self.layout = decoder, state, layout
+        self.input_ids, self.gathered, self.scales = input_ids, gathered, scales
+        self.grads = torch.zeros(gathered.shape, dtype=layout.flat.dtype, device=gathered.device)
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side), torch.enable_grad():
+            for _ in range(WARMUP):
+                hidden = self._forward()
+                hidden.backward(torch.zeros_like(hidden))
+                state.end()
+        current.wait_stream(side)
+        del hidden
+        # "thread_local": other threads' work on the GPU (the engine's decoding beside training) goes on during the
+        # capture; only this thread's calls that cannot be captured are refused
+        self.forward = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.forward, capture_error_mode="thread_local"), torch.enable_grad():
+            self.hidden = self._forward()
+        state.end()
+        self.grad_hidden = torch.zeros_like(self.hidden)
+        self.backward = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.backward, pool=self.forward.pool(), capture_error_mode="thread_local"):
+            self.grads.zero_()
+            # the autograd graph of the captured forward is kept (retain_graph): each replay of this graph runs
+            # its kernels over the same saved activations, which the forward's replay has just rewritten
+            self.hidden.backward(self.grad_hidden, retain_graph=True)
+
+    def _forward(self) -> torch.Tensor:
+        self.state.begin_gathered(self.gathered, self.scales, self.grads, self.layout)
+        return self.decoder(input_ids=self.input_ids, use_cache=False)[0]
+
+
+class _Replay(torch.autograd.Function):
+    """The decoder's output of a graph's replayed forward, whose backward replays its backward. `anchor`, a leaf that
+    requires grad, makes autograd run it."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, graph: _Graph, rows: int) -> torch.Tensor:
+        graph.forward.replay()
+        ctx.graph, ctx.rows = graph, rows
+        # (a view: the pass reads it before the next replay rewrites it, queued after on the same stream)
+        return graph.hidden.detach()[:rows]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        graph = ctx.graph
+        graph.grad_hidden[:ctx.rows].copy_(grad)
+        graph.backward.replay()
+        return None, None, None

@@ -1,0 +1,95 @@
+"""The decoder's CUDA graphs (train/graphs.py): a replayed pass computes what the eager pass computes, for whichever
+adapters of the captured layout it runs; shapes that do not recur, or whose datums differ in length, run eagerly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import symbiosis
+from symbiosis.train import HostedLora, LoraSpec, Trainer, Work, graphs
+from symbiosis.train.trainer import Datum
+from matrix import make_checkpoint
+
+
+
+def test_passes_round_up_to_few_shapes():
+    assert [graphs.bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 32, 33)] == \
+        [1, 2, 4, 4, 8, 8, 16, 16, 24, 32, 32, 40]
+
+
+def _works(loras, generator, length):
+    works = []
+    for lora in loras:
+        tokens = torch.randint(0, 128, (length,), generator=generator).tolist()
+        targets = torch.randint(0, 128, (length,), generator=generator)
+        works.append(Work(lora, [Datum(tokens, {"target_tokens": targets,
+                                                "weights": torch.rand(length, generator=generator)})],
+                          "cross_entropy"))
+    return works
+
+
+@pytest.fixture
+def trainers(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    make_checkpoint("llama", tmp_path)
+    executor = symbiosis.Executor.from_pretrained(tmp_path, device="cuda", dtype=torch.float32)
+    graphed, eager = Trainer(tmp_path, executor), Trainer(tmp_path, executor)
+    eager.graphs = None
+    return graphed, eager
+
+
+def _adapters(trainer, seeds):
+    return [HostedLora(LoraSpec(rank=4, seed=seed), trainer.targets, trainer.device, trainer.dtype) for seed in seeds]
+
+
+@pytest.mark.gpu
+def test_replayed_passes_train_as_eager_passes_over_any_adapters_of_the_layout(trainers):
+    """Three datums (a graph of four rows: the fourth computes for nothing); float32, where the two differ only by
+    the GEMMs' rounding (cuBLAS may pick other kernels under capture)."""
+    graphed, eager = trainers
+    assert graphed.graphs is not None
+    ours, theirs = _adapters(graphed, range(3)), _adapters(eager, range(3))
+    others, others_eager = _adapters(graphed, (7, 8, 9)), _adapters(eager, (7, 8, 9))
+    generator = torch.Generator().manual_seed(0)
+    for step in range(graphs.CAPTURE_AFTER + 3):
+        # the adapters of the last step are others than those the graph was captured with
+        pair = (others, others_eager) if step == graphs.CAPTURE_AFTER + 2 else (ours, theirs)
+        works = _works(pair[0], generator, 16)
+        twins = [Work(lora, work.datums, work.loss_fn) for lora, work in zip(pair[1], works)]
+        for trainer, batch in ((graphed, works), (eager, twins)):
+            for work in batch:
+                trainer.check(work)
+        results, expected = graphed.run(works), eager.run(twins)
+        for result, reference in zip(results, expected):
+            assert result.losses == pytest.approx(reference.losses, rel=1e-5)
+            for lp, lp_reference in zip(result.logprobs, reference.logprobs):
+                torch.testing.assert_close(lp, lp_reference, rtol=1e-5, atol=1e-5)
+        for lora, twin in zip(*pair):
+            scale = float(twin.flat_grad.abs().max())
+            assert scale > 0
+            torch.testing.assert_close(lora.flat_grad, twin.flat_grad, rtol=1e-3, atol=1e-4 * scale)
+            for adapter in (lora, twin):
+                adapter.step(learning_rate=0.01)
+        for lora, twin in zip(*pair):
+            torch.testing.assert_close(lora.flat, twin.flat, rtol=1e-5, atol=1e-6)
+    assert graphed.graphs.captures == 1
+    assert graphed.graphs.replays == 4  # the capture's pass and the three after
+
+
+@pytest.mark.gpu
+def test_shapes_that_do_not_recur_or_differ_in_length_run_eagerly(trainers):
+    graphed, _ = trainers
+    loras = _adapters(graphed, range(2))
+    generator = torch.Generator().manual_seed(1)
+    for step in range(graphs.CAPTURE_AFTER + 1):
+        works = _works(loras, generator, 8 + step)  # a new length each pass
+        ragged = _works(loras, generator, 12)
+        ragged[0].datums[0] = Datum(ragged[0].datums[0].tokens[:6],
+                                    {k: v[:6] for k, v in ragged[0].datums[0].inputs.items()})
+        for batch in (works, ragged):
+            for work in batch:
+                graphed.check(work)
+            graphed.run(batch)
+    assert graphed.graphs.captures == graphed.graphs.replays == 0
