@@ -68,7 +68,7 @@ class Service:
             self.training_queue = Replicas.on_devices(
                 self.model_path, training.pop("devices", None) or [self.executor.device], dtype, self.executor,
                 max_pass_tokens=training.pop("max_pass_tokens", 16384),
-                gather_fraction=training.pop("gather_fraction", None))
+                gather_fraction=training.pop("gather_fraction", None), answering=self.state.batch)
             # the trainer of calls that belong to no model (prompt log-probabilities)
             self.trainer = self.training_queue.trainers[0]
             tinker = {key: training.pop(key) for key in ("persist_every", "tokenizer_id") if key in training}

@@ -38,10 +38,11 @@ pass.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ContextManager
 
 from symbiosis.train.lora import AdamParams, HostedLora, launch_steps
 from symbiosis.train.trainer import Result, Trainer, Work
@@ -73,7 +74,10 @@ class Operation:
 
 class TrainingQueue:
     def __init__(self, trainer: Trainer, max_pass_tokens: int = 16384, max_gather_s: float = 0.2,
-                 gather_fraction: float | None = None):
+                 gather_fraction: float | None = None,
+                 answering: Callable[[], ContextManager] = contextlib.nullcontext):
+        """`answering`: a context each group of a round's answers (its steps', its pass's) is given in (the
+        service's `StateStore.batch`: their writes one transaction)."""
         if max_pass_tokens < 1:
             raise ValueError("max_pass_tokens must be positive")
         if not max_gather_s >= 0:
@@ -82,6 +86,7 @@ class TrainingQueue:
             raise ValueError("gather_fraction must be at least 0")
         self.trainer, self.max_pass_tokens, self.max_gather_s = trainer, max_pass_tokens, max_gather_s
         self.gather_fraction = gather_fraction  # None: GATHER_FRACTION
+        self.answering = answering
         self._queues: dict[str, dict[int, Operation]] = {}  # adapter key -> seq -> operation
         self._next: dict[str, int] = {}  # adapter key -> the seq that runs next
         self._unordered = 0
@@ -234,13 +239,14 @@ class TrainingQueue:
                 for op in operations.values():
                     op.fail(e)
                 return
-            for op, step_metrics in zip(operations.values(), metrics):
-                try:
-                    result = op.call(step_metrics)
-                except Exception as e:  # noqa: BLE001 -- this request fails; the others go on
-                    op.fail(e)
-                else:
-                    op.done(result)
+            with self.answering():
+                for op, step_metrics in zip(operations.values(), metrics):
+                    try:
+                        result = op.call(step_metrics)
+                    except Exception as e:  # noqa: BLE001 -- this request fails; the others go on
+                        op.fail(e)
+                    else:
+                        op.done(result)
 
         return answer
 
@@ -271,20 +277,22 @@ class TrainingQueue:
         except Exception as e:  # noqa: BLE001 -- the pass's requests fail; their adapters drop their gradients
             log.exception("a training pass failed")
             launched()
-            for key, op, work in parts:
-                if op.work.backward:
-                    work.lora.drop_gradients()
-                self._finish(key, op, error=RuntimeError(
-                    f"the training pass failed ({type(e).__name__}: {e}); the gradients this model gathered since "
-                    "its last optimizer step were dropped"))
+            with self.answering():
+                for key, op, work in parts:
+                    if op.work.backward:
+                        work.lora.drop_gradients()
+                    self._finish(key, op, error=RuntimeError(
+                        f"the training pass failed ({type(e).__name__}: {e}); the gradients this model gathered "
+                        "since its last optimizer step were dropped"))
             return
         self.passes += 1
-        for (key, op, work), result in zip(parts, results):
-            op.results.append(result)
-            op.next_datum += len(work.datums)
-            if op.next_datum == len(op.work.datums):
-                self._finish(key, op, result=Result([lp for r in op.results for lp in r.logprobs],
-                                                    [loss for r in op.results for loss in r.losses]))
+        with self.answering():
+            for (key, op, work), result in zip(parts, results):
+                op.results.append(result)
+                op.next_datum += len(work.datums)
+                if op.next_datum == len(op.work.datums):
+                    self._finish(key, op, result=Result([lp for r in op.results for lp in r.logprobs],
+                                                        [loss for r in op.results for loss in r.losses]))
 
     def _release(self, key: str, op: Operation) -> None:
         """`op` is over for its adapter's queue, which goes on past it; the adapter was answered this round."""

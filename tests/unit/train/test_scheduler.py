@@ -138,7 +138,16 @@ def test_steps_of_loops_that_send_ahead_are_answered_once_the_pass_is_queued(tra
     Where one loop waits for its step's answer instead, every step is answered before the pass."""
     from symbiosis.train.lora import AdamParams
 
-    queue, log = TrainingQueue(trainer, max_gather_s=0), []
+    import contextlib
+
+    @contextlib.contextmanager
+    def answering():  # each group of answers in one (the service's: one database transaction)
+        log.append("[")
+        yield
+        log.append("]")
+
+    log = []
+    queue = TrainingQueue(trainer, max_gather_s=0, answering=answering)
     real_run = trainer.run
     monkeypatch.setattr(trainer, "run", lambda works, **kw: log.append("pass") or real_run(works, **kw))
     works = {key: _work(trainer, seed, 1) for seed, key in enumerate("ab")}
@@ -163,9 +172,11 @@ def test_steps_of_loops_that_send_ahead_are_answered_once_the_pass_is_queued(tra
     kinds = [entry if isinstance(entry, str) else entry[1] for entry in log]
     assert all(not isinstance(entry, Exception) for entry in log), log
     if ahead == "both":
-        assert kinds == ["pass", "step", "step", "pass", "pass"], "steps answered while the pass runs"
+        assert kinds == ["pass", "[", "step", "step", "]", "[", "pass", "pass", "]"], \
+            "steps answered while the pass runs"
     else:
-        assert kinds[:3] == ["step", "step", "pass"], "a loop waiting for its answer gets it before the pass"
+        assert kinds == ["[", "step", "step", "]", "pass", "[", "pass", "]"], \
+            "a loop waiting for its answer gets it before the pass"
         queue.round()
     assert all(work.lora.steps == 1 for work in works.values())
     for key, w in second.items():  # the pass ran on the stepped matrices (which it does not change)

@@ -121,11 +121,11 @@ class TinkerService:
 
     def _answer(self, request_id: str, content_type: str, body: bytes) -> None:
         self.store.answer(request_id, content_type, body)
-        self.answered(request_id)
+        self.store.state.after_commit(lambda: self.answered(request_id))
 
     def _fail(self, request_id: str, error: Exception) -> None:
         self.store.fail(request_id, str(error), category(error))
-        self.answered(request_id)
+        self.store.state.after_commit(lambda: self.answered(request_id))
 
     def _json(self, request_id: str, value: dict) -> None:
         self._answer(request_id, "json", json.dumps(_named_non_finite(value), allow_nan=False).encode())
@@ -228,8 +228,7 @@ class TinkerService:
                 self._json(request_id, result)
                 return
             if work.backward:
-                row = self.store.model(tenant, model)
-                self.store.update_model(model, pending_grads=row["pending_grads"] + 1)
+                self.store.count_gradients(model)
             self._answer(request_id, "proto", wire.forward_backward_output(result.logprobs, result.loss))
 
         self.queue.submit(model, Operation(int(seq_id), done, lambda error: self._fail(request_id, error), work, call,

@@ -91,6 +91,11 @@ class TinkerStore(Tables):
         self._change(f"UPDATE tinker_models SET {assignments}, last_request = ? WHERE model_id = ?",
                      (*values.values(), time.time(), model_id))
 
+    def count_gradients(self, model_id: str) -> None:
+        """One more forward_backward's gradients gathered since the model's last step."""
+        self._change("UPDATE tinker_models SET pending_grads = pending_grads + 1, last_request = ? WHERE model_id = ?",
+                     (time.time(), model_id))
+
     # -- requests --
 
     def accept(self, tenant: str, owner: str, seq_id: int, kind: str) -> tuple[str, bool]:
