@@ -1,5 +1,10 @@
 """SwiGLU's product silu(gate) * up (Llama's, Qwen's, Mistral's MLP), forward and backward in one Triton kernel each.
 
+Not used by the hosted training pass: on an H100 it is 1.4x torch's five kernels alone ([8,192, 8,192] bfloat16
+forward and backward, 0.64 against 0.90 ms), but the 32-tenant pass it was wired into measured 113.8-117.3 ms of GPU
+time against 111.1-111.2 without it, side by side (benchmarks/results/h100-2026-11-27j/silu_ab_*.log), which is not
+explained yet; at 256 rows it is slower (0.38 against 0.25 ms: launch-bound).
+
 In torch the forward is two kernels (silu, then the product: the silu's output written and read back) and the
 backward three (two products and silu's backward), five passes over tensors of [tokens, intermediate] (Llama-3.2-1B:
 8,192 x 8,192 a 32-tenant pass, 134 MB each in bfloat16) and five launches a layer. Here the forward reads gate

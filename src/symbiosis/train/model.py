@@ -14,7 +14,10 @@ adapter. The products run in the activations' dtype (bfloat16 on a GPU: mixed pr
 the matrices, their gradients and AdamW's moments stay float32), the second one adding into the base's output
 (baddbmm): in float32 the LoRA's casts, scaling and addition moved ~10x the bytes of the products themselves and
 took a third of a pass's GPU time (H100, 32 tenants). A layer with a LoRA is one autograd node (`_LoraLinear`),
-whose backward adds every datum's gradients into its adapter's flat gradient in one multi-tensor launch.
+whose backward adds every datum's gradients into its adapter's flat gradient in one multi-tensor launch, or, where
+the pass's adapters share one layout (their stacks views of one gathered buffer [B, F]), into the pass's gathered
+gradient [B, F], added into each adapter's once the backward is done (`_scatter`). Nothing in that form of a pass
+depends on which adapters it trains, so its decoder can be replayed as CUDA graphs (train/graphs.py).
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from symbiosis.executor.store import BaseLayer
-from symbiosis.kernels.silu_mul import silu_mul
 from symbiosis.train.lora import HostedLora, TargetLayer
 
 
@@ -37,7 +39,6 @@ class PassState:
     linears: list["TrainLinear"] = field(default_factory=list)  # the decoder's, not the head's
     anchors: dict = field(default_factory=dict)  # device -> a leaf that requires grad (_LoraLinear)
     fused_norms: int = 0  # the model's RMSNorms that run by torch's rms_norm (_fuse_norms)
-    fused_mlps: int = 0  # the model's gated MLPs whose silu(gate) * up runs by kernels/silu_mul.py (_fuse_mlps)
     devices: list[torch.device] = field(default_factory=list)  # those the decoder's layers span (_place)
     moved: dict = field(default_factory=dict)  # (id, device) -> (tensor, its copy there), for a pass (hop)
     # a pass's gathered gradients [B, F] and the datums' adapters, which `finish` adds them into
@@ -387,7 +388,6 @@ def build(model_path, executor):
     model.requires_grad_(False)  # the client's own tensors (embeddings, norms) are the base's too: frozen
     state.devices = _place(model, torch.device(executor.device), state)
     state.fused_norms = _fuse_norms(model)
-    state.fused_mlps = _fuse_mlps(model, model.get_input_embeddings().weight.dtype)
     return model.train(False), state, targets
 
 
@@ -475,24 +475,6 @@ def _fuse_norms(model) -> int:
     return fused
 
 
-def _fuse_mlps(model, dtype: torch.dtype) -> int:
-    """Every gated MLP of `model` that computes down(silu(gate(x)) * up(x)) (Llama's, Qwen's, Mistral's; found by
-    comparing outputs on a random input with its projections' base layers, so Gemma's GELU or any other form keeps
-    its own code) makes its product by `silu_mul`: one kernel each way on a GPU where torch runs two forward and
-    three backward, over [tokens, intermediate] tensors. Returns how many."""
-    generator = torch.Generator().manual_seed(0)
-    fused = 0
-    for module in model.modules():
-        projections = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-        if not all(isinstance(p, TrainLinear) for p in projections) or \
-                not isinstance(getattr(module, "act_fn", None), nn.Module):
-            continue
-        gate = projections[0]  # outside a pass a TrainLinear is its base layer alone
-        probe = torch.randn(1, 4, gate.base.spec.in_features, generator=generator).to(gate.device, dtype)
-        fused += _replace_if_alike(module, _swiglu, probe)
-    return fused
-
-
 def _replace_if_alike(module: nn.Module, forward, probe: torch.Tensor) -> bool:
     """`module` runs by `forward(module, x)` from now on if that gives its own output on `probe` (up to half
     precision's rounding); whether it does."""
@@ -502,10 +484,6 @@ def _replace_if_alike(module: nn.Module, forward, probe: torch.Tensor) -> bool:
         return False
     module.forward = functools.partial(forward, module)
     return True
-
-
-def _swiglu(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return module.down_proj(silu_mul(module.gate_proj(x), module.up_proj(x)))
 
 
 def _rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
