@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 CAPTURE_AFTER = 3
 MAX_GRAPHS = 8
+MAX_SEEN = 1024  # shapes counted towards their capture
 MIN_FREE = 0.25  # of the device's memory, free or cached by torch, to capture another graph
 WARMUP = 2  # eager passes on a side stream before capture (cuBLAS workspaces, Triton's compiles)
 
@@ -57,6 +58,8 @@ class DecoderGraphs:
             return None
         graph = self.graphs.get(key)
         if graph is None:
+            if len(self.seen) >= MAX_SEEN:  # (a service's passes of ever new lengths: start counting again)
+                self.seen.clear()
             self.seen[key] = self.seen.get(key, 0) + 1
             if self.seen[key] < CAPTURE_AFTER or not self._room():
                 return None
@@ -84,7 +87,8 @@ class DecoderGraphs:
         try:
             graph = _Graph(self.decoder, self.state, input_ids.new_zeros(rows, length),
                            torch.zeros(rows, datums[0].flat.numel(), dtype=self.dtype, device=self.device),
-                           torch.zeros(rows, 1, 1, dtype=self.dtype, device=self.device), datums[0])
+                           torch.zeros(rows, 1, 1, dtype=self.dtype, device=self.device), datums[0].flat.dtype,
+                           datums[0].spec.rank, dict(datums[0]._slices))
         except Exception as e:  # an operator that cannot be captured, or no memory: this shape runs eagerly
             self.state.end()
             self.refused.add(key)
@@ -105,10 +109,12 @@ class _Graph:
     """One shape's captured forward and backward, with their static buffers."""
 
     def __init__(self, decoder, state: PassState, input_ids: torch.Tensor, gathered: torch.Tensor,
-                 scales: torch.Tensor, layout: HostedLora):
-        self.decoder, self.state, self.layout = decoder, state, layout
+                 scales: torch.Tensor, grad_dtype: torch.dtype, rank: int, slices: dict[str, tuple[slice, slice]]):
+        """Static buffers: `input_ids` [B, L], `gathered` [B, F] and `scales` [B, 1, 1] in; the gathered gradient
+        [B, F] in `grad_dtype` (the adapters') out. `rank`, `slices`: the adapters' layout (no adapter is kept)."""
+        self.decoder, self.state, self.rank, self.slices = decoder, state, rank, slices
         self.input_ids, self.gathered, self.scales = input_ids, gathered, scales
-        self.grads = torch.zeros(gathered.shape, dtype=layout.flat.dtype, device=gathered.device)
+        self.grads = torch.zeros(gathered.shape, dtype=grad_dtype, device=gathered.device)
         current = torch.cuda.current_stream()
         side = torch.cuda.Stream()
         side.wait_stream(current)
@@ -134,7 +140,7 @@ class _Graph:
             self.hidden.backward(self.grad_hidden, retain_graph=True)
 
     def _forward(self) -> torch.Tensor:
-        self.state.begin_gathered(self.gathered, self.scales, self.grads, self.layout)
+        self.state.begin_gathered(self.gathered, self.scales, self.grads, self.rank, self.slices)
         return self.decoder(input_ids=self.input_ids, use_cache=False)[0]
 
 

@@ -57,7 +57,7 @@ class PassState:
         if gathered is not None:
             grads = torch.zeros(gathered.shape, dtype=datums[0].flat.dtype, device=gathered.device) \
                 if torch.is_grad_enabled() else None
-            self.begin_gathered(gathered, scales, grads, datums[0])
+            self.begin_gathered(gathered, scales, grads, datums[0].spec.rank, datums[0]._slices)
             self.gradients = None if grads is None else (grads, datums)
             return
         on_device: dict[torch.device, torch.Tensor] = {}
@@ -67,18 +67,19 @@ class PassState:
                 on_device[device] = _on(scales, device)
             linear.whole = linear.lora = linear.stacks(datums, dtype, on_device[device])
 
-    def begin_gathered(self, gathered: torch.Tensor, scales: torch.Tensor, grads: torch.Tensor | None,
-                       layout: HostedLora) -> None:
-        """Every layer's stacks as views of `gathered` [B, F] (the flat buffers of B datums' adapters, all of
-        `layout`'s layout, in the activations' dtype) with `scales` [B, 1, 1] (each datum's LoRA scale), their
-        gradients added into `grads` [B, F] (the adapters' dtype), if given. Nothing here depends on which adapters
-        they are: a CUDA graph of the pass (train/graphs.py) replays it over other adapters of the layout."""
+    def begin_gathered(self, gathered: torch.Tensor, scales: torch.Tensor, grads: torch.Tensor | None, rank: int,
+                       slices: dict[str, tuple[slice, slice]]) -> None:
+        """Every layer's stacks as views of `gathered` [B, F] (the flat buffers of B datums' adapters of one layout,
+        in the activations' dtype: `rank`, and `slices`, layer id -> its A's and B's elements) with `scales`
+        [B, 1, 1] (each datum's LoRA scale), their gradients added into `grads` [B, F] (the adapters' dtype), if
+        given. Nothing here depends on which adapters they are: a CUDA graph of the pass (train/graphs.py) replays
+        it over other adapters of the layout."""
         on_device: dict[torch.device, torch.Tensor] = {}
         for linear in self.linears:
             device = linear.device
             if device not in on_device:
                 on_device[device] = _on(scales, device)
-            linear.whole = linear.lora = linear.gathered_stacks(gathered, on_device[device], grads, layout)
+            linear.whole = linear.lora = linear.gathered_stacks(gathered, on_device[device], grads, rank, slices)
 
     def select(self, rows: slice) -> None:
         """Run the next forward over the pass's datums `rows` only (a micro-batch: `Trainer.run`)."""
@@ -222,14 +223,14 @@ class TrainLinear(nn.Module):
             scaled_b.mul_(scales)
         return _Stacks(a, scaled_b, scales, self.state.anchor(device), rows, a_matrices, b_matrices)
 
-    def gathered_stacks(self, gathered: torch.Tensor, scales: torch.Tensor, grads: torch.Tensor | None,
-                        layout: HostedLora) -> _Stacks | None:
+    def gathered_stacks(self, gathered: torch.Tensor, scales: torch.Tensor, grads: torch.Tensor | None, rank: int,
+                        slices: dict[str, tuple[slice, slice]]) -> _Stacks | None:
         """This layer's LoRA as views of the pass's gathered buffer [B, F] (`PassState.begin_gathered`), or None
-        if adapters of `layout`'s layout do not train it."""
-        if self.layer_id not in layout.layers:
+        if adapters of that layout do not train it."""
+        if self.layer_id not in slices:
             return None
-        a_elements, b_elements = layout._slices[self.layer_id]
-        rank, spec, rows, device = layout.spec.rank, self.base.spec, gathered.shape[0], scales.device
+        a_elements, b_elements = slices[self.layer_id]
+        spec, rows, device = self.base.spec, gathered.shape[0], scales.device
         with torch.no_grad():
             a = gathered[:, a_elements].view(rows, rank, spec.in_features).to(device, non_blocking=True)
             scaled_b = gathered[:, b_elements].view(rows, spec.out_features, rank).to(
