@@ -161,7 +161,6 @@ def create_app(service) -> FastAPI:
             raise ApiError(404, "no such file")
         return _ui_file(name, UI_ASSETS[name])
 
-    app.include_router(openai_api.router(service, tenant))
     if service.tinker is not None:
         from symbiosis.serve.tinker import api as tinker_api
 
@@ -170,6 +169,7 @@ def create_app(service) -> FastAPI:
             return error.response()
 
         app.include_router(tinker_api.router(service, service.tinker))
+    app.include_router(openai_api.router(service, tenant))
     if service.jobs is not None:
         from symbiosis.serve.jobs import api as jobs_api
 
