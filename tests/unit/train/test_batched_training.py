@@ -87,6 +87,37 @@ def test_adapters_of_one_layout_train_as_each_alone_from_one_gathered_buffer(tra
     assert gathered and all(g is not None and g.shape[0] == 6 for g in gathered)
 
 
+def test_an_adapters_rows_apart_in_one_pass_sum_in_its_gathered_gradient(trainer, monkeypatch):
+    """Two requests of one adapter with another's between them (its datums rows 0 and 2): the pass's gathered
+    gradient [B, F] is added into each adapter's flat gradient once, an adapter's rows summed (`_scatter`), equal
+    to the per-layer path's (adapters of mixed layouts take it) to float64's rounding."""
+    _, trainer = trainer
+    from symbiosis.train import model
+
+    generator = torch.Generator().manual_seed(5)
+    outcomes = []
+    for gather in (True, False):
+        if not gather:
+            monkeypatch.setattr(model, "_gathered", lambda *args: None)
+        a, b = (HostedLora(LoraSpec(rank=4, seed=seed), trainer.targets, trainer.device, trainer.dtype)
+                for seed in (1, 2))
+        with torch.no_grad():
+            for lora in (a, b):
+                lora.flat.copy_(torch.randn(lora.flat.shape, generator=torch.Generator().manual_seed(9)) * 0.1)
+        data = [_datum(torch.Generator().manual_seed(i), 7, "cross_entropy") for i in range(3)]
+        works = [Work(a, [data[0]], "cross_entropy"), Work(b, [data[1]], "cross_entropy"),
+                 Work(a, [data[2]], "cross_entropy")]
+        for work in works:
+            trainer.check(work)
+        results = trainer.run(works)
+        outcomes.append(([r.loss for r in results], a.flat_grad.clone(), b.flat_grad.clone()))
+    (losses, grad_a, grad_b), (losses_eager, grad_a_eager, grad_b_eager) = outcomes
+    assert losses == pytest.approx(losses_eager, rel=1e-12)
+    torch.testing.assert_close(grad_a, grad_a_eager, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad_b, grad_b_eager, rtol=1e-10, atol=1e-12)
+    assert float(grad_a.abs().sum()) > 0 and not torch.allclose(grad_a, grad_b)
+
+
 def test_on_a_mixture_of_experts_base_attention_adapters_train_as_each_alone(tmp_path):
     """Qwen3-MoE: the experts are the executor's (called per projection, grouped); attention and head adapters
     train exactly as plain PEFT trains each (the loss is Tinker's, the router's auxiliary loss is not in it).
