@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import subprocess
@@ -191,6 +192,15 @@ def _trainer(model_dir: Path, devices: list[str] | None, micro_batch_tokens: int
     return executor, trainer
 
 
+def _release_gpu() -> None:
+    """What a finished run held on the GPU given back before the next run's peak is measured: the training model's
+    modules and its pass state refer to each other (a cycle: only the collector frees them, and with them the
+    trainer's CUDA graphs' memory pools, which counted in the next runs' peaks)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _graph_counts(trainer) -> dict:
     """The decoder's CUDA graphs captured and replayed by `trainer` (train/graphs.py), where it has them."""
     graphs = getattr(trainer, "graphs", None)
@@ -289,8 +299,7 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
         result.update(batch=batch, max_pass_tokens=pass_tokens)
     queue.stop()
     del trainer, executor, queue
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    _release_gpu()
     return result
 
 
@@ -363,8 +372,7 @@ def pass_anatomy(model_dir: Path, tenants: int, rank: int, length: int, vocab: i
         for lora in loras:
             lora.drop_gradients()
     del trainer, executor, loras
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    _release_gpu()
     return result
 
 
@@ -509,8 +517,7 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
     thread.join(30)
     service.close()
     del service
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    _release_gpu()
     return result
 
 
@@ -579,8 +586,7 @@ def compiled_peft(model_dir: Path, batch: int, length: int, duration: float) -> 
     sync()
     result = {"tokens_per_s": steps * batch * length / (time.perf_counter() - start), "peak_gib": peak_gib()}
     del model, optimizer
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    _release_gpu()
     return result
 
 
