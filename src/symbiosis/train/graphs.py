@@ -67,10 +67,11 @@ class DecoderGraphs:
             if graph is None:
                 return None
         self.graphs.move_to_end(key)
-        with torch.no_grad():  # the first `rows` rows; the bucket's others keep zeros (no adapter, no gradient)
+        with torch.no_grad():  # the first `rows` rows; the bucket's others get no LoRA (and no gradient: _Replay)
             graph.input_ids[:rows].copy_(input_ids, non_blocking=True)
             graph.gathered[:rows].copy_(_gathered(datums, self.dtype), non_blocking=True)
             graph.scales[:rows].copy_(_on(_scales(datums, self.dtype), self.device), non_blocking=True)
+            graph.scales[rows:].zero_()  # (a pass of more rows may have left its datums' there)
         self.state.gradients = (graph.grads[:rows], datums)
         self.replays += 1
         return _Replay.apply(self.state.anchor(self.device), graph, rows)
@@ -159,5 +160,6 @@ class _Replay(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         graph = ctx.graph
         graph.grad_hidden[:ctx.rows].copy_(grad)
+        graph.grad_hidden[ctx.rows:].zero_()  # (rows never mix: a padded row gets no gradient, not a larger pass's)
         graph.backward.replay()
         return None, None, None

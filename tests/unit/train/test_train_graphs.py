@@ -53,9 +53,11 @@ def test_replayed_passes_train_as_eager_passes_over_any_adapters_of_the_layout(t
     ours, theirs = _adapters(graphed, range(3)), _adapters(eager, range(3))
     others, others_eager = _adapters(graphed, (7, 8, 9)), _adapters(eager, (7, 8, 9))
     generator = torch.Generator().manual_seed(0)
-    for step in range(graphs.CAPTURE_AFTER + 3):
-        # the adapters of the last step are others than those the graph was captured with
-        pair = (others, others_eager) if step == graphs.CAPTURE_AFTER + 2 else (ours, theirs)
+    # eager passes, the capture's, two replays; then others than the adapters it was captured with; then four datums
+    # (the bucket's every row) and three again (the fourth row's datum, adapter and gradient of the pass before left)
+    passes = [(ours, theirs)] * graphs.CAPTURE_AFTER + [(ours, theirs)] * 2 + [(others, others_eager)] + \
+        [(ours + others[:1], theirs + others_eager[:1]), (ours, theirs)]
+    for pair in passes:
         works = _works(pair[0], generator, 16)
         twins = [Work(lora, work.datums, work.loss_fn) for lora, work in zip(pair[1], works)]
         for trainer, batch in ((graphed, works), (eager, twins)):
@@ -75,7 +77,7 @@ def test_replayed_passes_train_as_eager_passes_over_any_adapters_of_the_layout(t
         for lora, twin in zip(*pair):
             torch.testing.assert_close(lora.flat, twin.flat, rtol=1e-5, atol=1e-6)
     assert graphed.graphs.captures == 1
-    assert graphed.graphs.replays == 4  # the capture's pass and the three after
+    assert graphed.graphs.replays == len(passes) - graphs.CAPTURE_AFTER + 1  # the capture's pass and those after
 
 
 @pytest.mark.gpu
