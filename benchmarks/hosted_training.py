@@ -192,6 +192,15 @@ def _trainer(model_dir: Path, devices: list[str] | None, micro_batch_tokens: int
     return executor, trainer
 
 
+def _thread_cpu_s(thread: threading.Thread) -> float:
+    """A thread of this process's CPU seconds so far (Linux's /proc/self/task/TID/stat: user + system), or NaN."""
+    try:
+        fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
 def _release_gpu() -> None:
     """What a finished run held on the GPU given back before the next run's peak is measured: the training model's
     modules and its pass state refer to each other (a cycle: only the collector frees them, and with them the
@@ -493,10 +502,14 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
             if child.stdout.readline().strip() != "ready":
                 raise RuntimeError("an SDK client process failed before its window (its traceback is above)")
         passes, seconds = service.training_queue.passes, dict(service.training_queue.seconds)
+        watched = {"http": [thread], "http_workers": [t for t in threading.enumerate() if t.name.startswith("asyncio_")],
+                   "training": [t for t in threading.enumerate() if t.name == "symbiosis-training"]}
+        cpu = {name: sum(_thread_cpu_s(t) for t in group) for name, group in watched.items()}
         for child in children:
             child.stdin.write("go\n")
             child.stdin.flush()
         outcomes = [json.loads(child.stdout.read().strip().splitlines()[-1]) for child in children]
+        cpu = {name: sum(_thread_cpu_s(t) for t in group) - cpu[name] for name, group in watched.items()}
         passes = service.training_queue.passes - passes  # (a few after the window, as clients finish their step)
     finally:
         for child in children:
@@ -512,6 +525,11 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
               # each client process's CPU seconds over its window: near 1, its interpreter is what bounds the run
               "client_cpu_share": [round(cpu / w, 2) for _, w, cpu in outcomes],
               "runner_share": _runner_share(service.training_queue, seconds, wall),
+              # the service's threads' CPU a tenant's iteration (4 requests): the HTTP server's, its workers' (the
+              # submissions' checks and writes) and the trainer's share one interpreter, so their sum bounds the
+              # iterations a second
+              "cpu_ms_per_iteration": {name: round(1e3 * seconds_ / max(1, trained // length), 3)
+                                       for name, seconds_ in cpu.items()},
               **_graph_counts(service.trainer)}
     server.should_exit = True
     thread.join(30)
