@@ -14,7 +14,8 @@ the decoder's output and the gathered gradient [B, F], which the pass then adds 
 Captured on a shape's `CAPTURE_AFTER`-th pass (a shape seen once may never come back: capture costs a few passes'
 time and the graph keeps its pass's activations in a memory pool of its own); at most `MAX_GRAPHS` at once, the
 least recently used given up first, and none while less than `MIN_FREE` of the device's memory is free. A shape
-whose capture fails runs eagerly from then on (logged once).
+whose capture fails runs eagerly from then on (logged once); a decoder that reads the device back mid-pass (a
+mixture of experts') is never captured (`capturable`).
 """
 
 from __future__ import annotations
@@ -98,6 +99,12 @@ class DecoderGraphs:
         self.graphs[key] = graph
         self.captures += 1
         return graph
+
+
+def capturable(model) -> bool:
+    """Whether `model`'s decoder can be captured: not where it reads the device back mid-pass (a mixture of
+    experts' layers count each expert's rows on the host: client/experts.py), which a capture refuses."""
+    return not any(getattr(module, "symbiosis_expert_groups", None) for module in model.modules())
 
 
 def bucket(rows: int) -> int:

@@ -28,7 +28,7 @@ from symbiosis.client.loss import CHUNK_ELEMENTS, LOGIT_TRANSFORMS
 from symbiosis.errors import BadCall, UnsupportedAdapter
 from symbiosis.kernels import softmax_grad
 from symbiosis.train import losses
-from symbiosis.train.graphs import DecoderGraphs
+from symbiosis.train.graphs import DecoderGraphs, capturable
 from symbiosis.train.lora import HostedLora
 from symbiosis.train.model import build
 
@@ -95,7 +95,7 @@ class Trainer:
         self.context = getattr(self.config, "max_position_embeddings", None)
         # the decoder's forward and backward replayed as CUDA graphs for shapes of pass that recur (graphs.py)
         self.graphs = DecoderGraphs(self.model.get_decoder(), self.state, self.device, self.activations) \
-            if torch.device(self.device).type == "cuda" and stages == 1 else None
+            if torch.device(self.device).type == "cuda" and stages == 1 and capturable(self.model) else None
 
     def check(self, work: Work) -> None:
         """`BadCall` naming what is wrong with a request, before it joins a pass."""
