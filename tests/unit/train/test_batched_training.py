@@ -94,7 +94,6 @@ def test_an_adapters_rows_apart_in_one_pass_sum_in_its_gathered_gradient(trainer
     _, trainer = trainer
     from symbiosis.train import model
 
-    generator = torch.Generator().manual_seed(5)
     outcomes = []
     for gather in (True, False):
         if not gather:
