@@ -141,14 +141,18 @@ class _Stacks:
                        None if self.rows is None else self.rows[rows], self.a_matrices, self.b_matrices, self.grads,
                        whole=self, first=rows.start or 0)
 
+    @property
+    def home(self) -> torch.device:
+        """Where the gradients go: the pass's gathered gradient's device, or the adapters' matrices'."""
+        return self.grads[0].device if self.grads is not None else self.a_matrices[0].device
+
     def accumulate(self, grad_a: torch.Tensor, grad_b: torch.Tensor) -> None:
         """Every adapter's gradients (the sum of its rows') into its matrices' `.grad`s, views of its flat gradient:
         one multi-tensor launch for each of A and B. On another GPU than the matrices (a base over several: the
         adapters live on the first), they wait in the pass's stacks until it ends (`flush`): a copy to the
         adapters' GPU in the middle of the backward would tie the two GPUs' queues together. Gathered stacks add
         them into the pass's gathered gradient, a launch for each of A and B."""
-        home = self.grads[0].device if self.grads is not None else self.a_matrices[0].device
-        if grad_a.device != home:
+        if grad_a.device != self.home:
             whole = self.whole or self
             if whole.held is None:
                 whole.held = [torch.zeros_like(whole.a, dtype=grad_a.dtype),
@@ -181,8 +185,7 @@ class _Stacks:
     def flush(self) -> None:
         if self.held is not None:
             held, self.held = self.held, None
-            home = self.grads[0].device if self.grads is not None else self.a_matrices[0].device
-            self.accumulate(*(hop(grad, home) for grad in held))
+            self.accumulate(*(hop(grad, self.home) for grad in held))
 
 
 class TrainLinear(nn.Module):
