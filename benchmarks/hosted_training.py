@@ -504,12 +504,13 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
         passes, seconds = service.training_queue.passes, dict(service.training_queue.seconds)
         watched = {"http": [thread], "http_workers": [t for t in threading.enumerate() if t.name.startswith("asyncio_")],
                    "training": [t for t in threading.enumerate() if t.name == "symbiosis-training"]}
-        cpu = {name: sum(_thread_cpu_s(t) for t in group) for name, group in watched.items()}
+        group_cpu = lambda: {name: sum(map(_thread_cpu_s, group)) for name, group in watched.items()}  # noqa: E731
+        cpu = group_cpu()
         for child in children:
             child.stdin.write("go\n")
             child.stdin.flush()
         outcomes = [json.loads(child.stdout.read().strip().splitlines()[-1]) for child in children]
-        cpu = {name: sum(_thread_cpu_s(t) for t in group) - cpu[name] for name, group in watched.items()}
+        cpu = {name: seconds_ - cpu[name] for name, seconds_ in group_cpu().items()}
         passes = service.training_queue.passes - passes  # (a few after the window, as clients finish their step)
     finally:
         for child in children:

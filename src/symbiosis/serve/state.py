@@ -42,12 +42,16 @@ class StateStore:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
 
+    def _open_batch(self) -> list | None:
+        """This thread's open batch's calls for after its commit, or None outside a batch."""
+        return getattr(self._batch, "after", None)
+
     @contextmanager
     def transaction(self):
         """The connection, inside one transaction (committed at the end, rolled back on an error); inside this
         thread's open `batch`, part of the batch's."""
         with self._lock:
-            if getattr(self._batch, "after", None) is not None:
+            if self._open_batch() is not None:
                 yield self._db
                 return
             self._db.execute("BEGIN IMMEDIATE")
@@ -64,18 +68,13 @@ class StateStore:
         32 tenants' answers were ~130 transactions, each statement handing the interpreter to the HTTP threads and
         waiting to get it back, which made a pass of the SDK's tenants twice as long as the engine's). Calls given
         to `after_commit` meanwhile run once it is committed. Other threads wait for the database meanwhile."""
-        with self._lock:
-            if getattr(self._batch, "after", None) is not None:  # nested: the outer one commits
-                yield
-                return
-            self._db.execute("BEGIN IMMEDIATE")
+        if self._open_batch() is not None:  # nested: the outer one commits
+            yield
+            return
+        with self.transaction():
             self._batch.after = []
             try:
                 yield
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
             finally:
                 after, self._batch.after = self._batch.after, None
         for call in after:
@@ -84,7 +83,7 @@ class StateStore:
     def after_commit(self, call) -> None:
         """`call()` once what this thread wrote is committed: now, or at the end of its open batch (an answer's
         waiters are told once it can be read)."""
-        after = getattr(self._batch, "after", None)
+        after = self._open_batch()
         if after is None:
             call()
         else:

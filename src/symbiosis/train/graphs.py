@@ -26,7 +26,7 @@ from collections import OrderedDict
 import torch
 
 from symbiosis.train.lora import HostedLora
-from symbiosis.train.model import PassState, _gathered, _on, _scales
+from symbiosis.train.model import PassState, _gathered, _on, _scales, one_layout
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class DecoderGraphs:
         """The decoder's output [B, L, H] of `input_ids` (on the device, every datum L tokens) for a pass that
         trains (grad mode on), with the pass's gathered gradient left for `PassState.finish`; or None where this
         pass runs eagerly (`PassState.begin` and the decoder)."""
-        if not datums or any(lora is None or lora.layout != datums[0].layout for lora in datums):
+        if not one_layout(datums):
             return None
         rows, length = input_ids.shape
         key = (bucket(rows), length, datums[0].layout)

@@ -240,13 +240,8 @@ class TrainingQueue:
                     op.fail(e)
                 return
             with self.answering():
-                for op, step_metrics in zip(operations.values(), metrics):
-                    try:
-                        result = op.call(step_metrics)
-                    except Exception as e:  # noqa: BLE001 -- this request fails; the others go on
-                        op.fail(e)
-                    else:
-                        op.done(result)
+                for (key, op), step_metrics in zip(operations.items(), metrics):
+                    self._answer(key, op, lambda: op.call(step_metrics))
 
         return answer
 
