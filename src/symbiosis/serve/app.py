@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
+import os
+from collections.abc import Awaitable, Callable
 from importlib import resources
 
 from fastapi import Depends, FastAPI, Request
@@ -64,7 +65,7 @@ class AccessLog:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        start, request_id, status = time.monotonic(), uuid.uuid4().hex[:16], 500
+        start, request_id, status = time.monotonic(), os.urandom(8).hex(), 500
 
         async def send_with_id(message):
             nonlocal status
@@ -81,6 +82,46 @@ class AccessLog:
                                         "ms": round(1e3 * (time.monotonic() - start), 2)}))
 
 
+class PlainRoutes:
+    """ASGI: the requests a training loop sends several times an iteration (`routes`: POST path -> handler) answered
+    before FastAPI, whose routing, middlewares, request and response objects took ~60% of the HTTP thread's
+    interpreter time for each, the interpreter that the training pass needs too (docs/PERFORMANCE.md, section 10).
+
+    A handler takes the request's headers (lower-case names), its body and the request's state (where it leaves
+    the tenant for the access log) and returns (status, media type, body); it raises an exception with a
+    `response()` (ApiError, the Tinker API's Refused) to answer an error."""
+
+    def __init__(self, app, routes: dict[str, Callable[[dict, bytes, dict], Awaitable[tuple[int, bytes, bytes]]]]):
+        self.app, self.routes = app, routes
+
+    async def __call__(self, scope, receive, send):
+        handler = self.routes.get(scope.get("path")) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if handler is None:
+            return await self.app(scope, receive, send)
+        try:
+            status, media_type, content = await handler(dict(scope["headers"]), await _body(receive),
+                                                        scope.setdefault("state", {}))
+        except Exception as error:  # noqa: BLE001 - every failure answered, as the app's handlers do
+            if not hasattr(error, "response"):
+                logging.getLogger("symbiosis.serve").exception("unexpected error on %s", scope.get("path"))
+                error = ApiError(500, "the server failed to answer this request; it was logged")
+            return await error.response()(scope, receive, send)
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", media_type), (b"content-length", str(len(content)).encode())]})
+        await send({"type": "http.response.body", "body": content})
+
+
+async def _body(receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ApiError(400, "the client disconnected before sending its body")
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
 UI_ASSETS = {"ui.js": "text/javascript; charset=utf-8", "ui.css": "text/css; charset=utf-8"}
 # the page loads only its own script and style and talks only to this server
 UI_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; "
@@ -93,7 +134,8 @@ def _ui_file(name: str, media_type: str) -> Response:
         "Content-Security-Policy": UI_POLICY, "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"})
 
 
-def create_app(service) -> FastAPI:
+def create_app(service):
+    """The service's ASGI application: the size limit, the access log and the plain routes around FastAPI's."""
     app = FastAPI(title="symbiosis", version="0.1.0", docs_url=None, redoc_url=None)
 
     def tenant(request: Request) -> str:
@@ -161,6 +203,7 @@ def create_app(service) -> FastAPI:
             raise ApiError(404, "no such file")
         return _ui_file(name, UI_ASSETS[name])
 
+    plain = {}
     if service.tinker is not None:
         from symbiosis.serve.tinker import api as tinker_api
 
@@ -168,7 +211,8 @@ def create_app(service) -> FastAPI:
         async def refused(request: Request, error: tinker_api.Refused):
             return error.response()
 
-        app.include_router(tinker_api.router(service, service.tinker))
+        tinker_router, plain = tinker_api.routes(service, service.tinker)
+        app.include_router(tinker_router)
     app.include_router(openai_api.router(service, tenant))
     if service.jobs is not None:
         from symbiosis.serve.jobs import api as jobs_api
@@ -178,6 +222,4 @@ def create_app(service) -> FastAPI:
         from symbiosis.serve.hmi import api as hmi_api
 
         app.include_router(hmi_api.router(service.hmi, tenant))
-    app.add_middleware(AccessLog)
-    app.add_middleware(BodyLimit)
-    return app
+    return BodyLimit(AccessLog(PlainRoutes(app, plain)))

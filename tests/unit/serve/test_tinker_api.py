@@ -5,6 +5,7 @@ once who cannot see each other's runs, bad requests answered as the SDK's errors
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import threading
@@ -241,3 +242,41 @@ def test_a_diverged_model_gets_its_non_finite_loss_not_a_server_error(training_s
     stepped = training.optim_step(types.AdamParams(learning_rate=1e-3)).result()  # its gradients are not finite
     assert not math.isfinite(stepped.metrics["grad_norm:mean"])
     service.close("success")
+
+
+def test_the_training_loops_plain_routes_refuse_bad_requests_as_the_other_routes_do(training_server, caplog,
+                                                                                    monkeypatch):
+    """retrieve_future, forward_backward and optim_step are answered before FastAPI (app.PlainRoutes): their
+    errors are still the API's ({"error", "detail"} with a status the SDK does not retry), their access-log line
+    names the tenant, and an unexpected failure is a logged 500 that leaves the service answering."""
+    from conftest import httpx
+
+    url, alice = training_server.url + "/api/v1/", {"X-API-Key": TINKER_KEYS["alice"]}
+    cases = [("retrieve_future", {}, b'{"request_id": "x"}', 401, "invalid API key"),
+             ("retrieve_future", alice, b"not json", 400, "not JSON"),
+             ("retrieve_future", alice, b"[1, 2]", 400, "not a JSON object"),
+             ("retrieve_future", alice, b'{"request_id": "nobody-s"}', 404, "no request"),
+             ("optim_step", alice, b'{"model_id": "m", "seq_id": 1}', 400, "adam_params"),
+             ("optim_step", alice, b'{"model_id": "m", "seq_id": "1", "adam_params": {}}', 400, "seq_id must be"),
+             ("forward_backward", alice, b"\xff\x00 not a protobuf", 400, ""),
+             ("forward_backward", {**alice, "Content-Encoding": "zstd"}, b"", 400, "uncompressed")]
+    with caplog.at_level("INFO", logger="symbiosis.serve.access"):
+        for route, headers, body, status, message in cases:
+            response = httpx.post(url + route, content=body, headers=headers)
+            assert response.status_code == status, (route, body, response.text)
+            assert message in response.json()["error"] and response.headers["x-request-id"]
+        too_big = httpx.post(url + "optim_step", content=b"{" + b" " * (9 << 20) + b"}", headers=alice)
+        assert too_big.status_code == 413
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "symbiosis.serve.access"]
+    assert {(line["path"], line["tenant"]) for line in lines if line["status"] == 404} == \
+        {("/api/v1/retrieve_future", "alice")}
+
+    def broken(*_):
+        raise RuntimeError("the database went away")
+    monkeypatch.setattr(training_server.service.tinker.store, "request", broken)
+    with caplog.at_level("ERROR", logger="symbiosis.serve"):
+        failed = httpx.post(url + "retrieve_future", json={"request_id": "x"}, headers=alice)
+    assert failed.status_code == 500 and "logged" in failed.json()["error"]["message"]
+    assert any("unexpected error on /api/v1/retrieve_future" in r.getMessage() for r in caplog.records)
+    monkeypatch.undo()
+    assert httpx.post(url + "retrieve_future", json={"request_id": "x"}, headers=alice).status_code == 404

@@ -65,16 +65,21 @@ def _iso(seconds: float | None) -> str | None:
     return None if seconds is None else datetime.fromtimestamp(seconds, timezone.utc).isoformat()
 
 
-def router(service, tinker: TinkerService) -> APIRouter:
+def routes(service, tinker: TinkerService) -> tuple[APIRouter, dict]:
+    """The API's FastAPI routes, and its training loop's three requests as plain routes (app.PlainRoutes:
+    `retrieve_future`, `forward_backward`, `optim_step`, ~4 requests an iteration of every tenant's loop)."""
     api = APIRouter(prefix="/api/v1")
     waiters = Waiters()
     tinker.answered = waiters.answered
 
-    def tenant_of(request: Request) -> str:
-        found = service.keys.tenant_of(request.headers.get("x-api-key", "").strip())
+    def tenant_with(key: str) -> str:
+        found = service.keys.tenant_of(key.strip())
         if found is None:
             raise Refused(401, "invalid API key: send `X-API-Key: tml-...`, a key of this service's key file")
         return found
+
+    def tenant_of(request: Request) -> str:
+        return tenant_with(request.headers.get("x-api-key", ""))
 
     async def body(request: Request) -> tuple[str, dict]:
         tenant = tenant_of(request)
@@ -94,14 +99,28 @@ def router(service, tinker: TinkerService) -> APIRouter:
     async def off_loop(call):
         return await asyncio.to_thread(run, call)
 
-    # -- the training loop's requests first: routes are matched in order, each request against every route before
-    # its own (~4 requests an iteration of every tenant's loop; FastAPI's matching was over a third of the HTTP
-    # thread's time for a retrieve_future, the 19th route)
+    # -- the training loop's requests: plain routes, (headers, body, state) -> (status, media type, body) --
 
-    @api.post("/retrieve_future")
-    async def retrieve_future(request: Request):
-        tenant, fields = await body(request)
-        request_id = str(fields.get("request_id"))
+    def plain_tenant(headers: dict, state: dict) -> str:
+        state["tenant"] = tenant = tenant_with(headers.get(b"x-api-key", b"").decode("latin-1"))
+        waiters.loop = asyncio.get_running_loop()
+        return tenant
+
+    def plain_json(raw: bytes) -> dict:
+        try:
+            fields = json.loads(raw)
+        except ValueError:
+            raise Refused(400, "the body is not JSON") from None
+        if not isinstance(fields, dict):
+            raise Refused(400, "the body is not a JSON object")
+        return fields
+
+    def answer(fields: dict) -> tuple[int, bytes, bytes]:
+        return 200, b"application/json", json.dumps(fields).encode()
+
+    async def retrieve_future(headers: dict, raw: bytes, state: dict):
+        tenant = plain_tenant(headers, state)
+        request_id = str(plain_json(raw).get("request_id"))
         row = tinker.store.request(tenant, request_id)
         if row is not None and row["status"] == "pending":
             await waiters.wait(request_id, POLL_HOLD_S)
@@ -109,35 +128,35 @@ def router(service, tinker: TinkerService) -> APIRouter:
         if row is None:
             raise Refused(404, f"no request {request_id[:80]!r}")
         if row["status"] == "pending":
-            return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+            return answer({"type": "try_again", "request_id": request_id, "queue_state": "active"})
         if row["status"] == "failed":
-            return {"error": row["error"], "category": row["category"]}
-        if row["content_type"] == "proto":
-            return Response(row["result"], media_type="application/x-protobuf")
-        # the stored JSON as it is: no parse and re-encode per answer, and a diverged model's NaN or infinite
+            return answer({"error": row["error"], "category": row["category"]})
+        # the stored answer as it is: no parse and re-encode per answer, and a diverged model's NaN or infinite
         # metrics stay what Python's json (the SDK's parser) reads, where strict JSON would refuse them (a 500,
         # which the SDK retries for ever)
-        return Response(row["result"], media_type="application/json")
+        media_type = b"application/x-protobuf" if row["content_type"] == "proto" else b"application/json"
+        return 200, media_type, row["result"]
 
-    @api.post("/forward_backward")
-    async def forward_backward(request: Request):
-        tenant = tenant_of(request)
-        if request.headers.get("content-encoding", "identity") != "identity":
+    async def forward_backward(headers: dict, raw: bytes, state: dict):
+        tenant = plain_tenant(headers, state)
+        if headers.get(b"content-encoding", b"identity") != b"identity":
             raise Refused(400, "send forward_backward uncompressed (client/config says proto_compress_fwdbwd false)")
-        raw = await request.body()
         model, seq_id, loss_fn, config, forward_only, datums = run(lambda: wire.forward_backward_request(raw))
         request_id = await off_loop(lambda: tinker.submit_pass(tenant, model, seq_id, datums, loss_fn, config,
                                                                backward=not forward_only))
-        return {"request_id": request_id, "model_id": model}
+        return answer({"request_id": request_id, "model_id": model})
 
-    @api.post("/optim_step")
-    async def optim_step(request: Request):
-        tenant, fields = await body(request)
+    async def optim_step(headers: dict, raw: bytes, state: dict):
+        tenant = plain_tenant(headers, state)
+        fields = plain_json(raw)
         model, adam = fields.get("model_id"), fields.get("adam_params")
         if not isinstance(adam, dict):
             raise Refused(400, "optim_step takes adam_params (this service's optimizer is AdamW)")
         request_id = await off_loop(lambda: tinker.submit_optim_step(tenant, model, _int(fields, "seq_id"), adam))
-        return {"request_id": request_id, "model_id": model}
+        return answer({"request_id": request_id, "model_id": model})
+
+    plain = {"/api/v1/retrieve_future": retrieve_future, "/api/v1/forward_backward": forward_backward,
+             "/api/v1/optim_step": optim_step}
 
     # -- handshake, sessions --
 
@@ -348,7 +367,7 @@ def router(service, tinker: TinkerService) -> APIRouter:
         return {"base_model": tinker.base_name, "is_lora": True, "lora_rank": spec["rank"],
                 "train_mlp": spec["train_mlp"], "train_attn": spec["train_attn"], "train_unembed": spec["train_unembed"]}
 
-    return api
+    return api, plain
 
 
 def _int(fields: dict, name: str) -> int:
@@ -369,4 +388,4 @@ class Refused(Exception):
         return _error(self.status, self.message)
 
 
-__all__ = ["SDK_CONFIG", "Refused", "UserError", "router"]
+__all__ = ["SDK_CONFIG", "Refused", "UserError", "routes"]
