@@ -76,10 +76,12 @@ class AccessLog:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            state = scope.get("state") or {}  # request.state: where the key's check left the tenant
-            access_log.info(json.dumps({"request_id": request_id, "method": scope.get("method"),
-                                        "path": scope.get("path"), "status": status, "tenant": state.get("tenant"),
-                                        "ms": round(1e3 * (time.monotonic() - start), 2)}))
+            if access_log.isEnabledFor(logging.INFO):
+                state = scope.get("state") or {}  # request.state: where the key's check left the tenant
+                access_log.info(json.dumps({"request_id": request_id, "method": scope.get("method"),
+                                            "path": scope.get("path"), "status": status,
+                                            "tenant": state.get("tenant"),
+                                            "ms": round(1e3 * (time.monotonic() - start), 2)}))
 
 
 class PlainRoutes:
