@@ -294,12 +294,17 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
         return tenant_loop.step, tenant_loop.finish
 
     at_start = []
+    runners = [t for t in threading.enumerate() if t.name == "symbiosis-training"]
+    runners_cpu = lambda: sum(map(_thread_cpu_s, runners))  # noqa: E731
     trained, wall = drive(tenants, start_tenant, length * batch, duration,
-                          on_start=lambda: at_start.append((queue.passes, dict(queue.seconds))))
+                          on_start=lambda: at_start.append((queue.passes, dict(queue.seconds), runners_cpu())))
     passes_run = queue.passes - at_start[0][0]
     result = {"tokens_per_s": trained / wall, "passes_per_s": passes_run / wall,
               "datums_per_pass": trained / length / max(1, passes_run), **_peaks(gpus),
-              "runner_share": _runner_share(queue, at_start[0][1], wall), **_graph_counts(trainer)}
+              "runner_share": _runner_share(queue, at_start[0][1], wall), **_graph_counts(trainer),
+              # the trainer's CPU a tenant's iteration, as through_sdk prints it beside the HTTP server's
+              "cpu_ms_per_iteration": {"training": round(1e3 * (runners_cpu() - at_start[0][2]) /
+                                                         max(1, trained // (length * batch)), 3)}}
     if devices:
         result.update(devices=devices, micro_batch_tokens=trainer.micro_batch_tokens)
     if replicas:

@@ -106,7 +106,7 @@ class Trainer:
                 raise BadCall(f"datum {i}: an empty model input")
             if self.context is not None and len(datum.tokens) > self.context:
                 raise BadCall(f"datum {i}: {len(datum.tokens)} tokens exceed the model's context of {self.context}")
-            if any(not 0 <= t < self.vocab for t in datum.tokens):
+            if min(datum.tokens) < 0 or max(datum.tokens) >= self.vocab:
                 raise BadCall(f"datum {i}: token ids outside the vocabulary (0..{self.vocab - 1})")
             try:
                 work.config = losses.check(work.loss_fn, len(datum.tokens), datum.inputs, work.config)

@@ -66,6 +66,8 @@ class TinkerService:
         self.tokenizer_id = tokenizer_id or str(service.model_path.resolve())
         self.trainer, self.queue = service.trainer, service.training_queue
         self.loras: dict[str, HostedLora] = {}
+        self.owners: dict[str, str] = {}  # model id -> its tenant (models are never deleted): no read a submission
+        self.pending: dict[str, str] = {}  # request id -> tenant, from its acceptance until its answer is committed
         self.lost: dict[str, str] = {}  # model id -> what a restart lost, said once at its next request
         self._sample_counter = threading.Lock()
         self.answered = lambda request_id: None  # set by the HTTP layer: wakes polls waiting for this request
@@ -82,7 +84,7 @@ class TinkerService:
             except (OSError, SymbiosisError) as e:
                 log.error("training model %s could not be restored: %s", model, e)
                 continue
-            self.loras[model] = lora
+            self.loras[model], self.owners[model] = lora, row["tenant"]
             lost = []
             if row["completed_steps"] > lora.steps:
                 lost.append(f"optimizer steps {lora.steps + 1}..{row['completed_steps']} (the model is back at step "
@@ -119,22 +121,36 @@ class TinkerService:
 
     # -- requests --
 
+    def _accept(self, tenant: str, owner: str, seq_id: int, kind: str) -> tuple[str, bool]:
+        request_id, new = self.store.accept(tenant, owner, seq_id, kind)
+        if new:
+            self.pending[request_id] = tenant
+        return request_id, new
+
     def _answer(self, request_id: str, content_type: str, body: bytes) -> None:
         self.store.answer(request_id, content_type, body)
-        self.store.state.after_commit(lambda: self.answered(request_id))
+        self.store.state.after_commit(lambda: self._settled(request_id))
 
     def _fail(self, request_id: str, error: Exception) -> None:
         self.store.fail(request_id, str(error), category(error))
-        self.store.state.after_commit(lambda: self.answered(request_id))
+        self.store.state.after_commit(lambda: self._settled(request_id))
+
+    def _settled(self, request_id: str) -> None:
+        """Its answer is committed: no longer pending, then its polls woken (in that order: a poll that found it
+        pending waits for the wake-up, one that did not reads the answer)."""
+        self.pending.pop(request_id, None)
+        self.answered(request_id)
 
     def _json(self, request_id: str, value: dict) -> None:
         self._answer(request_id, "json", json.dumps(_named_non_finite(value), allow_nan=False).encode())
 
     def model(self, tenant: str, model: str) -> dict:
-        row = self.store.model(tenant, model) if isinstance(model, str) else None
-        if row is None or model not in self.loras:
+        self._check_owner(tenant, model)
+        return self.store.model(tenant, model)
+
+    def _check_owner(self, tenant: str, model: str) -> None:
+        if not isinstance(model, str) or self.owners.get(model) != tenant or model not in self.loras:
             raise UserError(f"no training model {str(model)[:80]!r}")
-        return row
 
     def _check_base(self, base_model: str | None) -> None:
         if base_model not in (None, self.base_name):
@@ -161,7 +177,7 @@ class TinkerService:
         except (TypeError, ValueError) as e:
             raise UserError(f"lora_config: {e}") from None
         model = make_model_id(session_id, int(model_seq_id))
-        request_id, new = self.store.accept(tenant, model, 0, "create_model")
+        request_id, new = self._accept(tenant, model, 0, "create_model")
         if new:
             try:
                 home = self.queue.place(model)
@@ -183,7 +199,7 @@ class TinkerService:
         self._write(lora, self._live(model), with_optimizer=True)
         if not self.store.add_model(model, tenant, session_id, lora.spec_json(), self.base_name, lora.steps):
             raise UserError(f"model {model} exists already")
-        self.loras[model] = lora
+        self.loras[model], self.owners[model] = lora, tenant
         self.queue.open(model, 1)
 
     def info(self, tenant: str, model: str) -> dict:
@@ -198,8 +214,8 @@ class TinkerService:
                adam: dict | None = None) -> str:
         """Accept a training request of `model` (once per seq_id) and queue it; returns its request id. `adam`: an
         optimizer step's `adam_params` (its result is then `call(metrics)`)."""
-        self.model(tenant, model)
-        request_id, new = self.store.accept(tenant, model, int(seq_id), kind)
+        self._check_owner(tenant, model)
+        request_id, new = self._accept(tenant, model, int(seq_id), kind)
         if not new:
             return request_id
         lost = self.lost.pop(model, None)
@@ -243,7 +259,7 @@ class TinkerService:
     def submit_pass(self, tenant: str, model: str, seq_id: int, datums: list, loss_fn: str, config: dict,
                     backward: bool) -> str:
         """A forward (backward False) or forward_backward request of `model`."""
-        self.model(tenant, model)
+        self._check_owner(tenant, model)
         work = Work(self.loras[model], datums, loss_fn, config, backward)
         return self.submit(tenant, model, seq_id, "forward_backward" if backward else "forward", work=work)
 
@@ -287,7 +303,7 @@ class TinkerService:
         self._check_session(tenant, session_id)
         self._check_base(base_model)
         model = make_model_id(session_id, int(model_seq_id))
-        request_id, new = self.store.accept(tenant, model, 0, "load_weights")
+        request_id, new = self._accept(tenant, model, 0, "load_weights")
         if new:
             try:
                 _, directory = self.resolve(tenant, path)
@@ -332,7 +348,7 @@ class TinkerService:
         row = self.sampler(tenant, sampler)
         if not 1 <= samples <= MAX_SAMPLES:
             raise UserError(f"num_samples must be 1..{MAX_SAMPLES}, got {samples}")
-        request_id, new = self.store.accept(tenant, sampler, int(seq_id), "sample")
+        request_id, new = self._accept(tenant, sampler, int(seq_id), "sample")
         if new:
             try:
                 self._start_sample(request_id, tenant, row, prompt, samples, params, prompt_logprobs)
