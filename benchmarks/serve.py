@@ -1,6 +1,6 @@
 """The HTTP layer's cost (issue: `symbiosis serve`): requests with Poisson arrivals at rising rates, prompts and
 outputs of a ShareGPT-like length distribution, spread over many adapters, sent (a) through the HTTP API
-(/v1/completions, streaming, by a client in another process over loopback) and (b) to the engine directly
+(/v1/completions, streaming, by clients in other processes over loopback, `--client-processes`) and (b) to the engine directly
 (`Engine.submit` in the service's own process), the same requests on the same warm service in the same run.
 Reports throughput (generated tokens / wall time), time to first token and inter-token latency p50/p99.
 
@@ -16,7 +16,9 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -82,7 +84,10 @@ def run_direct(service, jobs: list[dict], times: list[float], names: list[str]) 
     return summary(records, time.perf_counter() - start)
 
 
-async def _http_client(url: str, key: str, jobs: list[dict], times: list[float], names: list[str]) -> dict:
+async def _http_client(url: str, key: str, jobs: list[dict], times: list[float], names: list[str],
+                       start_at: float) -> dict:
+    """Stream `jobs` (each at its arrival time after the wall-clock `start_at`); returns their records (times from
+    that start), this process's end and its CPU seconds."""
     try:
         import httpx2 as httpx
     except ImportError:
@@ -91,7 +96,7 @@ async def _http_client(url: str, key: str, jobs: list[dict], times: list[float],
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits,
                                  headers={"Authorization": f"Bearer {key}"}) as client:
-        start = time.perf_counter()
+        start = time.perf_counter() + (start_at - time.time())
 
         async def one(i):
             job = jobs[i]
@@ -105,15 +110,33 @@ async def _http_client(url: str, key: str, jobs: list[dict], times: list[float],
                     if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["finish_reason"] is None:
                         records[i]["tokens"].append(time.perf_counter() - start)
         await asyncio.gather(*(one(i) for i in range(len(jobs))))
-        return summary(records, time.perf_counter() - start)
+        return {"records": records, "end": time.perf_counter() - start, "cpu_s": time.process_time()}
 
 
-def run_http(url: str, key: str, jobs: list[dict], times: list[float], names: list[str]) -> dict:
-    """In another process, so that the client's Python does not compete with the server's for one GIL."""
-    payload = json.dumps({"url": url, "key": key, "jobs": jobs, "times": times, "names": names})
-    result = subprocess.run([sys.executable, __file__, "--client"], input=payload, capture_output=True, text=True,
-                            check=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+def run_http(url: str, key: str, jobs: list[dict], times: list[float], names: list[str], processes: int = 1) -> dict:
+    """From `processes` client processes (request i in process i % processes), so that no client's Python bounds
+    what is measured, nor competes with the server's for one GIL; their CPU share says whether one came close."""
+    start_at = time.time() + 2.0  # every process started and connected-ready by then
+    clients = []
+    for p in range(processes):
+        mine = list(range(p, len(jobs), processes))
+        payload = json.dumps({"url": url, "key": key, "jobs": [jobs[i] for i in mine], "times": [times[i] for i in mine],
+                              "names": names, "start_at": start_at})
+        child = subprocess.Popen([sys.executable, __file__, "--client"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True)
+        child.stdin.write(payload)
+        child.stdin.close()
+        clients.append(child)
+    outcomes = []
+    for child in clients:
+        out = child.stdout.read()
+        if child.wait() != 0:
+            raise RuntimeError(f"an HTTP client process failed (exit {child.returncode})")
+        outcomes.append(json.loads(out.strip().splitlines()[-1]))
+    wall = max(o["end"] for o in outcomes)
+    result = summary([r for o in outcomes for r in o["records"]], wall)
+    result.update(client_processes=processes, client_cpu_share=[round(o["cpu_s"] / wall, 2) for o in outcomes])
+    return result
 
 
 def serve_on_loopback(service, tenant: str, directories: list[Path]):
@@ -138,6 +161,30 @@ def serve_on_loopback(service, tenant: str, directories: list[Path]):
     return server, f"http://127.0.0.1:{sock.getsockname()[1]}", names, thread
 
 
+def threads_cpu_s() -> dict[str, float]:
+    """CPU seconds so far of this process's threads, summed by their Python names without digits; threads Python
+    did not start (torch's and OpenMP's pools, the CUDA driver's) as "native" (Linux's /proc: every live thread;
+    one that ended is not counted)."""
+    python_names = {t.native_id: re.sub(r"[\d_ ()-]+$", "", t.name.split(" (")[0]) or "?" for t in threading.enumerate()}
+    totals: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = python_names.get(int(task.name), "native")
+        fields = stat[stat.rindex(")") + 2:].split()
+        totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return totals
+
+
+def busiest_threads(before: dict[str, float], wall: float, top: int = 6) -> dict[str, float]:
+    """The threads (by name) that used the most CPU since `before`, as cores busy over `wall` seconds."""
+    after = threads_cpu_s()
+    used = {name: after[name] - before.get(name, 0.0) for name in after}
+    return {name: round(seconds / wall, 2) for name, seconds in sorted(used.items(), key=lambda kv: -kv[1])[:top]}
+
+
 def thread_cpu_s(thread: threading.Thread) -> float:
     """CPU seconds `thread` has used (Linux: its own CPU clock)."""
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
@@ -151,12 +198,13 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--rates", default="4,16,64", help="requests per second (Poisson)")
     parser.add_argument("--requests", type=int, default=128, help="requests per rate and path")
+    parser.add_argument("--client-processes", type=int, default=4, help="the HTTP clients' processes")
     parser.add_argument("--workdir", default="/tmp/symbiosis-bench-serve")
     args = parser.parse_args()
     if args.client:
         spec = json.loads(sys.stdin.read())
         print(json.dumps(asyncio.run(_http_client(spec["url"], spec["key"], spec["jobs"], spec["times"],
-                                                  spec["names"]))))
+                                                  spec["names"], spec["start_at"]))))
         return
 
     from symbiosis.serve.service import Service
@@ -181,17 +229,21 @@ def main() -> None:
                   gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     warm = workload(128, args.adapters, vocab, seed=99)  # graphs, compiled kernels, adapter copies
     run_direct(service, warm, arrivals(len(warm), 64.0), names)
-    run_http(url, key, warm, arrivals(len(warm), 64.0), names)
+    run_http(url, key, warm, arrivals(len(warm), 64.0), names, args.client_processes)
     for rate in [float(r) for r in args.rates.split(",")]:
         jobs, times = workload(args.requests, args.adapters, vocab), arrivals(args.requests, rate)
         # the service process's CPU time (every thread: the engine's, the event loop's) per generated token: what
         # the HTTP layer adds to it is the Python that competes with the engine's thread for the GIL
-        cpu = time.process_time()
+        # (and which threads used it, in cores: `server_threads_cores`)
+        cpu, threads, began = time.process_time(), threads_cpu_s(), time.perf_counter()
         direct = run_direct(service, jobs, times, names)
         direct["server_cpu_ms_per_token"] = 1e3 * (time.process_time() - cpu) / max(1, direct["generated"])
-        cpu, loop_cpu = time.process_time(), thread_cpu_s(loop_thread)
-        http = run_http(url, key, jobs, times, names)
+        direct["server_threads_cores"] = busiest_threads(threads, time.perf_counter() - began)
+        cpu, loop_cpu, threads, began = time.process_time(), thread_cpu_s(loop_thread), threads_cpu_s(), \
+            time.perf_counter()
+        http = run_http(url, key, jobs, times, names, args.client_processes)
         http["server_cpu_ms_per_token"] = 1e3 * (time.process_time() - cpu) / max(1, http["generated"])
+        http["server_threads_cores"] = busiest_threads(threads, time.perf_counter() - began)
         # the event loop's thread alone: the HTTP layer's own Python per token (requests, SSE chunks, writes)
         http["loop_cpu_ms_per_token"] = 1e3 * (thread_cpu_s(loop_thread) - loop_cpu) / max(1, http["generated"])
         emit(**common, rate=rate, path="engine", **direct)
