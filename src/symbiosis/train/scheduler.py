@@ -93,6 +93,11 @@ class TrainingQueue:
         self._worker = Worker("symbiosis-training", lambda: bool(self._ready()), self.round)
         self._lock = self._worker.lock
         self._expected: set[str] = set()  # adapters the last round answered: their next requests are awaited
+        # while a gather waits: the expected adapters not yet ready (a submission wakes it only when it readies the
+        # last of them: 64 wake-ups a round of 32 loops took the interpreter from the HTTP thread that was
+        # reading their requests), and when the last operation came (for its quiet bound)
+        self._missing: set[str] | None = None
+        self._last_arrival = 0.0
         self._answered: set[str] = set()  # adapters this round answered
         self._last_pass_s = 0.0
         self.passes = 0
@@ -117,7 +122,13 @@ class TrainingQueue:
             if key not in self._queues:
                 raise KeyError(key)
             self._queues[key][operation.seq] = operation
-            self._lock.notify()
+            self._last_arrival = time.monotonic()
+            if self._missing is None:  # the runner is not gathering: wake it if it waits for work
+                self._lock.notify()
+            elif key in self._missing and operation.seq == self._next[key]:
+                self._missing.discard(key)
+                if not self._missing:
+                    self._lock.notify()
 
     def submit_call(self, call: Callable[[], object], done: Callable[[object], None],
                     fail: Callable[[Exception], None]) -> None:
@@ -157,17 +168,17 @@ class TrainingQueue:
         with self._lock:
             now = began = time.monotonic()
             fraction = GATHER_FRACTION if self.gather_fraction is None else self.gather_fraction
-            deadline, last_came, came = now + min(self.max_gather_s, fraction * self._last_pass_s), now, 0
+            deadline = now + min(self.max_gather_s, fraction * self._last_pass_s)
             while True:
                 ready = self._ready()
                 missing = {key for key in self._expected if key in self._queues and key not in ready}
                 now = time.monotonic()
-                if len(ready) > came:
-                    last_came, came = now, len(ready)
-                left = min(deadline, last_came + GATHER_QUIET_S) - now
+                left = min(deadline, max(began, self._last_arrival) + GATHER_QUIET_S) - now
                 if not missing or left <= 0:
                     break
+                self._missing = missing
                 self._lock.wait(left)
+            self._missing = None
             self.seconds["gather"] += time.monotonic() - began
             return ready  # (round() sets what the next round expects)
 
