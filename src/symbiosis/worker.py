@@ -26,6 +26,11 @@ class Worker:
             self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
             self._thread.start()
 
+    @property
+    def stopping(self) -> bool:
+        """Whether `stop()` was called: a `work()` that waits for more may stop waiting."""
+        return self._stopping
+
     def wake(self) -> None:
         with self.lock:
             self.lock.notify()

@@ -174,7 +174,7 @@ class TrainingQueue:
                 missing = {key for key in self._expected if key in self._queues and key not in ready}
                 now = time.monotonic()
                 left = min(deadline, max(began, self._last_arrival) + GATHER_QUIET_S) - now
-                if not missing or left <= 0:
+                if not missing or left <= 0 or self._worker.stopping:  # (stop() wakes it: no wait at shutdown)
                     break
                 self._missing = missing
                 self._lock.wait(left)

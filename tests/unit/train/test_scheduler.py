@@ -3,6 +3,8 @@ spread over passes without changing its result."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -227,12 +229,15 @@ def test_clients_answered_together_are_awaited_so_their_loops_stay_in_one_pass(t
         for key in works:
             assert answered[key].wait(60)
         threads = [threading.Thread(target=loop, args=(key,)) for key in works]
+        began = time.monotonic()
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(120)
+        # each round started when the last awaited adapter came: a wake-up missed would have waited the 60 s bound
+        assert time.monotonic() - began < 30
     finally:
-        queue.stop()
+        queue.stop()  # at once: a stopping queue's gather does not wait for the loops that ended
     assert not errors
     assert passes == [4, 4, 4]
     assert all(work.lora.steps == 3 for work in works.values())
