@@ -280,3 +280,32 @@ def test_the_training_loops_plain_routes_refuse_bad_requests_as_the_other_routes
     assert any("unexpected error on /api/v1/retrieve_future" in r.getMessage() for r in caplog.records)
     monkeypatch.undo()
     assert httpx.post(url + "retrieve_future", json={"request_id": "x"}, headers=alice).status_code == 404
+
+
+def test_a_tenant_cannot_pile_up_pending_requests(training_server, monkeypatch):
+    """Requests whose seq_id never comes stay pending: past the tenant's bound a new one is refused with 429 and
+    Retry-After (the SDK waits and retries), another tenant's go on, and the refused tenant's answered requests
+    make room again."""
+    from conftest import httpx
+    from symbiosis.serve.tinker import service as tinker_service
+
+    monkeypatch.setattr(tinker_service, "MAX_PENDING_PER_TENANT", 3)
+    alice = _client(training_server).create_lora_training_client(base_model="tiny-llama", rank=4).result()
+    url, headers = training_server.url + "/api/v1/", {"X-API-Key": TINKER_KEYS["alice"]}
+    adam = {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+            "grad_clip_norm": 0.0}
+
+    def step(seq_id):
+        return httpx.post(url + "optim_step", json={"model_id": alice.model_id, "seq_id": seq_id, "adam_params": adam},
+                          headers=headers)
+    waiting = [step(1000 + i) for i in range(3)]  # seq 1 never comes: these wait for ever
+    assert all(r.status_code == 200 for r in waiting)
+    refused = step(2000)
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert "3 requests pending" in refused.json()["error"]
+    bob = _client(training_server, "bob").create_lora_training_client(base_model="tiny-llama", rank=4).result()
+    datum, _, _ = _datum(bob.get_tokenizer(), TEXT)
+    assert bob.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
+    monkeypatch.setattr(tinker_service, "MAX_PENDING_PER_TENANT", 4)  # room for one: it is answered and frees it
+    assert alice.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
+    assert alice.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0

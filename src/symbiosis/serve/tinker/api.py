@@ -23,7 +23,7 @@ from symbiosis.errors import BadCall, SymbiosisError
 from symbiosis.serve.errors import json_object
 from symbiosis.serve.tinker import wire
 from symbiosis.serve.tinker.paths import TinkerPath, check_name
-from symbiosis.serve.tinker.service import TinkerService, UserError
+from symbiosis.serve.tinker.service import Busy, TinkerService, UserError
 
 POLL_HOLD_S = 20.0  # under the SDK's 45 s read timeout of a poll
 SDK_CONFIG = {  # client/config: no JWT exchange, uncompressed protobuf, the SDK's other defaults
@@ -57,10 +57,6 @@ class Waiters:
             self._events.pop(request_id, None)
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message, "detail": message}, status_code=status)
-
-
 def _iso(seconds: float | None) -> str | None:
     return None if seconds is None else datetime.fromtimestamp(seconds, timezone.utc).isoformat()
 
@@ -91,6 +87,8 @@ def routes(service, tinker: TinkerService) -> tuple[APIRouter, dict]:
         """Run a synchronous piece of the service: its user errors become 400, with the reason."""
         try:
             return call()
+        except Busy as e:  # the tenant's pending requests at their bound: the SDK retries a 429 after a while
+            raise Refused(429, str(e), retry_after_s=1) from None
         except (BadCall, ValueError, KeyError, TypeError) as e:
             raise Refused(400, str(e)) from None
         except SymbiosisError as e:
@@ -383,12 +381,13 @@ def _int(fields: dict, name: str) -> int:
 class Refused(Exception):
     """An HTTP error answer of the Tinker API: `{"error", "detail"}` with its status (app.py answers it)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, retry_after_s: int | None = None):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.retry_after_s = status, message, retry_after_s
 
     def response(self) -> JSONResponse:
-        return _error(self.status, self.message)
+        return JSONResponse({"error": self.message, "detail": self.message}, status_code=self.status,
+                            headers=None if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)})
 
 
 __all__ = ["SDK_CONFIG", "Refused", "UserError", "routes"]

@@ -21,6 +21,7 @@ import secrets
 import shutil
 import threading
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -39,6 +40,10 @@ log = logging.getLogger("symbiosis.serve.tinker")
 RESTARTED = ("the service restarted before this request was answered; it did not run and will not: "
              "submit it again")
 MAX_SAMPLES = 64
+# a tenant's requests accepted and not yet answered (a training loop has a few; the SDK's chunks of one big batch a
+# few dozen): past it a new one is refused with 429 (the SDK waits and retries), so that no tenant can pile up
+# queued work (each request up to the body limit) in the service's memory, nor requests whose seq never comes
+MAX_PENDING_PER_TENANT = 128
 MAX_SAMPLE_TOKENS = 4096
 
 
@@ -48,6 +53,10 @@ class UserError(BadCall):
 
 class ServerError(SymbiosisError):
     """A request the service could not answer (category `server`)."""
+
+
+class Busy(SymbiosisError):
+    """A request refused for now (HTTP 429: the tenant has MAX_PENDING_PER_TENANT requests pending)."""
 
 
 def category(error: Exception) -> str:
@@ -68,6 +77,8 @@ class TinkerService:
         self.loras: dict[str, HostedLora] = {}
         self.owners: dict[str, str] = {}  # model id -> its tenant (models are never deleted): no read a submission
         self.pending: dict[str, str] = {}  # request id -> tenant, from its acceptance until its answer is committed
+        self._pending_of: Counter[str] = Counter()  # tenant -> its requests in `pending`
+        self._pending_lock = threading.Lock()
         self.lost: dict[str, str] = {}  # model id -> what a restart lost, said once at its next request
         self._sample_counter = threading.Lock()
         self.answered = lambda request_id: None  # set by the HTTP layer: wakes polls waiting for this request
@@ -122,9 +133,13 @@ class TinkerService:
     # -- requests --
 
     def _accept(self, tenant: str, owner: str, seq_id: int, kind: str) -> tuple[str, bool]:
-        request_id, new = self.store.accept(tenant, owner, seq_id, kind)
-        if new:
-            self.pending[request_id] = tenant
+        if self._pending_of[tenant] >= MAX_PENDING_PER_TENANT:  # (a read: submissions at once may pass it by a few)
+            raise Busy(f"you have {MAX_PENDING_PER_TENANT} requests pending, the limit; retry when some are answered")
+        request_id, new = self.store.accept(tenant, owner, seq_id, kind)  # (no lock of ours held: an answer's
+        if new:                                                           # _settled may come inside the database's)
+            with self._pending_lock:
+                self.pending[request_id] = tenant
+                self._pending_of[tenant] += 1
         return request_id, new
 
     def _answer(self, request_id: str, content_type: str, body: bytes) -> None:
@@ -138,7 +153,12 @@ class TinkerService:
     def _settled(self, request_id: str) -> None:
         """Its answer is committed: no longer pending, then its polls woken (in that order: a poll that found it
         pending waits for the wake-up, one that did not reads the answer)."""
-        self.pending.pop(request_id, None)
+        with self._pending_lock:
+            tenant = self.pending.pop(request_id, None)
+            if tenant is not None:
+                self._pending_of[tenant] -= 1
+                if not self._pending_of[tenant]:
+                    del self._pending_of[tenant]
         self.answered(request_id)
 
     def _json(self, request_id: str, value: dict) -> None:
