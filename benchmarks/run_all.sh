@@ -62,7 +62,8 @@ declare -A COMMAND=(
   [hosted_training_ahead]="$PY benchmarks/hosted_training.py --model llama-3.2-1b --tenants 32 --duration 5 --fleet= --paths engine,sdk --no-peft --loop ahead"
   [hosted_training_profile]="$PY benchmarks/hosted_training.py --model llama-3.2-1b --tenants 32 --profile $OUT/hosted_training_profile.txt"
   # the SDK's 32 tenants from 4 client processes (client_cpu_share: whether one client interpreter bounded the SDK's runs)
-  [hosted_sdk_processes]="$PY benchmarks/hosted_training.py --model llama-3.2-1b --tenants 32 --duration 5 --fleet= --paths engine,sdk --no-peft --sdk-processes 4"
+  # (10 s windows: 6 s ones read the SDK path 10-15% lower, a graph capture or two inside the window)
+  [hosted_sdk_processes]="$PY benchmarks/hosted_training.py --model llama-3.2-1b --tenants 32 --duration 10 --fleet= --paths engine,sdk --no-peft --sdk-processes 4"
   # these need the service's dependencies (pyzmq, FastAPI, uvicorn, python-multipart, protobuf, ...; hosted_training
   # also the tinker SDK and its own: h2 for HTTP/2, orjson, pyqwest, rich, zstandard, distro): on a machine without
   # them, install wheels of them first (`pip install --no-index --no-deps --target DIR .whl/*.whl`)
