@@ -210,10 +210,17 @@ def _release_gpu() -> None:
         torch.cuda.empty_cache()
 
 
-def _graph_counts(trainer) -> dict:
-    """The decoder's CUDA graphs captured and replayed by `trainer` (train/graphs.py), where it has them."""
+def _graph_counts(trainer, at_start: dict | None = None) -> dict:
+    """The decoder's CUDA graphs captured and replayed by `trainer` (train/graphs.py), where it has them; with
+    `at_start` (this call's result when the window opened) also those inside the window: a capture there is a
+    stall of a few passes that a long-running service pays once a shape."""
     graphs = getattr(trainer, "graphs", None)
-    return {} if graphs is None else {"graphs": {"captures": graphs.captures, "replays": graphs.replays}}
+    if graphs is None:
+        return {}
+    counts = {"graphs": {"captures": graphs.captures, "replays": graphs.replays}}
+    if at_start:
+        counts["graphs_in_window"] = {name: value - at_start["graphs"][name] for name, value in counts["graphs"].items()}
+    return counts
 
 
 def _runner_share(queue, seconds_at_start: dict, wall: float) -> dict:
@@ -297,11 +304,12 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
     runners = [t for t in threading.enumerate() if t.name == "symbiosis-training"]
     runners_cpu = lambda: sum(map(_thread_cpu_s, runners))  # noqa: E731
     trained, wall = drive(tenants, start_tenant, length * batch, duration,
-                          on_start=lambda: at_start.append((queue.passes, dict(queue.seconds), runners_cpu())))
+                          on_start=lambda: at_start.append((queue.passes, dict(queue.seconds), runners_cpu(),
+                                                            _graph_counts(trainer))))
     passes_run = queue.passes - at_start[0][0]
     result = {"tokens_per_s": trained / wall, "passes_per_s": passes_run / wall,
               "datums_per_pass": trained / length / max(1, passes_run), **_peaks(gpus),
-              "runner_share": _runner_share(queue, at_start[0][1], wall), **_graph_counts(trainer),
+              "runner_share": _runner_share(queue, at_start[0][1], wall), **_graph_counts(trainer, at_start[0][3]),
               # the trainer's CPU a tenant's iteration, as through_sdk prints it beside the HTTP server's
               "cpu_ms_per_iteration": {"training": round(1e3 * (runners_cpu() - at_start[0][2]) /
                                                          max(1, trained // (length * batch)), 3)}}
@@ -510,7 +518,7 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
         watched = {"http": [thread], "http_workers": [t for t in threading.enumerate() if t.name.startswith("asyncio_")],
                    "training": [t for t in threading.enumerate() if t.name == "symbiosis-training"]}
         group_cpu = lambda: {name: sum(map(_thread_cpu_s, group)) for name, group in watched.items()}  # noqa: E731
-        cpu = group_cpu()
+        cpu, graphs_at_start = group_cpu(), _graph_counts(service.trainer)
         for child in children:
             child.stdin.write("go\n")
             child.stdin.flush()
@@ -536,7 +544,7 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
               # iterations a second
               "cpu_ms_per_iteration": {name: round(1e3 * seconds_ / max(1, trained // length), 3)
                                        for name, seconds_ in cpu.items()},
-              **_graph_counts(service.trainer)}
+              **_graph_counts(service.trainer, graphs_at_start)}
     server.should_exit = True
     thread.join(30)
     service.close()
