@@ -6,6 +6,8 @@ gets one of those (a conflict, 409, is retried by the client; this service answe
 
 from __future__ import annotations
 
+import json
+
 from fastapi.responses import JSONResponse
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -35,10 +37,15 @@ def not_found(model: str) -> ApiError:
 
 async def json_object(request, error=ApiError) -> dict:
     """The request's body as a JSON object, or `error(400, why)`."""
+    return json_fields(await request.body(), error)
+
+
+def json_fields(body: bytes, error=ApiError) -> dict:
+    """A request body's bytes as a JSON object, or `error(400, why)` (for routes that read the body themselves)."""
     try:
-        body = await request.json()
+        fields = json.loads(body)
     except ValueError:
         raise error(400, "the body is not JSON") from None
-    if not isinstance(body, dict):
+    if not isinstance(fields, dict):
         raise error(400, "the body is not a JSON object")
-    return body
+    return fields

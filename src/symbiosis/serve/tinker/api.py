@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from symbiosis.errors import BadCall, SymbiosisError
-from symbiosis.serve.errors import json_object
+from symbiosis.serve.errors import json_fields, json_object
 from symbiosis.serve.tinker import wire
 from symbiosis.serve.tinker.paths import TinkerPath, check_name
 from symbiosis.serve.tinker.service import Busy, TinkerService, UserError
@@ -106,21 +106,12 @@ def routes(service, tinker: TinkerService) -> tuple[APIRouter, dict]:
         waiters.loop = asyncio.get_running_loop()
         return tenant
 
-    def plain_json(raw: bytes) -> dict:
-        try:
-            fields = json.loads(raw)
-        except ValueError:
-            raise Refused(400, "the body is not JSON") from None
-        if not isinstance(fields, dict):
-            raise Refused(400, "the body is not a JSON object")
-        return fields
-
     def answer(fields: dict) -> tuple[int, bytes, bytes]:
         return 200, b"application/json", json.dumps(fields).encode()
 
     async def retrieve_future(headers: dict, raw: bytes, state: dict):
         tenant = plain_tenant(headers, state)
-        request_id = str(plain_json(raw).get("request_id"))
+        request_id = str(json_fields(raw, Refused).get("request_id"))
         waiting = tinker.pending.get(request_id) == tenant  # most polls come before their answer: no read for them
         row = None if waiting else tinker.store.request(tenant, request_id)
         if waiting or (row is not None and row["status"] == "pending"):
@@ -149,7 +140,7 @@ def routes(service, tinker: TinkerService) -> tuple[APIRouter, dict]:
 
     async def optim_step(headers: dict, raw: bytes, state: dict):
         tenant = plain_tenant(headers, state)
-        fields = plain_json(raw)
+        fields = json_fields(raw, Refused)
         model, adam = fields.get("model_id"), fields.get("adam_params")
         if not isinstance(adam, dict):
             raise Refused(400, "optim_step takes adam_params (this service's optimizer is AdamW)")

@@ -133,10 +133,12 @@ class TinkerService:
     # -- requests --
 
     def _accept(self, tenant: str, owner: str, seq_id: int, kind: str) -> tuple[str, bool]:
-        if self._pending_of[tenant] >= MAX_PENDING_PER_TENANT:  # (a read: submissions at once may pass it by a few)
+        # the bound read without the lock (submissions at once may pass it by a few), and the acceptance's write
+        # made holding no lock of ours (an answer's `_settled` may come while the database's lock is held)
+        if self._pending_of[tenant] >= MAX_PENDING_PER_TENANT:
             raise Busy(f"you have {MAX_PENDING_PER_TENANT} requests pending, the limit; retry when some are answered")
-        request_id, new = self.store.accept(tenant, owner, seq_id, kind)  # (no lock of ours held: an answer's
-        if new:                                                           # _settled may come inside the database's)
+        request_id, new = self.store.accept(tenant, owner, seq_id, kind)
+        if new:
             with self._pending_lock:
                 self.pending[request_id] = tenant
                 self._pending_of[tenant] += 1
