@@ -176,6 +176,16 @@ def time_interleaved(models: dict, batch_size=2, seq_len=512, warmup=WARMUP_ITER
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def task_cpu_s(native_id: int) -> float:
+    """A thread of this process's CPU seconds so far, by its OS id (Linux's /proc/self/task/TID/stat: user +
+    system; every thread, also those Python did not start), or NaN (not Linux, or the thread has ended)."""
+    try:
+        fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
 def peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 

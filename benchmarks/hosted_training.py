@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from common import CONFIGS, checkpoint, device, dtype, emit, peak_gib, reset_peak, sync, with_tokenizer
+from common import (CONFIGS, checkpoint, device, dtype, emit, peak_gib, reset_peak, sync, task_cpu_s,
+                    with_tokenizer)
 
 PARTS = dict(train_attn=True, train_mlp=False, train_unembed=False)
 
@@ -192,15 +193,6 @@ def _trainer(model_dir: Path, devices: list[str] | None, micro_batch_tokens: int
     return executor, trainer
 
 
-def _thread_cpu_s(thread: threading.Thread) -> float:
-    """A thread of this process's CPU seconds so far (Linux's /proc/self/task/TID/stat: user + system), or NaN."""
-    try:
-        fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return float("nan")
-
-
 def _release_gpu() -> None:
     """What a finished run held on the GPU given back before the next run's peak is measured: the training model's
     modules and its pass state refer to each other (a cycle: only the collector frees them, and with them the
@@ -302,7 +294,7 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
 
     at_start = []
     runners = [t for t in threading.enumerate() if t.name == "symbiosis-training"]
-    runners_cpu = lambda: sum(map(_thread_cpu_s, runners))  # noqa: E731
+    runners_cpu = lambda: sum(task_cpu_s(t.native_id) for t in runners)  # noqa: E731
     trained, wall = drive(tenants, start_tenant, length * batch, duration,
                           on_start=lambda: at_start.append((queue.passes, dict(queue.seconds), runners_cpu(),
                                                             _graph_counts(trainer))))
@@ -517,7 +509,7 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
         passes, seconds = service.training_queue.passes, dict(service.training_queue.seconds)
         watched = {"http": [thread], "http_workers": [t for t in threading.enumerate() if t.name.startswith("asyncio_")],
                    "training": [t for t in threading.enumerate() if t.name == "symbiosis-training"]}
-        group_cpu = lambda: {name: sum(map(_thread_cpu_s, group)) for name, group in watched.items()}  # noqa: E731
+        group_cpu = lambda: {name: sum(task_cpu_s(t.native_id) for t in group) for name, group in watched.items()}  # noqa: E731
         cpu, graphs_at_start = group_cpu(), _graph_counts(service.trainer)
         for child in children:
             child.stdin.write("go\n")

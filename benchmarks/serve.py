@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import re
 import socket
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from common import CONFIGS, checkpoint, device, dtype, emit, with_tokenizer
+from common import CONFIGS, checkpoint, device, dtype, emit, task_cpu_s, with_tokenizer
 from engine import write_adapters
 
 
@@ -168,13 +167,10 @@ def threads_cpu_s() -> dict[str, float]:
     python_names = {t.native_id: re.sub(r"[\d_ ()-]+$", "", t.name.split(" (")[0]) or "?" for t in threading.enumerate()}
     totals: dict[str, float] = {}
     for task in Path("/proc/self/task").iterdir():
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:  # the thread ended meanwhile
-            continue
-        name = python_names.get(int(task.name), "native")
-        fields = stat[stat.rindex(")") + 2:].split()
-        totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        seconds = task_cpu_s(int(task.name))
+        if not math.isnan(seconds):  # (NaN: the thread ended meanwhile)
+            name = python_names.get(int(task.name), "native")
+            totals[name] = totals.get(name, 0.0) + seconds
     return totals
 
 
