@@ -60,12 +60,7 @@ class PassState:
             self.begin_gathered(gathered, scales, grads, datums[0].spec.rank, datums[0]._slices)
             self.gradients = None if grads is None else (grads, datums)
             return
-        on_device: dict[torch.device, torch.Tensor] = {}
-        for linear in self.linears:
-            device = linear.device
-            if device not in on_device:
-                on_device[device] = _on(scales, device)
-            linear.whole = linear.lora = linear.stacks(datums, dtype, on_device[device])
+        self._set_stacks(scales, lambda linear, on_device: linear.stacks(datums, dtype, on_device))
 
     def begin_gathered(self, gathered: torch.Tensor, scales: torch.Tensor, grads: torch.Tensor | None, rank: int,
                        slices: dict[str, tuple[slice, slice]]) -> None:
@@ -74,12 +69,18 @@ class PassState:
         [B, 1, 1] (each datum's LoRA scale), their gradients added into `grads` [B, F] (the adapters' dtype), if
         given. Nothing here depends on which adapters they are: a CUDA graph of the pass (train/graphs.py) replays
         it over other adapters of the layout."""
+        self._set_stacks(scales, lambda linear, on_device: linear.gathered_stacks(gathered, on_device, grads, rank,
+                                                                                  slices))
+
+    def _set_stacks(self, scales: torch.Tensor, stacks_of) -> None:
+        """Each layer's stacks for the pass: `stacks_of(linear, scales on its device)`, the scales [B, 1, 1] copied
+        once a device."""
         on_device: dict[torch.device, torch.Tensor] = {}
         for linear in self.linears:
             device = linear.device
             if device not in on_device:
                 on_device[device] = _on(scales, device)
-            linear.whole = linear.lora = linear.gathered_stacks(gathered, on_device[device], grads, rank, slices)
+            linear.whole = linear.lora = stacks_of(linear, on_device[device])
 
     def select(self, rows: slice) -> None:
         """Run the next forward over the pass's datums `rows` only (a micro-batch: `Trainer.run`)."""
