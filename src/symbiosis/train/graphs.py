@@ -11,9 +11,14 @@ buffer, the datums' LoRA scales [B, 1, 1] and the gradient of the decoder's outp
 the decoder's output and the gathered gradient [B, F], which the pass then adds into each adapter's
 (`PassState.finish`). The head and the losses run eagerly as before (their shapes follow each request's).
 
-Captured on a shape's `CAPTURE_AFTER`-th pass (a shape seen once may never come back: capture costs a few passes'
-time and the graph keeps its pass's activations in a memory pool of its own); at most `MAX_GRAPHS` at once, the
-least recently used given up first, and none while less than `MIN_FREE` of the device's memory is free. A shape
+Captured once a shape has come `CAPTURE_AFTER` times within the last `RECENT` passes that had no graph of their
+own: a shape seen now and then (a round that a straggler missed) may not come back, and a capture costs a few
+passes' time, in which every tenant waits, and keeps its pass's activations in a memory pool of its own. Until
+then a pass replays the smallest captured graph of its length and layout with at most `PAD_AT_MOST` times its
+datums (the rows past its own compute for nothing, as a bucket's do), and runs eagerly where there is none (an
+eager pass is host-bound and holds the interpreter from the HTTP server beside it). At most `MAX_GRAPHS` at
+once, the least recently used given up first, and none while less than `MIN_FREE` of the device's memory is
+free. A shape
 whose capture fails runs eagerly from then on (logged once); a decoder that reads the device back mid-pass (a
 mixture of experts') is never captured (`capturable`).
 """
@@ -21,7 +26,7 @@ mixture of experts') is never captured (`capturable`).
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import torch
 
@@ -31,8 +36,9 @@ from symbiosis.train.model import PassState, _gathered, _on, _scales, one_layout
 log = logging.getLogger(__name__)
 
 CAPTURE_AFTER = 3
+RECENT = 16
+PAD_AT_MOST = 2
 MAX_GRAPHS = 8
-MAX_SEEN = 1024  # shapes counted towards their capture
 MIN_FREE = 0.25  # of the device's memory, free or cached by torch, to capture another graph
 WARMUP = 2  # eager passes on a side stream before capture (cuBLAS workspaces, Triton's compiles)
 
@@ -43,9 +49,9 @@ class DecoderGraphs:
     def __init__(self, decoder, state: PassState, device: torch.device, dtype: torch.dtype):
         self.decoder, self.state, self.device, self.dtype = decoder, state, torch.device(device), dtype
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-        self.seen: dict[tuple, int] = {}
+        self.recent: deque[tuple] = deque(maxlen=RECENT)  # the shapes of the last passes that had no graph
         self.refused: set[tuple] = set()
-        self.captures = self.replays = 0
+        self.captures = self.replays = self.padded = 0  # `padded`: replays of a larger shape's graph
 
     def decode(self, input_ids: torch.Tensor, datums: list[HostedLora | None]) -> torch.Tensor | None:
         """The decoder's output [B, L, H] of `input_ids` (on the device, every datum L tokens) for a pass that
@@ -55,18 +61,17 @@ class DecoderGraphs:
             return None
         rows, length = input_ids.shape
         key = (bucket(rows), length, datums[0].layout)
-        if key in self.refused:
-            return None
         graph = self.graphs.get(key)
         if graph is None:
-            if len(self.seen) >= MAX_SEEN:  # (a service's passes of ever new lengths: start counting again)
-                self.seen.clear()
-            self.seen[key] = self.seen.get(key, 0) + 1
-            if self.seen[key] < CAPTURE_AFTER or not self._room():
-                return None
-            graph = self._capture(key, input_ids, datums)
-            if graph is None:
-                return None
+            self.recent.append(key)
+            if key not in self.refused and self.recent.count(key) >= CAPTURE_AFTER and self._room():
+                graph = self._capture(key, input_ids, datums)
+            if graph is None:  # a larger shape's graph, or eagerly
+                key = self._larger(key, rows)
+                if key is None:
+                    return None
+                graph = self.graphs[key]
+                self.padded += 1
         self.graphs.move_to_end(key)
         with torch.no_grad():  # the first `rows` rows; the bucket's others get no LoRA (and no gradient: _Replay)
             graph.input_ids[:rows].copy_(input_ids, non_blocking=True)
@@ -76,6 +81,12 @@ class DecoderGraphs:
         self.state.gradients = (graph.grads[:rows], datums)
         self.replays += 1
         return _Replay.apply(self.state.anchor(self.device), graph, rows)
+
+    def _larger(self, key: tuple, rows: int) -> tuple | None:
+        """The smallest captured shape of `key`'s length and layout that runs `rows` datums with at most
+        `PAD_AT_MOST` times as many."""
+        fits = [shape for shape in self.graphs if shape[1:] == key[1:] and rows <= shape[0] <= PAD_AT_MOST * rows]
+        return min(fits, default=None)
 
     def _room(self) -> bool:
         free, total = torch.cuda.mem_get_info(self.device)

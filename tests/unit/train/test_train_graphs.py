@@ -61,11 +61,33 @@ def test_replayed_passes_train_as_eager_passes_over_any_adapters_of_the_layout(t
     assert graphed.graphs is not None
     ours, theirs = _adapters(graphed, range(3)), _adapters(eager, range(3))
     others, others_eager = _adapters(graphed, (7, 8, 9)), _adapters(eager, (7, 8, 9))
-    generator = torch.Generator().manual_seed(0)
     # eager passes, the capture's, two replays; then others than the adapters it was captured with; then four datums
     # (the bucket's every row) and three again (the fourth row's datum, adapter and gradient of the pass before left)
     passes = [(ours, theirs)] * graphs.CAPTURE_AFTER + [(ours, theirs)] * 2 + [(others, others_eager)] + \
         [(ours + others[:1], theirs + others_eager[:1]), (ours, theirs)]
+    _train_both(graphed, eager, passes, torch.Generator().manual_seed(0))
+    assert graphed.graphs.captures == 1
+    assert graphed.graphs.replays == len(passes) - graphs.CAPTURE_AFTER + 1  # the capture's pass and those after
+
+
+@pytest.mark.gpu
+def test_a_shape_that_has_not_recurred_replays_a_graph_up_to_twice_its_size(trainers):
+    """Two datums replay the graph of four (captured from three) until their own shape has recurred; one datum
+    (a quarter of that graph) runs eagerly; all of them train as eager passes do."""
+    graphed, eager = trainers
+    three, three_eager = _adapters(graphed, range(3)), _adapters(eager, range(3))
+    generator = torch.Generator().manual_seed(2)
+    _train_both(graphed, eager, [(three, three_eager)] * graphs.CAPTURE_AFTER, generator)
+    assert (graphed.graphs.captures, graphed.graphs.padded) == (1, 0)
+    replays = graphed.graphs.replays
+    _train_both(graphed, eager, [(three[:2], three_eager[:2]), (three[:1], three_eager[:1])], generator)
+    assert (graphed.graphs.captures, graphed.graphs.padded, graphed.graphs.replays) == (1, 1, replays + 1)
+    _train_both(graphed, eager, [(three[1:], three_eager[1:])] * (graphs.CAPTURE_AFTER - 1), generator)
+    assert (graphed.graphs.captures, graphed.graphs.padded) == (2, 2)  # the third pass of two captured theirs
+
+
+def _train_both(graphed, eager, passes, generator):
+    """Each pass of (adapters, their eager twins) trained on both trainers: equal losses, gradients, steps."""
     for pair in passes:
         works = _works(pair[0], generator, 16)
         twins = [Work(lora, work.datums, work.loss_fn) for lora, work in zip(pair[1], works)]
@@ -85,8 +107,6 @@ def test_replayed_passes_train_as_eager_passes_over_any_adapters_of_the_layout(t
                 adapter.step(learning_rate=0.01)
         for lora, twin in zip(*pair):
             torch.testing.assert_close(lora.flat, twin.flat, rtol=1e-5, atol=1e-6)
-    assert graphed.graphs.captures == 1
-    assert graphed.graphs.replays == len(passes) - graphs.CAPTURE_AFTER + 1  # the capture's pass and those after
 
 
 @pytest.mark.gpu
