@@ -209,7 +209,7 @@ def _graph_counts(trainer, at_start: dict | None = None) -> dict:
     graphs = getattr(trainer, "graphs", None)
     if graphs is None:
         return {}
-    counts = {"graphs": {"captures": graphs.captures, "replays": graphs.replays, "padded": graphs.padded}}
+    counts = {"graphs": {name: getattr(graphs, name, 0) for name in ("captures", "replays", "padded")}}
     if at_start:
         counts["graphs_in_window"] = {name: value - at_start["graphs"][name] for name, value in counts["graphs"].items()}
     return counts

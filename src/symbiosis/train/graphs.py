@@ -11,16 +11,15 @@ buffer, the datums' LoRA scales [B, 1, 1] and the gradient of the decoder's outp
 the decoder's output and the gathered gradient [B, F], which the pass then adds into each adapter's
 (`PassState.finish`). The head and the losses run eagerly as before (their shapes follow each request's).
 
-Captured once a shape has come `CAPTURE_AFTER` times within the last `RECENT` passes that had no graph of their
-own: a shape seen now and then (a round that a straggler missed) may not come back, and a capture costs a few
-passes' time, in which every tenant waits, and keeps its pass's activations in a memory pool of its own. Until
-then a pass replays the smallest captured graph of its length and layout with at most `PAD_AT_MOST` times its
-datums (the rows past its own compute for nothing, as a bucket's do), and runs eagerly where there is none (an
-eager pass is host-bound and holds the interpreter from the HTTP server beside it). At most `MAX_GRAPHS` at
-once, the least recently used given up first, and none while less than `MIN_FREE` of the device's memory is
-free. A shape
-whose capture fails runs eagerly from then on (logged once); a decoder that reads the device back mid-pass (a
-mixture of experts') is never captured (`capturable`).
+Captured once a shape has come `CAPTURE_AFTER` times within the last `RECENT` passes: a shape seen now and then (a
+round that a straggler missed) may not come back, and a capture costs a few passes' time, in which every tenant
+waits, and keeps its pass's activations in a memory pool of its own. Until then a pass replays the smallest captured
+graph of its length and layout with at most `PAD_AT_MOST` times its datums (the rows past its own compute for
+nothing, as a bucket's do), and runs eagerly where there is none (an eager pass is host-bound and holds the
+interpreter from the HTTP server beside it). At most `MAX_GRAPHS` at once, the least recently used given up first,
+and none while less than `MIN_FREE` of the device's memory is free. A shape whose capture fails runs eagerly from
+then on (logged once); a decoder that reads the device back mid-pass (a mixture of experts') is never captured
+(`capturable`).
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ class DecoderGraphs:
     def __init__(self, decoder, state: PassState, device: torch.device, dtype: torch.dtype):
         self.decoder, self.state, self.device, self.dtype = decoder, state, torch.device(device), dtype
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-        self.recent: deque[tuple] = deque(maxlen=RECENT)  # the shapes of the last passes that had no graph
+        self.recent: deque[tuple] = deque(maxlen=RECENT)  # the shapes of the last passes
         self.refused: set[tuple] = set()
         self.captures = self.replays = self.padded = 0  # `padded`: replays of a larger shape's graph
 
@@ -61,9 +60,9 @@ class DecoderGraphs:
             return None
         rows, length = input_ids.shape
         key = (bucket(rows), length, datums[0].layout)
+        self.recent.append(key)
         graph = self.graphs.get(key)
         if graph is None:
-            self.recent.append(key)
             if key not in self.refused and self.recent.count(key) >= CAPTURE_AFTER and self._room():
                 graph = self._capture(key, input_ids, datums)
             if graph is None:  # a larger shape's graph, or eagerly
