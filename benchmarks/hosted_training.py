@@ -39,9 +39,11 @@ def _tokens(vocab: int, length: int, generator: torch.Generator) -> list[int]:
     return torch.randint(3, vocab, (length + 1,), generator=generator).tolist()
 
 
-# a tenant's steps before the window opens: the trainer captures a shape of pass's CUDA graphs (train/graphs.py) on
-# its third pass (one step was the warm-up before graphs: a capture then fell inside the window)
-WARM_UP_STEPS = 5
+# a tenant's steps before the window opens: the trainer captures a shape of pass's CUDA graphs (train/graphs.py) once
+# it has come 3 times in 16 passes, and the passes of the loops' first steps, which start at different times, are of
+# several shapes (with 5 steps, one was still captured inside a 10 s window now and then: a stall that a
+# long-running service pays once a shape; `graphs_in_window` says when it happened anyway)
+WARM_UP_STEPS = 10
 
 
 def drive(tenants: int, start_tenant, length: int, duration: float, on_start=lambda: None) -> tuple[int, float]:

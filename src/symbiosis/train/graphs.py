@@ -39,7 +39,7 @@ RECENT = 16
 PAD_AT_MOST = 2
 MAX_GRAPHS = 8
 MIN_FREE = 0.25  # of the device's memory, free or cached by torch, to capture another graph
-WARMUP = 2  # eager passes on a side stream before capture (cuBLAS workspaces, Triton's compiles)
+WARMUP = 1  # eager passes on a side stream before capture (its cuBLAS workspace, Triton's compiles)
 
 
 class DecoderGraphs:
