@@ -162,16 +162,23 @@ def serve_on_loopback(service, tenant: str, directories: list[Path]):
 
 def threads_cpu_s() -> dict[str, float]:
     """CPU seconds so far of this process's threads, summed by their Python names without digits; threads Python
-    did not start (torch's and OpenMP's pools, the CUDA driver's) as "native" (Linux's /proc: every live thread;
-    one that ended is not counted)."""
+    did not start (torch's and OpenMP's pools, the CUDA driver's, a tokenizer's) as "native:" and the name the OS
+    has for them (Linux's /proc: every live thread; one that ended is not counted)."""
     python_names = {t.native_id: re.sub(r"[\d_ ()-]+$", "", t.name.split(" (")[0]) or "?" for t in threading.enumerate()}
     totals: dict[str, float] = {}
     for task in Path("/proc/self/task").iterdir():
         seconds = task_cpu_s(int(task.name))
         if not math.isnan(seconds):  # (NaN: the thread ended meanwhile)
-            name = python_names.get(int(task.name), "native")
+            name = python_names.get(int(task.name)) or "native:" + _os_name(task)
             totals[name] = totals.get(name, 0.0) + seconds
     return totals
+
+
+def _os_name(task: Path) -> str:
+    try:
+        return re.sub(r"[\d_ -]+$", "", (task / "comm").read_text().strip()) or "?"
+    except OSError:
+        return "?"
 
 
 def busiest_threads(before: dict[str, float], wall: float, top: int = 6) -> dict[str, float]:

@@ -97,9 +97,12 @@ class StateStore:
         with self._lock:
             yield self._db
 
-    def _write(self, sql: str, parameters: tuple) -> int:
-        with self.transaction() as db:
-            return db.execute(sql, parameters).rowcount
+    def change(self, sql: str, parameters: tuple = ()) -> int:
+        """One statement that writes: its own transaction (SQLite commits a statement outside BEGIN by itself), or
+        part of this thread's open batch; the rows it changed. (In `transaction()` it was three statements, BEGIN
+        IMMEDIATE and COMMIT around it, on the event loop for every request a training loop submits.)"""
+        with self._lock:
+            return self._db.execute(sql, parameters).rowcount
 
     def _read(self, sql: str, parameters: tuple = ()) -> list[tuple]:
         with self.reading() as db:
@@ -115,14 +118,14 @@ class StateStore:
     def add_adapter(self, tenant: str, name: str, path: str) -> bool:
         """False if the tenant has an adapter of that name already."""
         try:
-            self._write("INSERT INTO adapters (tenant, name, path, loaded_at) VALUES (?, ?, ?, ?)",
+            self.change("INSERT INTO adapters (tenant, name, path, loaded_at) VALUES (?, ?, ?, ?)",
                         (tenant, name, path, time.time()))
         except sqlite3.IntegrityError:
             return False
         return True
 
     def remove_adapter(self, tenant: str, name: str) -> bool:
-        return self._write("DELETE FROM adapters WHERE tenant = ? AND name = ?", (tenant, name)) > 0
+        return self.change("DELETE FROM adapters WHERE tenant = ? AND name = ?", (tenant, name)) > 0
 
     def adapter(self, tenant: str, name: str) -> tuple[str, float] | None:
         """(path relative to the adapter root, loaded_at) of the tenant's adapter, or None."""
@@ -136,7 +139,7 @@ class StateStore:
     # -- usage --
 
     def count(self, tenant: str, model: str, prompt_tokens: int, completion_tokens: int, error: bool) -> None:
-        self._write("INSERT INTO usage (tenant, model, requests, prompt_tokens, completion_tokens, errors) "
+        self.change("INSERT INTO usage (tenant, model, requests, prompt_tokens, completion_tokens, errors) "
                     "VALUES (?, ?, 1, ?, ?, ?) ON CONFLICT (tenant, model) DO UPDATE SET "
                     "requests = requests + 1, prompt_tokens = prompt_tokens + excluded.prompt_tokens, "
                     "completion_tokens = completion_tokens + excluded.completion_tokens, "
@@ -190,8 +193,7 @@ class Tables:
         return rows[0] if rows else None
 
     def _change(self, sql: str, parameters: tuple) -> int:
-        with self.state.transaction() as db:
-            return db.execute(sql, parameters).rowcount
+        return self.state.change(sql, parameters)
 
     def _update(self, table: str, key_column: str, key: str, fields: dict) -> None:
         """Set `fields` (column -> value, JSON columns encoded) of the row whose `key_column` is `key`; the table

@@ -99,16 +99,19 @@ class TinkerStore(Tables):
     # -- requests --
 
     def accept(self, tenant: str, owner: str, seq_id: int, kind: str) -> tuple[str, bool]:
-        """(request_id, new): the request of (owner, seq_id), made now unless it was accepted before."""
-        with self.state.transaction() as db:
-            found = db.execute("SELECT request_id, tenant FROM tinker_requests WHERE owner = ? AND seq_id = ?",
-                               (owner, seq_id)).fetchone()
-            if found is not None and found[1] == tenant:
-                return found[0], False
-            request_id = uuid.uuid4().hex
-            db.execute("INSERT INTO tinker_requests (request_id, tenant, owner, seq_id, kind, status, created) "
-                       "VALUES (?, ?, ?, ?, ?, 'pending', ?)", (request_id, tenant, owner, seq_id, kind, time.time()))
+        """(request_id, new): the request of (owner, seq_id), made now unless it was accepted before (one statement
+        for a new one, the usual case; a resubmission reads the first one's id). An owner is one tenant's model:
+        another tenant's (owner, seq_id) is not found here, it is refused before."""
+        request_id = uuid.uuid4().hex
+        if self._change("INSERT INTO tinker_requests (request_id, tenant, owner, seq_id, kind, status, created) "
+                        "VALUES (?, ?, ?, ?, ?, 'pending', ?) ON CONFLICT (owner, seq_id) DO NOTHING",
+                        (request_id, tenant, owner, seq_id, kind, time.time())):
             return request_id, True
+        found = self._one("SELECT request_id FROM tinker_requests WHERE tenant = ? AND owner = ? AND seq_id = ?",
+                          (tenant, owner, seq_id))
+        if found is None:
+            raise LookupError(f"request {seq_id} of {owner!r} belongs to another tenant")
+        return found["request_id"], False
 
     def answer(self, request_id: str, content_type: str, result: bytes) -> None:
         self._change("UPDATE tinker_requests SET status = 'done', content_type = ?, result = ?, finished = ? "
