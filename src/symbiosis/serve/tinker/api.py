@@ -32,29 +32,41 @@ SDK_CONFIG = {  # client/config: no JWT exchange, uncompressed protobuf, the SDK
 
 
 class Waiters:
-    """Polls waiting for an answer, woken from any thread when their request is answered."""
+    """Polls waiting for an answer, handed its fields (from any thread) once it is committed: no read of the
+    database for them, and no task a poll (`asyncio.wait_for` made one, and an event, for each)."""
 
     def __init__(self):
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._events: dict[str, asyncio.Event] = {}
+        self._waiting: dict[str, list[asyncio.Future]] = {}
 
-    def answered(self, request_id: str) -> None:  # any thread
+    def answered(self, request_id: str, outcome: dict) -> None:  # any thread
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._set, request_id)
+            self.loop.call_soon_threadsafe(self._hand, request_id, outcome)
 
-    def _set(self, request_id: str) -> None:
-        event = self._events.get(request_id)
-        if event is not None:
-            event.set()
+    def _hand(self, request_id: str, outcome: dict | None) -> None:
+        for future in self._waiting.pop(request_id, ()):
+            _settle(future, outcome)
 
-    async def wait(self, request_id: str, timeout: float) -> None:
-        event = self._events.setdefault(request_id, asyncio.Event())
+    async def wait(self, request_id: str, timeout: float) -> dict | None:
+        """The answer's fields (as its row has them), or None if it did not come within `timeout` seconds."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        waiting = self._waiting.setdefault(request_id, [])
+        waiting.append(future)
+        timer = loop.call_later(timeout, _settle, future, None)
         try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
+            return await future
         finally:
-            self._events.pop(request_id, None)
+            timer.cancel()
+            if future in waiting:  # timed out, or the poll's client went: not handed anything
+                waiting.remove(future)
+                if not waiting and self._waiting.get(request_id) is waiting:
+                    del self._waiting[request_id]
+
+
+def _settle(future: asyncio.Future, outcome: dict | None) -> None:
+    if not future.done():
+        future.set_result(outcome)
 
 
 def _iso(seconds: float | None) -> str | None:
@@ -115,8 +127,7 @@ def routes(service, tinker: TinkerService) -> tuple[APIRouter, dict]:
         waiting = tinker.pending.get(request_id) == tenant  # most polls come before their answer: no read for them
         row = None if waiting else tinker.store.request(tenant, request_id)
         if waiting or (row is not None and row["status"] == "pending"):
-            await waiters.wait(request_id, POLL_HOLD_S)
-            row = tinker.store.request(tenant, request_id)
+            row = await waiters.wait(request_id, POLL_HOLD_S) or tinker.store.request(tenant, request_id)
         if row is None:
             raise Refused(404, f"no request {request_id[:80]!r}")
         if row["status"] == "pending":

@@ -81,7 +81,8 @@ class TinkerService:
         self._pending_lock = threading.Lock()
         self.lost: dict[str, str] = {}  # model id -> what a restart lost, said once at its next request
         self._sample_counter = threading.Lock()
-        self.answered = lambda request_id: None  # set by the HTTP layer: wakes polls waiting for this request
+        # set by the HTTP layer: hands a committed answer's fields to the polls waiting for it
+        self.answered = lambda request_id, outcome: None
         self._recover()
 
     # -- start and stop --
@@ -146,22 +147,26 @@ class TinkerService:
 
     def _answer(self, request_id: str, content_type: str, body: bytes) -> None:
         self.store.answer(request_id, content_type, body)
-        self.store.state.after_commit(lambda: self._settled(request_id))
+        outcome = {"status": "done", "content_type": content_type, "result": body}
+        self.store.state.after_commit(lambda: self._settled(request_id, outcome))
 
     def _fail(self, request_id: str, error: Exception) -> None:
-        self.store.fail(request_id, str(error), category(error))
-        self.store.state.after_commit(lambda: self._settled(request_id))
+        message, kind = str(error), category(error)
+        self.store.fail(request_id, message, kind)
+        outcome = {"status": "failed", "error": message, "category": kind}
+        self.store.state.after_commit(lambda: self._settled(request_id, outcome))
 
-    def _settled(self, request_id: str) -> None:
-        """Its answer is committed: no longer pending, then its polls woken (in that order: a poll that found it
-        pending waits for the wake-up, one that did not reads the answer)."""
+    def _settled(self, request_id: str, outcome: dict) -> None:
+        """Its answer is committed: no longer pending, then handed to its polls (in that order: a poll that found it
+        pending waits to be handed it, one that did not reads it from the database). `outcome`: the answer's
+        fields as its row has them (status, and content_type and result, or error and category)."""
         with self._pending_lock:
             tenant = self.pending.pop(request_id, None)
             if tenant is not None:
                 self._pending_of[tenant] -= 1
                 if not self._pending_of[tenant]:
                     del self._pending_of[tenant]
-        self.answered(request_id)
+        self.answered(request_id, outcome)
 
     def _json(self, request_id: str, value: dict) -> None:
         self._answer(request_id, "json", json.dumps(_named_non_finite(value), allow_nan=False).encode())

@@ -1,0 +1,40 @@
+"""The polls of `retrieve_future` waiting for an answer (serve/tinker/api.py `Waiters`): handed the committed answer
+from another thread, each poll of a request; after their hold, nothing; none left behind however a poll ends."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from symbiosis.serve.tinker.api import Waiters
+
+DONE = {"status": "done", "content_type": "json", "result": b"{}"}
+
+
+def test_every_poll_of_a_request_is_handed_its_answer_from_another_thread():
+    async def main():
+        waiters = Waiters()
+        waiters.loop = asyncio.get_running_loop()
+        polls = [asyncio.create_task(waiters.wait("r1", 10)) for _ in range(2)]
+        other = asyncio.create_task(waiters.wait("r2", 10))
+        await asyncio.sleep(0)  # the polls wait
+        threading.Thread(target=waiters.answered, args=("r1", DONE)).start()
+        assert await asyncio.gather(*polls) == [DONE, DONE]
+        assert not other.done()  # another request's poll goes on waiting
+        other.cancel()
+        await asyncio.gather(other, return_exceptions=True)
+        return waiters
+
+    assert asyncio.run(main())._waiting == {}
+
+
+def test_a_poll_past_its_hold_gets_nothing_and_an_answer_for_no_poll_is_dropped():
+    async def main():
+        waiters = Waiters()
+        waiters.loop = asyncio.get_running_loop()
+        assert await waiters.wait("r1", 0.01) is None
+        waiters.answered("r1", DONE)  # nobody waits: the next poll reads the database
+        await asyncio.sleep(0.01)
+        return waiters
+
+    assert asyncio.run(main())._waiting == {}
