@@ -38,3 +38,22 @@ def test_a_poll_past_its_hold_gets_nothing_and_an_answer_for_no_poll_is_dropped(
         return waiters
 
     assert asyncio.run(main())._waiting == {}
+
+
+def test_a_burst_of_answers_from_another_thread_reaches_every_poll():
+    """A round's answers come together from the trainer's thread (one wake-up of the loop for them all)."""
+    async def main():
+        waiters = Waiters()
+        waiters.loop = asyncio.get_running_loop()
+        polls = [asyncio.create_task(waiters.wait(f"r{i}", 10)) for i in range(64)]
+        await asyncio.sleep(0)
+
+        def answer_all():
+            for i in range(64):
+                waiters.answered(f"r{i}", {**DONE, "result": str(i).encode()})
+        threading.Thread(target=answer_all).start()
+        results = await asyncio.wait_for(asyncio.gather(*polls), 10)
+        assert [r["result"] for r in results] == [str(i).encode() for i in range(64)]
+        return waiters
+
+    assert asyncio.run(main())._waiting == {}

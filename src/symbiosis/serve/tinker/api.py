@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from datetime import datetime, timezone
 
 from fastapi import APIRouter, Request
@@ -38,14 +39,26 @@ class Waiters:
     def __init__(self):
         self.loop: asyncio.AbstractEventLoop | None = None
         self._waiting: dict[str, list[asyncio.Future]] = {}
+        # answers not yet handed over, and whether the loop has been asked to: a round's 64 answers wake the loop
+        # once, not 64 times (each a write to its wake-up pipe from the trainer's thread)
+        self._answers: list[tuple[str, dict]] = []
+        self._answers_lock = threading.Lock()
 
     def answered(self, request_id: str, outcome: dict) -> None:  # any thread
-        if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._hand, request_id, outcome)
+        if self.loop is None:
+            return
+        with self._answers_lock:
+            self._answers.append((request_id, outcome))
+            if len(self._answers) > 1:  # the loop has been asked already and has not taken them yet
+                return
+        self.loop.call_soon_threadsafe(self._hand)
 
-    def _hand(self, request_id: str, outcome: dict | None) -> None:
-        for future in self._waiting.pop(request_id, ()):
-            _settle(future, outcome)
+    def _hand(self) -> None:
+        with self._answers_lock:
+            answers, self._answers = self._answers, []
+        for request_id, outcome in answers:
+            for future in self._waiting.pop(request_id, ()):
+                _settle(future, outcome)
 
     async def wait(self, request_id: str, timeout: float) -> dict | None:
         """The answer's fields (as its row has them), or None if it did not come within `timeout` seconds."""
