@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 
 import openai
 import peft
@@ -110,6 +111,11 @@ def test_cancel_pause_and_resume(jobs_server):
     long = {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 50, "batch_size": 1}}}
     job = client.fine_tuning.jobs.create(model="tiny-llama", training_file=training.id, method=long, seed=1)
     wait_for_job(client, job.id, ("running",))
+    # a step trained first: a pause before any resumes from the start (a busy machine got there in the suite)
+    deadline = time.monotonic() + 300
+    while not any(e.message.startswith("Step ") for e in client.fine_tuning.jobs.list_events(job.id, limit=100)):
+        assert time.monotonic() < deadline, "the job trained no step"
+        time.sleep(0.1)
     client.fine_tuning.jobs.pause(job.id)
     wait_for_job(client, job.id, ("paused",))
     with pytest.raises(openai.BadRequestError, match="cannot be paused"):
