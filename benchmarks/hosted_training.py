@@ -214,6 +214,7 @@ def _graph_counts(trainer, at_start: dict | None = None) -> dict:
     counts = {"graphs": {name: getattr(graphs, name, 0) for name in ("captures", "replays", "padded")}}
     if at_start:
         counts["graphs_in_window"] = {name: value - at_start["graphs"][name] for name, value in counts["graphs"].items()}
+        counts["graph_shapes"] = sorted((rows, length) for rows, length, _ in graphs.graphs)  # (datums, tokens) held
     return counts
 
 

@@ -11,6 +11,17 @@ from symbiosis.serve.tinker.api import Waiters
 DONE = {"status": "done", "content_type": "json", "result": b"{}"}
 
 
+def _run(main):
+    """`asyncio.run(main())` on a thread of its own (a test before may leave this thread's loop marked running:
+    Playwright's sync API does), returning its result."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(asyncio.run(main())))
+    thread.start()
+    thread.join(60)
+    assert result, "the loop did not finish"
+    return result[0]
+
+
 def test_every_poll_of_a_request_is_handed_its_answer_from_another_thread():
     async def main():
         waiters = Waiters()
@@ -25,7 +36,7 @@ def test_every_poll_of_a_request_is_handed_its_answer_from_another_thread():
         await asyncio.gather(other, return_exceptions=True)
         return waiters
 
-    assert asyncio.run(main())._waiting == {}
+    assert _run(main)._waiting == {}
 
 
 def test_a_poll_past_its_hold_gets_nothing_and_an_answer_for_no_poll_is_dropped():
@@ -37,7 +48,7 @@ def test_a_poll_past_its_hold_gets_nothing_and_an_answer_for_no_poll_is_dropped(
         await asyncio.sleep(0.01)
         return waiters
 
-    assert asyncio.run(main())._waiting == {}
+    assert _run(main)._waiting == {}
 
 
 def test_a_burst_of_answers_from_another_thread_reaches_every_poll():
@@ -56,4 +67,4 @@ def test_a_burst_of_answers_from_another_thread_reaches_every_poll():
         assert [r["result"] for r in results] == [str(i).encode() for i in range(64)]
         return waiters
 
-    assert asyncio.run(main())._waiting == {}
+    assert _run(main)._waiting == {}
