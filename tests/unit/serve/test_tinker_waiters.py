@@ -11,21 +11,25 @@ from symbiosis.serve.tinker.api import Waiters
 DONE = {"status": "done", "content_type": "json", "result": b"{}"}
 
 
-def _run(main):
-    """`asyncio.run(main())` on a thread of its own (a test before may leave this thread's loop marked running:
-    Playwright's sync API does), returning its result."""
-    result = []
-    thread = threading.Thread(target=lambda: result.append(asyncio.run(main())))
-    thread.start()
-    thread.join(60)
-    assert result, "the loop did not finish"
-    return result[0]
-
-
-def test_every_poll_of_a_request_is_handed_its_answer_from_another_thread():
+def _left_waiting(scenario) -> dict:
+    """`await scenario(waiters)` on a loop of its own, in a thread of its own (a test before may leave this thread's
+    loop marked running: Playwright's sync API does); the polls still registered after it."""
     async def main():
         waiters = Waiters()
         waiters.loop = asyncio.get_running_loop()
+        await scenario(waiters)
+        return waiters._waiting
+
+    left = []
+    thread = threading.Thread(target=lambda: left.append(asyncio.run(main())))
+    thread.start()
+    thread.join(60)
+    assert left, "the scenario did not finish"
+    return left[0]
+
+
+def test_every_poll_of_a_request_is_handed_its_answer_from_another_thread():
+    async def scenario(waiters):
         polls = [asyncio.create_task(waiters.wait("r1", 10)) for _ in range(2)]
         other = asyncio.create_task(waiters.wait("r2", 10))
         await asyncio.sleep(0)  # the polls wait
@@ -34,28 +38,22 @@ def test_every_poll_of_a_request_is_handed_its_answer_from_another_thread():
         assert not other.done()  # another request's poll goes on waiting
         other.cancel()
         await asyncio.gather(other, return_exceptions=True)
-        return waiters
 
-    assert _run(main)._waiting == {}
+    assert _left_waiting(scenario) == {}
 
 
 def test_a_poll_past_its_hold_gets_nothing_and_an_answer_for_no_poll_is_dropped():
-    async def main():
-        waiters = Waiters()
-        waiters.loop = asyncio.get_running_loop()
+    async def scenario(waiters):
         assert await waiters.wait("r1", 0.01) is None
         waiters.answered("r1", DONE)  # nobody waits: the next poll reads the database
         await asyncio.sleep(0.01)
-        return waiters
 
-    assert _run(main)._waiting == {}
+    assert _left_waiting(scenario) == {}
 
 
 def test_a_burst_of_answers_from_another_thread_reaches_every_poll():
     """A round's answers come together from the trainer's thread (one wake-up of the loop for them all)."""
-    async def main():
-        waiters = Waiters()
-        waiters.loop = asyncio.get_running_loop()
+    async def scenario(waiters):
         polls = [asyncio.create_task(waiters.wait(f"r{i}", 10)) for i in range(64)]
         await asyncio.sleep(0)
 
@@ -65,6 +63,5 @@ def test_a_burst_of_answers_from_another_thread_reaches_every_poll():
         threading.Thread(target=answer_all).start()
         results = await asyncio.wait_for(asyncio.gather(*polls), 10)
         assert [r["result"] for r in results] == [str(i).encode() for i in range(64)]
-        return waiters
 
-    assert _run(main)._waiting == {}
+    assert _left_waiting(scenario) == {}
