@@ -51,7 +51,11 @@ class Waiters:
             self._answers.append((request_id, outcome))
             if len(self._answers) > 1:  # the loop has been asked already and has not taken them yet
                 return
-        self.loop.call_soon_threadsafe(self._hand)
+        try:
+            self.loop.call_soon_threadsafe(self._hand)
+        except RuntimeError:  # the loop has closed (the service stopping): no poll is left to hand them to
+            with self._answers_lock:
+                self._answers.clear()
 
     def _hand(self) -> None:
         with self._answers_lock:
