@@ -25,6 +25,11 @@ twice, in its round and in the next. Clients in the process
 come back within a millisecond or two; clients of the Tinker SDK over HTTP one after another over tens of
 milliseconds, the service's event loop answering each and taking its next request.
 
+A loop that sends its forward_backward and its optimizer step together and then waits for both answers
+(tinker-cookbook's; `--loop together`) has its step queued while the pass runs: the step is taken right after
+the pass and answered with the pass's answers (one group: one transaction of the service's), so that the loop's
+next requests do not wait for a round of steps of their own.
+
 Loops that send ahead (the next forward_backward queued before the step's answer: `--loop ahead` in
 benchmarks/hosted_training.py) are not waited for: the round queues the steps, then the pass, and answers the steps
 once the pass is on the device, so the host's answers overlap the GPU's pass and the steps cost no wait of their own
@@ -293,12 +298,26 @@ class TrainingQueue:
             return
         self.passes += 1
         with self.answering():
+            finished = []
             for (key, op, work), result in zip(parts, results):
                 op.results.append(result)
                 op.next_datum += len(work.datums)
                 if op.next_datum == len(op.work.datums):
                     self._finish(key, op, result=Result([lp for r in op.results for lp in r.logprobs],
                                                         [loss for r in op.results for loss in r.losses]))
+                    finished.append(key)
+            if (steps := self._waited_steps(finished)):  # answered with the pass, in its group
+                self._launch_steps(steps)()
+
+    def _waited_steps(self, keys: list[str]) -> dict[str, Operation]:
+        """The optimizer steps queued right behind these adapters' finished requests whose loops wait for their
+        answers (nothing queued behind the step: tinker-cookbook's loop sends forward_backward and optim_step, then
+        waits for both). Run now, they are answered beside the pass: the loop's next requests come a round's steps
+        earlier (the steps of loops that send ahead are left to the next round, answered while its pass runs)."""
+        with self._lock:
+            ready = self._ready()
+            return {key: op for key in keys if (op := ready.get(key)) is not None and op.step is not None
+                    and op.seq + 1 not in self._queues[key]}
 
     def _release(self, key: str, op: Operation) -> None:
         """`op` is over for its adapter's queue, which goes on past it; the adapter was answered this round."""

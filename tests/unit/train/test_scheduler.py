@@ -188,6 +188,46 @@ def test_steps_of_loops_that_send_ahead_are_answered_once_the_pass_is_queued(tra
     assert all(step > 0 for _, kind, step in (e for e in log if not isinstance(e, str)) if kind == "step")
 
 
+def test_steps_sent_with_their_pass_by_loops_that_wait_are_answered_with_the_pass(trainer):
+    """tinker-cookbook's loop: forward_backward and optim_step sent together, then both answers awaited. The step
+    is queued while the pass runs: it is taken right after the pass (on that pass's gradients) and answered in the
+    pass's group of answers, not in a round of its own; a step with a request queued behind it (a loop that sends
+    ahead) is left to the next round."""
+    from symbiosis.train.lora import AdamParams
+
+    import contextlib
+
+    @contextlib.contextmanager
+    def answering():
+        log.append("[")
+        yield
+        log.append("]")
+
+    log = []
+    queue = TrainingQueue(trainer, max_gather_s=0, answering=answering)
+    works = {key: _work(trainer, seed, 1) for seed, key in enumerate("abc")}
+    for key, work in works.items():
+        queue.open(key, 0)
+        queue.submit(key, Operation(0, done=lambda result, key=key: log.append((key, "pass")),
+                                    fail=lambda e: log.append(e), work=work))
+        queue.submit(key, Operation(1, done=lambda result, key=key: log.append((key, "step", result)),
+                                    fail=lambda e: log.append(e), call=lambda metrics: metrics["grad_norm:mean"],
+                                    step=(work.lora, AdamParams(0.01))))
+    ahead = _work(trainer, 9, 1)  # c sends its next forward_backward ahead
+    queue.submit("c", Operation(2, done=lambda result: log.append(("c", "pass")), fail=lambda e: log.append(e),
+                                work=Work(works["c"].lora, ahead.datums, "cross_entropy")))
+    assert queue.round()
+    assert all(not isinstance(entry, Exception) for entry in log), log
+    shape = [entry if isinstance(entry, str) else entry[:2] for entry in log]
+    assert shape == ["[", ("a", "pass"), ("b", "pass"), ("c", "pass"), "[", ("a", "step"), ("b", "step"), "]", "]"]
+    assert [works[key].lora.steps for key in "abc"] == [1, 1, 0]
+    assert all(result > 0 for entry in log if not isinstance(entry, str) and entry[1] == "step"
+               for result in [entry[2]])
+    log.clear()
+    assert queue.round()  # c's step, then its next pass
+    assert works["c"].lora.steps == 1 and ("c", "pass") in log
+
+
 def test_clients_answered_together_are_awaited_so_their_loops_stay_in_one_pass(trainer, monkeypatch):
     """Four client threads, each a loop of forward_backward then optimizer step, each waiting for its answers: the
     queue waits for the adapters it answered, so every pass holds all four (without it the loops split into groups
