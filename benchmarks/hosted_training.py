@@ -220,9 +220,12 @@ def _graph_counts(trainer, at_start: dict | None = None) -> dict:
 
 def _runner_share(queue, seconds_at_start: dict, wall: float) -> dict:
     """The share of a window of `wall` seconds each training runner (a TrainingQueue's, or each replica's, averaged)
-    spent gathering its tenants' requests, stepping and passing, from `queue.seconds` at the window's start."""
+    spent gathering its tenants' requests, stepping and passing, from `queue.seconds` at the window's start, and
+    `idle`: the rest, waiting with nothing queued (a loop whose step was answered beside its pass is next awaited
+    there, not in a gather)."""
     runners = len(queue.queues) if hasattr(queue, "queues") else 1
-    return {what: round((queue.seconds[what] - seconds_at_start[what]) / runners / wall, 3) for what in queue.seconds}
+    shares = {what: (queue.seconds[what] - seconds_at_start[what]) / runners / wall for what in queue.seconds}
+    return {**{what: round(share, 3) for what, share in shares.items()}, "idle": round(max(0.0, 1 - sum(shares.values())), 3)}
 
 
 def _peaks(devices: list[str] | None) -> dict:
