@@ -59,7 +59,7 @@ declare -A COMMAND=(
   [engine]="$PY benchmarks/engine.py --batches 1,8,32,64"
   [hosted_training]="$PY benchmarks/hosted_training.py --model llama-3.2-1b --tenants 8,16,32 --anatomy"
   # tenants' loops that send their next iteration before waiting for the last (the queue then never waits for them)
-  [hosted_training_ahead]="$PY benchmarks/hosted_training.py --model llama-3.2-1b --tenants 32 --duration 5 --fleet= --paths engine,sdk --no-peft --loop ahead"
+  [hosted_training_ahead]="$PY benchmarks/hosted_training.py --model llama-3.2-1b --tenants 32 --duration 10 --fleet= --paths engine,sdk --no-peft --loop ahead --sdk-processes 4"
   [hosted_training_profile]="$PY benchmarks/hosted_training.py --model llama-3.2-1b --tenants 32 --profile $OUT/hosted_training_profile.txt"
   # the SDK's 32 tenants from 4 client processes (client_cpu_share: whether one client interpreter bounded the SDK's runs)
   # (10 s windows: 6 s ones read the SDK path 10-15% lower, a graph capture or two inside the window)
