@@ -225,7 +225,8 @@ def _runner_share(queue, seconds_at_start: dict, wall: float) -> dict:
     there, not in a gather)."""
     runners = len(queue.queues) if hasattr(queue, "queues") else 1
     shares = {what: (queue.seconds[what] - seconds_at_start[what]) / runners / wall for what in queue.seconds}
-    return {**{what: round(share, 3) for what, share in shares.items()}, "idle": round(max(0.0, 1 - sum(shares.values())), 3)}
+    shares["idle"] = max(0.0, 1 - sum(shares.values()))
+    return {what: round(share, 3) for what, share in shares.items()}
 
 
 def _peaks(devices: list[str] | None) -> dict:
@@ -513,7 +514,9 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
             if child.stdout.readline().strip() != "ready":
                 raise RuntimeError("an SDK client process failed before its window (its traceback is above)")
         passes, seconds = service.training_queue.passes, dict(service.training_queue.seconds)
-        watched = {"http": [thread], "http_workers": [t for t in threading.enumerate() if t.name.startswith("asyncio_")],
+        # the workers of `asyncio.to_thread` (the other routes' service calls): named by asyncio's loop or uvloop's
+        watched = {"http": [thread], "http_workers": [t for t in threading.enumerate()
+                                                      if t.name.startswith(("asyncio_", "uvloop_"))],
                    "training": [t for t in threading.enumerate() if t.name == "symbiosis-training"]}
         group_cpu = lambda: {name: sum(task_cpu_s(t.native_id) for t in group) for name, group in watched.items()}  # noqa: E731
         cpu, graphs_at_start = group_cpu(), _graph_counts(service.trainer)

@@ -188,6 +188,20 @@ def busiest_threads(before: dict[str, float], wall: float, top: int = 6) -> dict
     return {name: round(seconds / wall, 2) for name, seconds in sorted(used.items(), key=lambda kv: -kv[1])[:top]}
 
 
+def measured(service, run) -> dict:
+    """`run()`'s summary, with what the service's process spent on it: its CPU time (every thread: the engine's, the
+    event loop's) per generated token, where what the HTTP layer adds is Python that competes with the engine's
+    thread for the GIL; which threads used it, in cores; and the requests whose adapter was read from disk again
+    (evicted from the host tier: each costs its reading)."""
+    cpu, threads, began = time.process_time(), threads_cpu_s(), time.perf_counter()
+    reads = service.engine.adapters.stats.disk_reads
+    result = run()
+    result["server_cpu_ms_per_token"] = 1e3 * (time.process_time() - cpu) / max(1, result["generated"])
+    result["server_threads_cores"] = busiest_threads(threads, time.perf_counter() - began)
+    result["adapter_disk_reads"] = service.engine.adapters.stats.disk_reads - reads
+    return result
+
+
 def thread_cpu_s(thread: threading.Thread) -> float:
     """CPU seconds `thread` has used (Linux: its own CPU clock)."""
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
@@ -239,23 +253,9 @@ def main() -> None:
     run_http(url, key, warm, arrivals(len(warm), 64.0), names, args.client_processes)
     for rate in [float(r) for r in args.rates.split(",")]:
         jobs, times = workload(args.requests, args.adapters, vocab), arrivals(args.requests, rate)
-        # the service process's CPU time (every thread: the engine's, the event loop's) per generated token: what
-        # the HTTP layer adds to it is the Python that competes with the engine's thread for the GIL
-        # (and which threads used it, in cores: `server_threads_cores`)
-        cpu, threads, began = time.process_time(), threads_cpu_s(), time.perf_counter()
-        reads = service.engine.adapters.stats.disk_reads
-        direct = run_direct(service, jobs, times, names)
-        direct["server_cpu_ms_per_token"] = 1e3 * (time.process_time() - cpu) / max(1, direct["generated"])
-        direct["server_threads_cores"] = busiest_threads(threads, time.perf_counter() - began)
-        # requests whose adapter was read from disk again (evicted from the host tier): each costs its reading
-        direct["adapter_disk_reads"] = service.engine.adapters.stats.disk_reads - reads
-        cpu, loop_cpu, threads, began = time.process_time(), thread_cpu_s(loop_thread), threads_cpu_s(), \
-            time.perf_counter()
-        reads = service.engine.adapters.stats.disk_reads
-        http = run_http(url, key, jobs, times, names, args.client_processes)
-        http["server_cpu_ms_per_token"] = 1e3 * (time.process_time() - cpu) / max(1, http["generated"])
-        http["server_threads_cores"] = busiest_threads(threads, time.perf_counter() - began)
-        http["adapter_disk_reads"] = service.engine.adapters.stats.disk_reads - reads
+        direct = measured(service, lambda: run_direct(service, jobs, times, names))
+        loop_cpu = thread_cpu_s(loop_thread)
+        http = measured(service, lambda: run_http(url, key, jobs, times, names, args.client_processes))
         # the event loop's thread alone: the HTTP layer's own Python per token (requests, SSE chunks, writes)
         http["loop_cpu_ms_per_token"] = 1e3 * (thread_cpu_s(loop_thread) - loop_cpu) / max(1, http["generated"])
         emit(**common, rate=rate, path="engine", **direct)
