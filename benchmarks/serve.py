@@ -1,7 +1,9 @@
 """The HTTP layer's cost (issue: `symbiosis serve`): requests with Poisson arrivals at rising rates, prompts and
 outputs of a ShareGPT-like length distribution, spread over many adapters, sent (a) through the HTTP API
 (/v1/completions, streaming, by clients in other processes over loopback, `--client-processes`) and (b) to the engine directly
-(`Engine.submit` in the service's own process), the same requests on the same warm service in the same run.
+(`Engine.submit` in the service's own process, by one thread at the arrival times, each token's time taken on the
+engine's thread: nothing of the benchmark's competes with the engine for the GIL), the same requests on the same warm
+service in the same run.
 Reports throughput (generated tokens / wall time), time to first token and inter-token latency p50/p99.
 
     PYTHONPATH=src python benchmarks/serve.py --model llama-3-8b --adapters 64 --rates 4,16,64 --requests 128
@@ -21,6 +23,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -61,32 +64,52 @@ def summary(records: list[dict], wall: float) -> dict:
             "itl_p99_ms": 1e3 * pct(gaps, 0.99), "requests": len(records)}
 
 
+class _Recorder:
+    """A request's events, put by the engine's thread: each token's time (from the run's `start`) appended where it
+    comes, with no thread of the benchmark's to wake (the engine's own cost, nothing added); `finished` is set once
+    every request of the run has ended."""
+
+    def __init__(self, record: dict, start: float, ended: list, finished: threading.Event, total: int):
+        self.record, self.start, self.ended, self.finished, self.total = record, start, ended, finished, total
+
+    def put(self, event) -> None:
+        from symbiosis.engine import Finished
+
+        if not isinstance(event, Finished):
+            self.record["tokens"].append(time.perf_counter() - self.start)
+            return
+        if event.error is not None:
+            self.record["error"] = str(event.error)
+        self.ended.append(1)
+        if len(self.ended) == self.total:
+            self.finished.set()
+
+
 def run_direct(service, jobs: list[dict], times: list[float], names: list[str]) -> dict:
+    """The same requests submitted to the engine in the service's process by one thread, each at its arrival time,
+    their tokens' times taken by the engine's thread itself (`_Recorder`)."""
     from symbiosis.engine import SamplingParams
 
     records = [{"arrival": t, "tokens": []} for t in times]
+    ended, finished = [], threading.Event()
     start = time.perf_counter()
-
-    def one(i):
+    for i in sorted(range(len(jobs)), key=lambda i: times[i]):
         job = jobs[i]
         time.sleep(max(0.0, start + times[i] - time.perf_counter()))
         adapter = service.adapters.lookup("bench", names[job["adapter"]])
-        handle = service.engine.submit(job["prompt"], SamplingParams(max_tokens=job["max_tokens"]),
-                                       (adapter[0], str(adapter[1])))
-        for _ in handle:
-            records[i]["tokens"].append(time.perf_counter() - start)
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(jobs))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+        service.engine.submit(job["prompt"], SamplingParams(max_tokens=job["max_tokens"]), (adapter[0], str(adapter[1])),
+                              events=_Recorder(records[i], start, ended, finished, len(jobs)))
+    finished.wait()
+    failed = [r["error"] for r in records if "error" in r]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed on the engine, the first: {failed[0]}")
     return summary(records, time.perf_counter() - start)
 
 
-async def _http_client(url: str, key: str, jobs: list[dict], times: list[float], names: list[str],
-                       start_at: float) -> dict:
-    """Stream `jobs` (each at its arrival time after the wall-clock `start_at`); returns their records (times from
-    that start), this process's end and its CPU seconds."""
+async def _http_client(url: str, key: str, jobs: list[dict], times: list[float], names: list[str]) -> dict:
+    """Says "ready" on stdout once its imports are done, reads the run's wall-clock start from stdin, then streams
+    `jobs` (each at its arrival time after that start); returns their records (times from that start), this
+    process's end and its CPU seconds."""
     try:
         import httpx2 as httpx
     except ImportError:
@@ -95,6 +118,8 @@ async def _http_client(url: str, key: str, jobs: list[dict], times: list[float],
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits,
                                  headers={"Authorization": f"Bearer {key}"}) as client:
+        print("ready", flush=True)
+        start_at = float(sys.stdin.readline())
         start = time.perf_counter() + (start_at - time.time())
 
         async def one(i):
@@ -102,7 +127,9 @@ async def _http_client(url: str, key: str, jobs: list[dict], times: list[float],
             await asyncio.sleep(max(0.0, start + times[i] - time.perf_counter()))
             body = {"model": names[job["adapter"]], "prompt": job["prompt"], "max_tokens": job["max_tokens"],
                     "temperature": 0, "stream": True}
+            records[i]["sent"] = time.perf_counter() - start
             async with client.stream("POST", "/v1/completions", json=body) as response:
+                records[i]["headers"] = time.perf_counter() - start  # the server answers once it has submitted it
                 response.raise_for_status()
                 async for line in response.aiter_lines():
                     # a token's chunk; the last chunk (finish_reason, empty text) is no token
@@ -115,25 +142,37 @@ async def _http_client(url: str, key: str, jobs: list[dict], times: list[float],
 def run_http(url: str, key: str, jobs: list[dict], times: list[float], names: list[str], processes: int = 1) -> dict:
     """From `processes` client processes (request i in process i % processes), so that no client's Python bounds
     what is measured, nor competes with the server's for one GIL; their CPU share says whether one came close."""
-    start_at = time.time() + 2.0  # every process started and connected-ready by then
-    clients = []
-    for p in range(processes):
+    clients, folder = [], tempfile.TemporaryDirectory()
+    for p in range(processes):  # (its jobs in a file: a pipe would hold each process's start up until it reads them)
         mine = list(range(p, len(jobs), processes))
-        payload = json.dumps({"url": url, "key": key, "jobs": [jobs[i] for i in mine], "times": [times[i] for i in mine],
-                              "names": names, "start_at": start_at})
-        child = subprocess.Popen([sys.executable, __file__, "--client"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 text=True)
-        child.stdin.write(payload)
+        spec = Path(folder.name) / f"client{p}.json"
+        spec.write_text(json.dumps({"url": url, "key": key, "jobs": [jobs[i] for i in mine],
+                                    "times": [times[i] for i in mine], "names": names}))
+        clients.append(subprocess.Popen([sys.executable, __file__, "--client", str(spec)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True))
+    for child in clients:  # every process started (its imports take seconds on a busy machine): then the clock starts
+        if child.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"an HTTP client process failed to start (exit {child.wait()})")
+    start_at = time.time() + 0.1
+    for child in clients:
+        child.stdin.write(f"{start_at}\n")
         child.stdin.close()
-        clients.append(child)
     outcomes = []
     for child in clients:
         out = child.stdout.read()
         if child.wait() != 0:
             raise RuntimeError(f"an HTTP client process failed (exit {child.returncode})")
         outcomes.append(json.loads(out.strip().splitlines()[-1]))
+    folder.cleanup()
     wall = max(o["end"] for o in outcomes)
-    result = summary([r for o in outcomes for r in o["records"]], wall)
+    records = [r for o in outcomes for r in o["records"]]
+    result = summary(records, wall)
+    # where a request's first token waited: in its client (sent late), in the HTTP layer up to its submission
+    # (the response's headers), in the engine (the rest of its TTFT)
+    late, submitted = sorted(r["sent"] - r["arrival"] for r in records), sorted(r["headers"] - r["sent"] for r in records)
+    result.update(sent_late_p50_ms=1e3 * late[len(late) // 2], sent_late_p99_ms=1e3 * late[int(0.99 * len(late))],
+                  submitted_p50_ms=1e3 * submitted[len(submitted) // 2],
+                  submitted_p99_ms=1e3 * submitted[int(0.99 * len(submitted))])
     result.update(client_processes=processes, client_cpu_share=[round(o["cpu_s"] / wall, 2) for o in outcomes])
     return result
 
@@ -160,18 +199,17 @@ def serve_on_loopback(service, tenant: str, directories: list[Path]):
     return server, f"http://127.0.0.1:{sock.getsockname()[1]}", names, thread
 
 
-def threads_cpu_s() -> dict[str, float]:
-    """CPU seconds so far of this process's threads, summed by their Python names without digits; threads Python
-    did not start (torch's and OpenMP's pools, the CUDA driver's, a tokenizer's) as "native:" and the name the OS
-    has for them (Linux's /proc: every live thread; one that ended is not counted)."""
+def threads_cpu_s() -> dict[int, tuple[str, float]]:
+    """Each live thread of this process (Linux's /proc: every thread, also those Python did not start): its OS id ->
+    (its Python name without digits, or for threads Python did not start (torch's and OpenMP's pools, the CUDA
+    driver's, a tokenizer's) "native:" and the name the OS has for them; its CPU seconds so far)."""
     python_names = {t.native_id: re.sub(r"[\d_ ()-]+$", "", t.name.split(" (")[0]) or "?" for t in threading.enumerate()}
-    totals: dict[str, float] = {}
+    threads = {}
     for task in Path("/proc/self/task").iterdir():
         seconds = task_cpu_s(int(task.name))
         if not math.isnan(seconds):  # (NaN: the thread ended meanwhile)
-            name = python_names.get(int(task.name)) or "native:" + _os_name(task)
-            totals[name] = totals.get(name, 0.0) + seconds
-    return totals
+            threads[int(task.name)] = (python_names.get(int(task.name)) or "native:" + _os_name(task), seconds)
+    return threads
 
 
 def _os_name(task: Path) -> str:
@@ -181,11 +219,54 @@ def _os_name(task: Path) -> str:
         return "?"
 
 
-def busiest_threads(before: dict[str, float], wall: float, top: int = 6) -> dict[str, float]:
-    """The threads (by name) that used the most CPU since `before`, as cores busy over `wall` seconds."""
-    after = threads_cpu_s()
-    used = {name: after[name] - before.get(name, 0.0) for name in after}
+def busiest_threads(before: dict, seen: dict, wall: float, top: int = 6) -> dict[str, float]:
+    """The threads (by name) that used the most CPU between `before` and `seen` (threads_cpu_s's, `seen` with the
+    last figures of threads that ended meanwhile), as cores busy over `wall` seconds."""
+    used: dict[str, float] = {}
+    for tid, (name, seconds) in seen.items():
+        used[name] = used.get(name, 0.0) + seconds - before.get(tid, (name, 0.0))[1]
     return {name: round(seconds / wall, 2) for name, seconds in sorted(used.items(), key=lambda kv: -kv[1])[:top]}
+
+
+class QueueSampler:
+    """Where the requests were, every 10 ms of a run: admitted by the HTTP layer (`admitted`), handed to the engine
+    and not yet scheduled (`engine_waiting`: its inbox and its scheduler's queue), running in its batch
+    (`engine_running`); their means say whether the engine's batch was kept full, and if not, where requests waited."""
+
+    def __init__(self, service, interval: float = 0.01):
+        self.service, self.interval = service, interval
+        self.samples: list[tuple[int, int, int]] = []
+        # every thread's CPU as last seen (every 0.5 s and at the end): a thread that ends in the run (a request's
+        # worker) still counts
+        self.threads_before = self.threads_seen = threads_cpu_s()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="queue-sampler", daemon=True)
+
+    def _sample(self) -> None:
+        engine, admission = self.service.engine, self.service.admission
+        while not self._stop.wait(self.interval):
+            self.samples.append((sum(admission.running.values()), len(engine._incoming) + len(engine.scheduler.waiting),
+                                 len(engine.scheduler.running)))
+            if len(self.samples) % round(0.5 / self.interval) == 0:
+                self.threads_seen = {**self.threads_seen, **threads_cpu_s()}
+
+    def __enter__(self) -> "QueueSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.threads_seen = {**self.threads_seen, **threads_cpu_s()}
+
+    def means(self) -> dict:
+        """The three means, and the samples of every 2nd second (admitted, engine_waiting, engine_running), over
+        the samples with a request somewhere."""
+        busy = [s for s in self.samples if any(s)]  # (not the seconds before the first request: clients starting)
+        count, every = max(1, len(busy)), round(2.0 / self.interval)
+        return {**{name: round(sum(s[i] for s in busy) / count, 1)
+                   for i, name in enumerate(("admitted_mean", "engine_waiting_mean", "engine_running_mean"))},
+                "queues_every_2s": busy[::every]}
 
 
 def measured(service, run) -> dict:
@@ -193,11 +274,14 @@ def measured(service, run) -> dict:
     event loop's) per generated token, where what the HTTP layer adds is Python that competes with the engine's
     thread for the GIL; which threads used it, in cores; and the requests whose adapter was read from disk again
     (evicted from the host tier: each costs its reading)."""
-    cpu, threads, began = time.process_time(), threads_cpu_s(), time.perf_counter()
+    cpu, began = time.process_time(), time.perf_counter()
     reads = service.engine.adapters.stats.disk_reads
-    result = run()
+    with QueueSampler(service) as queues:
+        result = run()
+    result.update(queues.means())
     result["server_cpu_ms_per_token"] = 1e3 * (time.process_time() - cpu) / max(1, result["generated"])
-    result["server_threads_cores"] = busiest_threads(threads, time.perf_counter() - began)
+    result["server_threads_cores"] = busiest_threads(queues.threads_before, queues.threads_seen,
+                                                     time.perf_counter() - began)
     result["adapter_disk_reads"] = service.engine.adapters.stats.disk_reads - reads
     return result
 
@@ -209,7 +293,7 @@ def thread_cpu_s(thread: threading.Thread) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--client", help=argparse.SUPPRESS)  # (an HTTP client process: its jobs' file)
     parser.add_argument("--model", default="llama-3-8b", choices=sorted(CONFIGS))
     parser.add_argument("--adapters", type=int, default=64)
     parser.add_argument("--rank", type=int, default=16)
@@ -219,9 +303,9 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/symbiosis-bench-serve")
     args = parser.parse_args()
     if args.client:
-        spec = json.loads(sys.stdin.read())
+        spec = json.loads(Path(args.client).read_text())
         print(json.dumps(asyncio.run(_http_client(spec["url"], spec["key"], spec["jobs"], spec["times"],
-                                                  spec["names"], spec["start_at"]))))
+                                                  spec["names"]))))
         return
 
     from symbiosis.serve.service import Service
@@ -253,7 +337,9 @@ def main() -> None:
     run_http(url, key, warm, arrivals(len(warm), 64.0), names, args.client_processes)
     for rate in [float(r) for r in args.rates.split(",")]:
         jobs, times = workload(args.requests, args.adapters, vocab), arrivals(args.requests, rate)
+        print(f"== engine, {rate} requests/s", file=sys.stderr, flush=True)  # (a profiler may wait for a phase)
         direct = measured(service, lambda: run_direct(service, jobs, times, names))
+        print(f"== http, {rate} requests/s", file=sys.stderr, flush=True)
         loop_cpu = thread_cpu_s(loop_thread)
         http = measured(service, lambda: run_http(url, key, jobs, times, names, args.client_processes))
         # the event loop's thread alone: the HTTP layer's own Python per token (requests, SSE chunks, writes)
