@@ -140,7 +140,7 @@ def create_app(service):
     """The service's ASGI application: the size limit, the access log and the plain routes around FastAPI's."""
     app = FastAPI(title="symbiosis", version="0.1.0", docs_url=None, redoc_url=None)
 
-    def tenant(request: Request) -> str:
+    async def tenant(request: Request) -> str:  # (async: FastAPI would run a plain function on a worker thread)
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         found = service.keys.tenant_of(key.strip()) if scheme.lower() == "bearer" else None

@@ -131,8 +131,10 @@ class Generation:
     whose end cancels whatever still runs (the HTTP client went, or an error), which frees its KV blocks in the
     engine's next step."""
 
-    def __init__(self, engine, prompts: list[list[int]], params: list[SamplingParams], adapter):
-        self.engine, self.prompts, self.params, self.adapter = engine, prompts, params, adapter
+    def __init__(self, generator_for, prompts: list[list[int]], params: list[SamplingParams], adapter):
+        """`generator_for()`: what generates these requests (the engine, or a split generator), asked at `start`
+        off the loop (it may read the adapter from disk)."""
+        self.generator_for, self.prompts, self.params, self.adapter = generator_for, prompts, params, adapter
         self.queue: asyncio.Queue = asyncio.Queue()
         self.handles = []
         self.choices = [Choice(i, len(p)) for i, p in enumerate(prompts)]
@@ -143,10 +145,11 @@ class Generation:
         """Submit every request (an error, e.g. a prompt that does not fit, cancels those submitted already)."""
         loop = asyncio.get_running_loop()
 
-        def submit_all():  # reads the adapter from disk on first use: off the loop
+        def submit_all():  # reads the adapter from disk on first use: off the loop (one hop to a thread for both)
+            generator = self.generator_for()
             for i, (prompt, params) in enumerate(zip(self.prompts, self.params)):
-                self.handles.append(self.engine.submit(prompt, params, self.adapter,
-                                                       events=_EventSink(loop, self.queue, i)))
+                self.handles.append(generator.submit(prompt, params, self.adapter,
+                                                     events=_EventSink(loop, self.queue, i)))
         try:
             await asyncio.to_thread(submit_all)
         except BaseException:

@@ -10,7 +10,6 @@ seed + i). A chat is rendered with the adapter's own chat template when its dire
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -136,8 +135,7 @@ async def _run(service, tenant: str, body, request: Request, adapter, prompts: l
     admitted = True
     try:
         adapter = None if adapter is None else (adapter[0], str(adapter[1]))
-        generator = await asyncio.to_thread(service.generator_for, adapter)
-        generation = Generation(generator, [p for p, _ in expanded], params, adapter)
+        generation = Generation(lambda: service.generator_for(adapter), [p for p, _ in expanded], params, adapter)
         try:
             await generation.start()
         except BadCall as e:  # the prompt does not fit, or bad ids: this request's alone
