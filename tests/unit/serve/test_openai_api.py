@@ -217,6 +217,24 @@ def test_unloading_makes_the_adapter_unknown_and_a_shared_directory_serves_two_t
     assert loaded.client("bob").completions.create(model="extra", prompt="hi", max_tokens=2).choices
 
 
+def test_an_adapter_whose_file_turns_unreadable_after_its_load_is_that_requests_400(loaded, served_files):
+    import shutil
+
+    root = served_files["adapters"]
+    broken = root / "alice" / "turns-bad"
+    shutil.copytree(root / "alice" / "poet", broken, dirs_exist_ok=True)
+    assert load(loaded, "alice", "turns-bad", "alice/turns-bad").status_code == 200
+    # a different size and time: not the copy the host tier holds, so it is read again, and fails there
+    (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file at all")
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            loaded.client("alice").completions.create(model="turns-bad", prompt="hi", max_tokens=2, stream=stream)
+        assert refused.value.code == "invalid_adapter" and str(root) not in str(refused.value)
+    assert loaded.client("alice").completions.create(model="poet", prompt="hi", max_tokens=2).choices
+    assert httpx.post(loaded.url + "/v1/unload_lora_adapter", json={"lora_name": "turns-bad"},
+                      headers={"Authorization": f"Bearer {KEYS['alice']}"}).status_code == 200
+
+
 def test_metrics_are_the_admins_and_usage_is_counted_per_tenant(loaded):
     loaded.client("bob").completions.create(model="writer", prompt="a dog", max_tokens=3, temperature=0)
     with pytest.raises(openai.PermissionDeniedError):
