@@ -85,13 +85,16 @@ class _Recorder:
             self.finished.set()
 
 
-def run_direct(service, jobs: list[dict], times: list[float], names: list[str]) -> dict:
+def run_direct(service, jobs: list[dict], times: list[float], names: list[str], started=None) -> dict:
     """The same requests submitted to the engine in the service's process by one thread, each at its arrival time,
-    their tokens' times taken by the engine's thread itself (`_Recorder`)."""
+    their tokens' times taken by the engine's thread itself (`_Recorder`). `started()`, if given, is called as the
+    run's clock starts."""
     from symbiosis.engine import SamplingParams
 
     records = [{"arrival": t, "tokens": []} for t in times]
     ended, finished = [], threading.Event()
+    if started is not None:
+        started()
     start = time.perf_counter()
     for i in sorted(range(len(jobs)), key=lambda i: times[i]):
         job = jobs[i]
@@ -139,9 +142,11 @@ async def _http_client(url: str, key: str, jobs: list[dict], times: list[float],
         return {"records": records, "end": time.perf_counter() - start, "cpu_s": time.process_time()}
 
 
-def run_http(url: str, key: str, jobs: list[dict], times: list[float], names: list[str], processes: int = 1) -> dict:
+def run_http(url: str, key: str, jobs: list[dict], times: list[float], names: list[str], processes: int = 1,
+             started=None) -> dict:
     """From `processes` client processes (request i in process i % processes), so that no client's Python bounds
-    what is measured, nor competes with the server's for one GIL; their CPU share says whether one came close."""
+    what is measured, nor competes with the server's for one GIL; their CPU share says whether one came close.
+    `started()`, if given, is called as the run's clock starts (once every process is ready)."""
     clients, folder = [], tempfile.TemporaryDirectory()
     for p in range(processes):  # (its jobs in a file: a pipe would hold each process's start up until it reads them)
         mine = list(range(p, len(jobs), processes))
@@ -153,6 +158,8 @@ def run_http(url: str, key: str, jobs: list[dict], times: list[float], names: li
     for child in clients:  # every process started (its imports take seconds on a busy machine): then the clock starts
         if child.stdout.readline().strip() != "ready":
             raise RuntimeError(f"an HTTP client process failed to start (exit {child.wait()})")
+    if started is not None:
+        started()
     start_at = time.time() + 0.1
     for child in clients:
         child.stdin.write(f"{start_at}\n")
@@ -236,11 +243,15 @@ class QueueSampler:
     def __init__(self, service, interval: float = 0.01):
         self.service, self.interval = service, interval
         self.samples: list[tuple[int, int, int]] = []
-        # every thread's CPU as last seen (every 0.5 s and at the end): a thread that ends in the run (a request's
-        # worker) still counts
-        self.threads_before = self.threads_seen = threads_cpu_s()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, name="queue-sampler", daemon=True)
+        self.started()
+
+    def started(self) -> None:
+        """From now on (the run's clock starts: not the HTTP clients' start-up): the process's CPU, and every thread's
+        as last seen (every 0.5 s and at the end: a thread that ends in the run still counts)."""
+        self.cpu, self.began = time.process_time(), time.perf_counter()
+        self.threads_before = self.threads_seen = threads_cpu_s()
 
     def _sample(self) -> None:
         engine, admission = self.service.engine, self.service.admission
@@ -270,18 +281,17 @@ class QueueSampler:
 
 
 def measured(service, run) -> dict:
-    """`run()`'s summary, with what the service's process spent on it: its CPU time (every thread: the engine's, the
+    """`run(started)`'s summary (it calls `started()` as its clock starts), with what the service's process spent on it: its CPU time (every thread: the engine's, the
     event loop's) per generated token, where what the HTTP layer adds is Python that competes with the engine's
     thread for the GIL; which threads used it, in cores; and the requests whose adapter was read from disk again
     (evicted from the host tier: each costs its reading)."""
-    cpu, began = time.process_time(), time.perf_counter()
     reads = service.engine.adapters.stats.disk_reads
     with QueueSampler(service) as queues:
-        result = run()
+        result = run(queues.started)
     result.update(queues.means())
-    result["server_cpu_ms_per_token"] = 1e3 * (time.process_time() - cpu) / max(1, result["generated"])
+    result["server_cpu_ms_per_token"] = 1e3 * (time.process_time() - queues.cpu) / max(1, result["generated"])
     result["server_threads_cores"] = busiest_threads(queues.threads_before, queues.threads_seen,
-                                                     time.perf_counter() - began)
+                                                     time.perf_counter() - queues.began)
     result["adapter_disk_reads"] = service.engine.adapters.stats.disk_reads - reads
     return result
 
@@ -338,10 +348,10 @@ def main() -> None:
     for rate in [float(r) for r in args.rates.split(",")]:
         jobs, times = workload(args.requests, args.adapters, vocab), arrivals(args.requests, rate)
         print(f"== engine, {rate} requests/s", file=sys.stderr, flush=True)  # (a profiler may wait for a phase)
-        direct = measured(service, lambda: run_direct(service, jobs, times, names))
+        direct = measured(service, lambda started: run_direct(service, jobs, times, names, started))
         print(f"== http, {rate} requests/s", file=sys.stderr, flush=True)
         loop_cpu = thread_cpu_s(loop_thread)
-        http = measured(service, lambda: run_http(url, key, jobs, times, names, args.client_processes))
+        http = measured(service, lambda started: run_http(url, key, jobs, times, names, args.client_processes, started))
         # the event loop's thread alone: the HTTP layer's own Python per token (requests, SSE chunks, writes)
         http["loop_cpu_ms_per_token"] = 1e3 * (thread_cpu_s(loop_thread) - loop_cpu) / max(1, http["generated"])
         emit(**common, rate=rate, path="engine", **direct)
