@@ -285,14 +285,22 @@ def measured(service, run) -> dict:
     event loop's) per generated token, where what the HTTP layer adds is Python that competes with the engine's
     thread for the GIL; which threads used it, in cores; and the requests whose adapter was read from disk again
     (evicted from the host tier: each costs its reading)."""
-    reads = service.engine.adapters.stats.disk_reads
+    engine = service.engine
+    graph_steps = lambda: getattr(engine.graphs, "steps", 0) if engine.graphs is not None else 0  # noqa: E731
+    reads, steps, graphed = engine.adapters.stats.disk_reads, engine.steps, graph_steps()
     with QueueSampler(service) as queues:
         result = run(queues.started)
     result.update(queues.means())
+    # the engine's steps, and how many of them were decode-only steps replayed from CUDA graphs (the others, with a
+    # prefill chunk, ran eagerly: their host time is the engine thread's CPU a step)
+    result.update(engine_steps=engine.steps - steps, graph_steps=graph_steps() - graphed)
     result["server_cpu_ms_per_token"] = 1e3 * (time.process_time() - queues.cpu) / max(1, result["generated"])
     result["server_threads_cores"] = busiest_threads(queues.threads_before, queues.threads_seen,
                                                      time.perf_counter() - queues.began)
     result["adapter_disk_reads"] = service.engine.adapters.stats.disk_reads - reads
+    engine_cpu = sum(seconds - queues.threads_before.get(tid, (name, 0.0))[1]
+                     for tid, (name, seconds) in queues.threads_seen.items() if name == "symbiosis-engine")
+    result["engine_thread_ms_per_step"] = 1e3 * engine_cpu / max(1, result["engine_steps"])
     return result
 
 

@@ -31,6 +31,7 @@ class DecodeGraphs:
         self.forward, self.capture = forward, device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.recorded: OrderedDict[tuple, tuple[StepBatch, torch.cuda.CUDAGraph | None, torch.Tensor | None]] = OrderedDict()
+        self.steps = 0  # steps run through here (replayed; on the CPU, run padded): the rest of the engine's ran eagerly
 
     def run(self, key: tuple, batch: StepBatch) -> torch.Tensor:
         """Logits of `batch` (padded rows included), from the graph recorded for `key`."""
@@ -39,6 +40,7 @@ class DecodeGraphs:
             while len(self.recorded) > MAX_GRAPHS:
                 self.recorded.popitem(last=False)
         self.recorded.move_to_end(key)
+        self.steps += 1
         static, graph, logits = self.recorded[key]
         if static is not batch:
             static.copy_from(batch)
