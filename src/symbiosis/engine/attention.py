@@ -27,7 +27,7 @@ import warnings
 from contextlib import contextmanager
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import flex_attention
 from transformers import AttentionInterface
 
 NAME = "symbiosis_paged"
@@ -147,9 +147,7 @@ def _attend_layout(layout, query, keys, values, scale, sliding_window, score_mod
         kernel = _kernel(queries == 1, layout.step.block_size) if q.is_cuda else _unfused
         out = kernel(q, keys[None], values[None], layout.block_mask(sliding_window), score_mod, scale)
     else:  # unfused flex_attention evaluates every key it is given: each row's own context, gathered
-        context = layout.context_slots()  # [R, L]
-        block_mask = create_block_mask(layout.context_mask(sliding_window), rows, None, queries, context.shape[1],
-                                       device=q.device)
+        context, block_mask = layout.gathered(sliding_window)  # [R, L], made once a step
         out = _unfused(q, keys[:, context].transpose(0, 1), values[:, context].transpose(0, 1), block_mask,
                        score_mod, scale)
     out = out.transpose(1, 2).reshape(rows * queries, heads, value_dim)  # [R * Q, H, Dv]

@@ -123,6 +123,7 @@ class AttentionLayout:
         self.longest_pages, self.one_token_rows, self.step = longest_pages, one_token_rows, step
         self.whole = whole  # it computes every flat token, in flat order: its output needs no scatter
         self._block_masks: dict[int | None, object] = {}
+        self._gathered: dict[int | None, tuple[torch.Tensor, object]] = {}  # the CPU's (context_slots, its mask)
 
     @staticmethod
     def arrays(name: str, rows: list[tuple[int, int, int, int]], tables: list, queries: int, padded_rows: int,
@@ -156,6 +157,7 @@ class AttentionLayout:
         for field in self.TENSORS:
             getattr(self, field).copy_(getattr(other, field))
         self.longest_pages = other.longest_pages  # read on the host (context_slots)
+        self._gathered.clear()  # made from the values copied over (block masks read the tensors themselves)
 
     def block_mask(self, sliding_window: int | None):
         """flex_attention's BlockMask over the whole KV pool ([pages * block_size] keys, page = block): query q of
@@ -176,6 +178,18 @@ class AttentionLayout:
                 self.kv_num_blocks, self.kv_indices, BLOCK_SIZE=(QUERY_BLOCK, size), mask_mod=visible,
                 seq_lengths=(self.query_index.shape[1], owner.shape[0] * size), compute_q_blocks=False)
         return self._block_masks[sliding_window]
+
+    def gathered(self, sliding_window: int | None) -> tuple[torch.Tensor, object]:
+        """(`context_slots()`, the BlockMask of `context_mask` over them), made once a step for all its layers: the
+        CPU's attention over gathered contexts."""
+        if sliding_window not in self._gathered:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            context = self.context_slots()
+            rows, queries = self.query_positions.shape
+            self._gathered[sliding_window] = context, create_block_mask(
+                self.context_mask(sliding_window), rows, None, queries, context.shape[1], device=context.device)
+        return self._gathered[sliding_window]
 
     def context_slots(self) -> torch.Tensor:
         """[R, longest_pages * block_size]: the pool slot of each row's context position (the positions of pages
