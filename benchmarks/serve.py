@@ -316,6 +316,8 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=64)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--rates", default="4,16,64", help="requests per second (Poisson)")
+    parser.add_argument("--admit-batch", default="1",
+                        help="the engine's admit_batch values to run every rate with (engine/scheduler.py)")
     parser.add_argument("--requests", type=int, default=128, help="requests per rate and path")
     parser.add_argument("--client-processes", type=int, default=4, help="the HTTP clients' processes")
     parser.add_argument("--workdir", default="/tmp/symbiosis-bench-serve")
@@ -353,7 +355,11 @@ def main() -> None:
     warm = workload(128, args.adapters, vocab, seed=99)  # graphs, compiled kernels, adapter copies
     run_direct(service, warm, arrivals(len(warm), 64.0), names)
     run_http(url, key, warm, arrivals(len(warm), 64.0), names, args.client_processes)
-    for rate in [float(r) for r in args.rates.split(",")]:
+    rounds = [(float(rate), int(together)) for together in args.admit_batch.split(",") for rate in args.rates.split(",")]
+    for rate, together in rounds:
+        # the engine's admission (engine/scheduler.py: admit_batch), set between rounds: both paths of a round share it
+        service.engine.scheduler.admit_batch = together
+        common["admit_batch"] = together
         jobs, times = workload(args.requests, args.adapters, vocab), arrivals(args.requests, rate)
         print(f"== engine, {rate} requests/s", file=sys.stderr, flush=True)  # (a profiler may wait for a phase)
         direct = measured(service, lambda started: run_direct(service, jobs, times, names, started))

@@ -5,6 +5,13 @@ oldest first; then prefills (running ones that are part way, then waiting ones, 
 of the budget, cut into chunks, so a long prompt never holds up the decodes. A request joins when its first chunk
 and its adapter fit; it leaves the moment it finishes.
 
+`admit_batch`: while requests are running, waiting ones join only once that many slots of `max_running` are free
+(or as many as are waiting). A step with a prefill chunk runs eagerly; a step of decodes alone replays its CUDA
+graph, for a fraction of the host's time (engine/graphs.py). At saturation a slot frees nearly every step, so
+admitting each request as its slot frees puts a prefill chunk in nearly every step. Admitting them k at a time
+leaves k-1 steps of every k decode-only, at the cost of a freed slot staying empty for up to k-1 steps. With 1,
+each request joins as soon as a slot frees. Below saturation the free slots are there and nothing waits.
+
 When a running request needs a block and the pool has none, the newest running request not yet in this step is
 preempted: its blocks go back to the pool and it waits at the head of the queue; when it runs again its prompt
 and every token it has made so far are recomputed as a prefill (its output so far is kept, so no token is lost or
@@ -74,9 +81,10 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, adapters: AdapterStore, max_batch_tokens: int, max_running: int):
+    def __init__(self, pool: BlockPool, adapters: AdapterStore, max_batch_tokens: int, max_running: int,
+                 admit_batch: int = 1):
         self.pool, self.adapters = pool, adapters
-        self.max_batch_tokens, self.max_running = max_batch_tokens, max_running
+        self.max_batch_tokens, self.max_running, self.admit_batch = max_batch_tokens, max_running, admit_batch
         self.waiting: list[Request] = []  # by arrival
         self.running: list[Request] = []  # by arrival
 
@@ -99,6 +107,9 @@ class Scheduler:
             chunks.append(self._chunk(request, count))
             scheduled.add(request.id)
             budget -= count
+        free = self.max_running - len(self.running)
+        if self.running and free < min(self.admit_batch, len(self.waiting)):
+            return chunks  # (see admit_batch above)
         while budget and self.waiting and len(self.running) < self.max_running:
             request = self.waiting[0]
             count = min(request.length, budget)

@@ -180,6 +180,37 @@ def _mixed_batch(models, arch, rtol=1e-9, max_batch_tokens=8, **options):
     return engine
 
 
+def test_admitting_requests_together_keeps_steps_decode_only_and_changes_no_token(models):
+    """admit_batch 2 of max_running 3: once requests run, waiting ones join two at a time, so steps between
+    admissions are decodes alone (the graph-replayed kind on a GPU); every request's tokens are still its own."""
+    checkpoint, adapters = models("llama")
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, max_batch_tokens=64,
+                                    max_running=3, admit_batch=2)
+    names = [None, *adapters]
+    jobs = [(prompt, names[i % len(names)], 3 + 2 * i) for i, prompt in enumerate(PROMPTS + PROMPTS[:3])]
+    handles = [engine.submit(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True, logprobs=3),
+                             None if name is None else (name, adapters[name])) for prompt, name, tokens in jobs]
+    admissions = []  # each step: (running before it, waiting before it, joined in it, free slots before it)
+    while engine.has_work():
+        before = {r.id for r in engine.scheduler.running}
+        waiting = len(engine.scheduler.waiting) + len(engine._incoming)
+        free = engine.scheduler.max_running - len(before)
+        engine.step()
+        joined = len({r.id for r in engine.scheduler.running} - before)
+        admissions.append((len(before), waiting, joined, free))
+    waited = [step for step in admissions if step[0] and step[1] and not step[2] and step[3]]
+    assert waited, "no step ran with a slot free and requests waiting"
+    for running, waiting, joined, free in admissions:
+        if running and joined:  # beside running requests, requests join two at a time (the last one alone)
+            assert free >= 2 or joined == waiting == 1
+    for handle, (prompt, name, tokens) in zip(handles, jobs):
+        _check(handle.result(), _alone(checkpoint, adapters.get(name), prompt, tokens), prompt)
+    assert engine.pool.free == engine.pool.num_blocks
+    with pytest.raises(ValueError, match="admit_batch"):
+        Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=8, block_size=4, max_running=2,
+                               admit_batch=3)
+
+
 def test_head_lora_in_replayed_decode_steps_follows_the_batch_as_it_changes(models, tmp_path):
     """Graph-replayed decode steps (their padded layout, eagerly on the CPU) with an adapter on the output head:
     requests end at different steps, so the same row bucket runs different batches, and the head's segments
