@@ -180,17 +180,16 @@ def _mixed_batch(models, arch, rtol=1e-9, max_batch_tokens=8, **options):
     return engine
 
 
-def test_admitting_requests_together_keeps_steps_decode_only_and_changes_no_token(models):
-    """admit_batch 2 of max_running 3: once requests run, waiting ones join two at a time, so steps between
-    admissions are decodes alone (the graph-replayed kind on a GPU); every request's tokens are still its own."""
-    checkpoint, adapters = models("llama")
-    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, max_batch_tokens=64,
-                                    max_running=3, admit_batch=2)
+def _admitting(checkpoint, adapters, admit_batch: int, **options):
+    """Seven requests of different lengths through an engine of 3 running at most, stepped here: (the engine,
+    their handles and jobs, each step's (running before it, waiting before it, joined in it, free slots before it))."""
+    engine = Engine.from_pretrained(checkpoint, kv_blocks=64, block_size=4, max_batch_tokens=64, max_running=3,
+                                    admit_batch=admit_batch, decode_graphs=True, **options)
     names = [None, *adapters]
     jobs = [(prompt, names[i % len(names)], 3 + 2 * i) for i, prompt in enumerate(PROMPTS + PROMPTS[:3])]
     handles = [engine.submit(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True, logprobs=3),
                              None if name is None else (name, adapters[name])) for prompt, name, tokens in jobs]
-    admissions = []  # each step: (running before it, waiting before it, joined in it, free slots before it)
+    admissions = []
     while engine.has_work():
         before = {r.id for r in engine.scheduler.running}
         waiting = len(engine.scheduler.waiting) + len(engine._incoming)
@@ -198,6 +197,15 @@ def test_admitting_requests_together_keeps_steps_decode_only_and_changes_no_toke
         engine.step()
         joined = len({r.id for r in engine.scheduler.running} - before)
         admissions.append((len(before), waiting, joined, free))
+    return engine, handles, jobs, admissions
+
+
+def test_admitting_requests_together_keeps_steps_decode_only_and_changes_no_token(models):
+    """admit_batch 2 of max_running 3: once requests run, waiting ones join two at a time, so more steps are
+    decodes alone (those a GPU replays from CUDA graphs; on the CPU, run padded through the same graphs object)
+    than when each joins as its slot frees; every request's tokens are still its own."""
+    checkpoint, adapters = models("llama")
+    engine, handles, jobs, admissions = _admitting(checkpoint, adapters, 2, dtype=torch.float64)
     waited = [step for step in admissions if step[0] and step[1] and not step[2] and step[3]]
     assert waited, "no step ran with a slot free and requests waiting"
     for running, waiting, joined, free in admissions:
@@ -206,6 +214,8 @@ def test_admitting_requests_together_keeps_steps_decode_only_and_changes_no_toke
     for handle, (prompt, name, tokens) in zip(handles, jobs):
         _check(handle.result(), _alone(checkpoint, adapters.get(name), prompt, tokens), prompt)
     assert engine.pool.free == engine.pool.num_blocks
+    one_by_one = _admitting(checkpoint, adapters, 1, dtype=torch.float64)[0]
+    assert engine.graphs.steps / engine.steps > one_by_one.graphs.steps / one_by_one.steps
     with pytest.raises(ValueError, match="admit_batch"):
         Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=8, block_size=4, max_running=2,
                                admit_batch=3)
