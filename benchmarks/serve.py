@@ -53,11 +53,15 @@ def arrivals(count: int, rate: float, seed: int = 1) -> list[float]:
     return times
 
 
+def pct(values: list[float], q: float) -> float | None:
+    """The `q` quantile of sorted `values` (None if there are none)."""
+    return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+
 def summary(records: list[dict], wall: float) -> dict:
     """records: {"arrival", "tokens": [times]} per request (times from the run's start)."""
     ttft = sorted(r["tokens"][0] - r["arrival"] for r in records if r["tokens"])
     gaps = sorted(b - a for r in records for a, b in zip(r["tokens"], r["tokens"][1:]))
-    pct = lambda values, q: values[min(len(values) - 1, int(q * len(values)))] if values else None  # noqa: E731
     generated = sum(len(r["tokens"]) for r in records)
     return {"tokens_per_s": generated / wall, "generated": generated, "ttft_p50_ms": 1e3 * pct(ttft, 0.5),
             "ttft_p99_ms": 1e3 * pct(ttft, 0.99), "itl_p50_ms": 1e3 * pct(gaps, 0.5),
@@ -177,9 +181,8 @@ def run_http(url: str, key: str, jobs: list[dict], times: list[float], names: li
     # where a request's first token waited: in its client (sent late), in the HTTP layer up to its submission
     # (the response's headers), in the engine (the rest of its TTFT)
     late, submitted = sorted(r["sent"] - r["arrival"] for r in records), sorted(r["headers"] - r["sent"] for r in records)
-    result.update(sent_late_p50_ms=1e3 * late[len(late) // 2], sent_late_p99_ms=1e3 * late[int(0.99 * len(late))],
-                  submitted_p50_ms=1e3 * submitted[len(submitted) // 2],
-                  submitted_p99_ms=1e3 * submitted[int(0.99 * len(submitted))])
+    result.update(sent_late_p50_ms=1e3 * pct(late, 0.5), sent_late_p99_ms=1e3 * pct(late, 0.99),
+                  submitted_p50_ms=1e3 * pct(submitted, 0.5), submitted_p99_ms=1e3 * pct(submitted, 0.99))
     result.update(client_processes=processes, client_cpu_share=[round(o["cpu_s"] / wall, 2) for o in outcomes])
     return result
 
@@ -226,12 +229,17 @@ def _os_name(task: Path) -> str:
         return "?"
 
 
-def busiest_threads(before: dict, seen: dict, wall: float, top: int = 6) -> dict[str, float]:
-    """The threads (by name) that used the most CPU between `before` and `seen` (threads_cpu_s's, `seen` with the
-    last figures of threads that ended meanwhile), as cores busy over `wall` seconds."""
+def cpu_by_name(before: dict, seen: dict) -> dict[str, float]:
+    """CPU seconds each thread name used between `before` and `seen` (threads_cpu_s's, `seen` with the last figures
+    of threads that ended meanwhile)."""
     used: dict[str, float] = {}
     for tid, (name, seconds) in seen.items():
         used[name] = used.get(name, 0.0) + seconds - before.get(tid, (name, 0.0))[1]
+    return used
+
+
+def busiest_threads(used: dict[str, float], wall: float, top: int = 6) -> dict[str, float]:
+    """The thread names of `used` (cpu_by_name's) that used the most CPU, as cores busy over `wall` seconds."""
     return {name: round(seconds / wall, 2) for name, seconds in sorted(used.items(), key=lambda kv: -kv[1])[:top]}
 
 
@@ -281,10 +289,10 @@ class QueueSampler:
 
 
 def measured(service, run) -> dict:
-    """`run(started)`'s summary (it calls `started()` as its clock starts), with what the service's process spent on it: its CPU time (every thread: the engine's, the
-    event loop's) per generated token, where what the HTTP layer adds is Python that competes with the engine's
-    thread for the GIL; which threads used it, in cores; and the requests whose adapter was read from disk again
-    (evicted from the host tier: each costs its reading)."""
+    """`run(started)`'s summary (it calls `started()` as its clock starts), with what the service's process spent
+    on it: its CPU time (every thread: the engine's, the event loop's) per generated token, where what the HTTP layer
+    adds is Python that competes with the engine's thread for the GIL; which threads used it, in cores; and the
+    requests whose adapter was read from disk again (evicted from the host tier: each costs its reading)."""
     engine = service.engine
     graph_steps = lambda: getattr(engine.graphs, "steps", 0) if engine.graphs is not None else 0  # noqa: E731
     reads, steps, graphed = engine.adapters.stats.disk_reads, engine.steps, graph_steps()
@@ -295,12 +303,10 @@ def measured(service, run) -> dict:
     # prefill chunk, ran eagerly: their host time is the engine thread's CPU a step)
     result.update(engine_steps=engine.steps - steps, graph_steps=graph_steps() - graphed)
     result["server_cpu_ms_per_token"] = 1e3 * (time.process_time() - queues.cpu) / max(1, result["generated"])
-    result["server_threads_cores"] = busiest_threads(queues.threads_before, queues.threads_seen,
-                                                     time.perf_counter() - queues.began)
-    result["adapter_disk_reads"] = service.engine.adapters.stats.disk_reads - reads
-    engine_cpu = sum(seconds - queues.threads_before.get(tid, (name, 0.0))[1]
-                     for tid, (name, seconds) in queues.threads_seen.items() if name == "symbiosis-engine")
-    result["engine_thread_ms_per_step"] = 1e3 * engine_cpu / max(1, result["engine_steps"])
+    used = cpu_by_name(queues.threads_before, queues.threads_seen)
+    result["server_threads_cores"] = busiest_threads(used, time.perf_counter() - queues.began)
+    result["adapter_disk_reads"] = engine.adapters.stats.disk_reads - reads
+    result["engine_thread_ms_per_step"] = 1e3 * used.get("symbiosis-engine", 0.0) / max(1, result["engine_steps"])
     return result
 
 
