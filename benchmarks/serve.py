@@ -322,8 +322,8 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=64)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--rates", default="4,16,64", help="requests per second (Poisson)")
-    parser.add_argument("--admit-batch", default="1",
-                        help="the engine's admit_batch values to run every rate with (engine/scheduler.py)")
+    parser.add_argument("--admit-batch", help="the engine's admit_batch values to run every rate with "
+                        "(engine/scheduler.py; default: the engine's own, an eighth of its 96 running)")
     parser.add_argument("--requests", type=int, default=128, help="requests per rate and path")
     parser.add_argument("--client-processes", type=int, default=4, help="the HTTP clients' processes")
     parser.add_argument("--workdir", default="/tmp/symbiosis-bench-serve")
@@ -361,7 +361,8 @@ def main() -> None:
     warm = workload(128, args.adapters, vocab, seed=99)  # graphs, compiled kernels, adapter copies
     run_direct(service, warm, arrivals(len(warm), 64.0), names)
     run_http(url, key, warm, arrivals(len(warm), 64.0), names, args.client_processes)
-    rounds = [(float(rate), int(together)) for together in args.admit_batch.split(",") for rate in args.rates.split(",")]
+    admit_batches = args.admit_batch.split(",") if args.admit_batch else [service.engine.scheduler.admit_batch]
+    rounds = [(float(rate), int(together)) for together in admit_batches for rate in args.rates.split(",")]
     for rate, together in rounds:
         # the engine's admission (engine/scheduler.py: admit_batch), set between rounds: both paths of a round share it
         service.engine.scheduler.admit_batch = together

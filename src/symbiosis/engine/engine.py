@@ -141,14 +141,14 @@ class Engine:
     def __init__(self, model_path, executor, tokenizer=None, *, kv_blocks: int = 512, block_size: int = 64,
                  max_batch_tokens: int = 512, max_running: int = 64, max_lora_rank: int = 64, adapter_slots: int = 8,
                  adapter_host_bytes: int = 4 << 30, adapter_device_bytes: int | None = None, decode_graphs: bool | None = None, compile_layers: bool | None = None,
-                 admit_batch: int = 1):
+                 admit_batch: int | None = None):
         """An engine over `executor` (an in-process `symbiosis.Executor` of `model_path`): its model shares
         the executor's base weights. KV pool: `kv_blocks` blocks of `block_size` tokens. Adapters: `adapter_slots` on the device (or as many as
         `adapter_device_bytes` holds), up to `adapter_host_bytes` of them in host memory (engine/adapters.py). `decode_graphs`
         (default: on a GPU) replays decode steps from CUDA graphs; on the CPU it runs them padded, eagerly.
         `compile_layers` (default: with decode graphs on a GPU) runs those steps' decoder layers compiled
         (engine/compiled.py). `admit_batch`: while requests run, waiting ones join that many at a time
-        (engine/scheduler.py)."""
+        (engine/scheduler.py; default an eighth of `max_running`)."""
         self.device, self.dtype, self.tokenizer = executor.device, executor.dtype, tokenizer
         if self.device.type == "cuda" and (block_size < 16 or block_size & (block_size - 1)):
             raise ValueError(f"on a GPU the KV block size must be a power of two of at least 16 (flex_attention's "
@@ -178,6 +178,7 @@ class Engine:
                                      adapter_slots, adapter_host_bytes, vocabulary_weights=vocabulary, groups=groups,
                                      device_bytes=adapter_device_bytes)
         layers.attach_pools(self.model, self.adapters)
+        admit_batch = max(1, max_running // 8) if admit_batch is None else admit_batch
         if max_batch_tokens < 1 or max_running < 1 or not 1 <= admit_batch <= max_running:
             raise ValueError("max_batch_tokens and max_running must be positive, admit_batch in 1..max_running")
         self.scheduler = Scheduler(self.pool, self.adapters, max_batch_tokens, max_running, admit_batch)

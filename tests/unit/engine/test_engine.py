@@ -219,6 +219,10 @@ def test_admitting_requests_together_keeps_steps_decode_only_and_changes_no_toke
     with pytest.raises(ValueError, match="admit_batch"):
         Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=8, block_size=4, max_running=2,
                                admit_batch=3)
+    # by default an eighth of max_running join together (at least one)
+    for max_running, default in ((96, 12), (64, 8), (7, 1)):
+        assert Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=8, block_size=4,
+                                      max_running=max_running).scheduler.admit_batch == default
 
 
 def test_head_lora_in_replayed_decode_steps_follows_the_batch_as_it_changes(models, tmp_path):
