@@ -200,9 +200,15 @@ def symbiosis_threads(args, common: dict, n: int, path, url: str, executor: str 
                  compile_mode=args.compile_mode, capture=args.capture != "none",
                  chunked_loss=args.chunked_loss != "none")
     ours, ours_gpu = run_fleet([fleet], args.duration, baseline_mib=gpu_memory_mib())
-    return ours, ours_gpu, {"build_s": round(ours[0]["build_s"], 1),  # the whole process's, on every line
-                            "process_peak_allocated_gib": round(ours[0]["peak_gib"], 2),
-                            "process_peak_reserved_gib": round(ours[0]["peak_reserved_gib"], 2)}
+    profile = {"build_s": round(ours[0]["build_s"], 1),  # the whole process's, on every line
+               "process_peak_allocated_gib": round(ours[0]["peak_gib"], 2),
+               "process_peak_reserved_gib": round(ours[0]["peak_reserved_gib"], 2),
+               # where the tenants' threads went: their own CPU, and (remote sessions) time inside calls and waits
+               "client_thread_cpu_share": round(statistics.mean(r["thread_cpu_share"] for r in ours), 3)}
+    if "wait_share" in ours[0]:
+        profile.update(client_wait_share=round(statistics.mean(r["wait_share"] for r in ours), 3),
+                       client_calls_per_iter=round(ours[0]["calls_per_iter"], 1))
+    return ours, ours_gpu, profile
 
 
 if __name__ == "__main__":

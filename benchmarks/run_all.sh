@@ -27,7 +27,7 @@ declare -A LIMIT_S=(
   [policies]=300 [mixed]=240 [privacy]=320 [long_context]=330
   [engine_tests]=240 [sgmv]=180 [paged_attention]=240 [engine]=560 [hosted_training]=560 [hosted_training_ahead]=300 [hosted_training_profile]=300 [hosted_sdk_processes]=240
   [serve]=590 [serve_saturation]=590 [fine_tuning_jobs]=560 [hmi_tiered]=580 [hmi_on_demand]=580 [plot]=580 [moe_train]=560 [moe_train_captured]=560 [moe_decode]=560
-  [gpu_tests_2gpu]=300 [remote_2gpu]=330 [sharded_13b_2gpu]=560 [processes_13b_2gpu]=480 [processes_13b_2gpu_compiled]=560 [sharded_13b_2gpu_columns]=560 [fsdp_13b_2gpu]=420 [hosted_13b_2gpu]=400 [hosted_13b_replicas]=400
+  [gpu_tests_2gpu]=300 [remote_2gpu]=330 [remote_chain_2gpu]=150 [nccl_pair_cost_2gpu]=120 [sharded_13b_2gpu]=560 [processes_13b_2gpu]=480 [processes_13b_2gpu_compiled]=560 [sharded_13b_2gpu_columns]=560 [fsdp_13b_2gpu]=420 [hosted_13b_2gpu]=400 [hosted_13b_replicas]=400
   [sharded_remote_8gpu]=590 [fsdp_27b_8gpu]=590
 )
 declare -A COMMAND=(
@@ -83,6 +83,10 @@ declare -A COMMAND=(
   # two GPUs (issue: runs on two GPUs), by name only: not in ORDER. Clients on GPU 1 over nccl:// against the same
   # clients in process on GPU 0; the 13B executor sharded over both GPUs, whole layers and columns
   [gpu_tests_2gpu]="$PY -m pytest -q -m gpu tests/unit/executor/test_peers.py tests/unit/executor/test_sharded.py tests/unit/transport/test_collective.py tests/unit/train tests/integration/test_gpu.py -p no:cacheprovider"
+  # one remote call's critical path (256 dependent calls, in process and over nccl://), and the host's cost of the
+  # pair's send and receive with torch's NCCL flight recorder off (the transport's default) and on
+  [remote_chain_2gpu]="$PY benchmarks/remote_chain.py --model llama-3.2-1b --client-device cuda:1"
+  [nccl_pair_cost_2gpu]="$PY benchmarks/nccl_pair_cost.py"
   [remote_2gpu]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,4,8 --duration 5 --no-plain --clients threads --executor local --executor nccl:cuda:0 --client-device cuda:1"
   [sharded_13b_2gpu]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 24 --duration 5 --no-plain --clients threads --checkpointing --executor peers:cuda:0,cuda:1"
   [processes_13b_2gpu]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 20 --duration 5 --no-plain --checkpointing --executor devices:cuda:0,cuda:1"

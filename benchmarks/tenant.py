@@ -176,18 +176,27 @@ def run_threads(args) -> None:
     _wait_for(args.go_file)
     until = time.time() + args.duration
     times: list[list[float]] = [[] for _ in tenants]
+    figures: list[dict] = [{} for _ in tenants]
 
     def work(i: int) -> None:
         model, step, stream = tenants[i]
+        session = model.get_base_model().symbiosis_session
+        cpu, calls, waited = time.thread_time(), getattr(session, "calls", 0), getattr(session, "waited_s", 0.0)
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             times[i] = train_loop(model, args, until=until, step=step)
+        # where the tenant's thread went: its CPU, and (remote sessions) its time inside calls and their waits
+        busy = sum(times[i]) or 1.0
+        figures[i] = {"thread_cpu_share": (time.thread_time() - cpu) / busy}
+        if hasattr(session, "waited_s"):
+            figures[i].update(calls_per_iter=(session.calls - calls) / max(1, len(times[i])),
+                              wait_share=(session.waited_s - waited) / busy)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(tenants))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    print(json.dumps([dict(_result(args, f"{args.name}{i}", t), build_s=build_s, executor=args.executor)
+    print(json.dumps([dict(_result(args, f"{args.name}{i}", t), build_s=build_s, executor=args.executor, **figures[i])
                       for i, t in enumerate(times)]), flush=True)
     for model, _, _ in tenants:  # sessions first (a nccl:// one ends its process group), then the executor
         model.get_base_model().symbiosis_session.close()
