@@ -68,9 +68,9 @@ declare -A COMMAND=(
   # also the tinker SDK and its own: h2 for HTTP/2, orjson, pyqwest, rich, zstandard, distro): on a machine without
   # them, install wheels of them first (`pip install --no-index --no-deps --target DIR .whl/*.whl`)
   [serve]="$PY benchmarks/serve.py --model llama-3-8b --adapters 64 --rates 4,16,64 --requests 128"
-  # saturation held: ~300-450 requests queued behind the engine's 96 running (2026-11-27, eighth session: 0.807x
-  # against the engine path without a benchmark thread per request); a round with requests admitted 12 at a time, so
-  # that most steps are decode-only graph replays (the engine's thread was host-bound on eager mixed steps)
+  # saturation held: ~100-450 requests queued behind the engine's 96 running; a round with requests admitted one at a
+  # time, and one 12 at a time (the engine's default: most steps decode-only graph replays): 0.906x and 1.003x HTTP
+  # against the engine called directly, the second at twice the tokens/s (2026-11-27, ninth session)
   [serve_saturation]="$PY benchmarks/serve.py --model llama-3-8b --adapters 64 --rates 64 --admit-batch 1,12 --requests 512"
   [fine_tuning_jobs]="$PY benchmarks/fine_tuning_jobs.py --model llama-3.2-1b --jobs 8 --rate 8 --requests 128"
   [hmi_tiered]="$PY benchmarks/hmi.py --model llama-3.2-1b --tenants 10000 --clients 250 --requests 12500 --phases hot,tiered"
