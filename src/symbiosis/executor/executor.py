@@ -28,6 +28,8 @@ from symbiosis.model.partition import (
     check_complete,
     load_config,
     all_base_layers,
+    plan_base_layers,
+    plan_gated_mlps,
 )
 from symbiosis.model.layout import Layout
 from symbiosis.protocol import DEFAULT_MAX_CALL_TOKENS, OPS, check_call, check_counts
@@ -41,15 +43,18 @@ def _out_of_memory(error: BaseException) -> bool:
         "not enough memory" in str(error)
 
 
-def read_base_plan(path, dtype=None, torch_dtype=None, auto_class=None):
+def read_base_plan(path, dtype=None, torch_dtype=None, auto_class=None, skeleton_out: dict | None = None):
     """(checkpoint, layout, every base layer's spec, dtype) of the model in `path`: its skeleton built on the meta
-    device and the whole checkpoint checked, client tensors too, before anything is read or computed."""
+    device and the whole checkpoint checked, client tensors too, before anything is read or computed. The skeleton
+    goes into `skeleton_out["model"]` for a caller that reads more of it (the gated MLPs a plain executor serves)."""
     checkpoint = Checkpoint(path)
     config = load_config(checkpoint)
     dtype = resolve_dtype(dtype, torch_dtype, config)
     skeleton = build_skeleton(config, auto_class or architecture_class(config), dtype)
     layout = Layout(skeleton, checkpoint)
     check_complete(skeleton, layout)
+    if skeleton_out is not None:
+        skeleton_out["model"] = skeleton
     return checkpoint, layout, all_base_layers(skeleton, layout), dtype
 
 
@@ -87,12 +92,16 @@ class Executor:
         tensor of the checkpoint; `dtype` defaults to the config's dtype (`torch_dtype` is its deprecated alias).
         `policy`: how calls of different clients are batched (`opportunistic`, `lockstep`, `none`, or a Policy).
         """
-        checkpoint, layout, specs, dtype = read_base_plan(path, dtype, torch_dtype, auto_class)
+        made: dict = {}
+        checkpoint, layout, specs, dtype = read_base_plan(path, dtype, torch_dtype, auto_class, made)
         fingerprint = checkpoint.fingerprint()
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # compare equal to tensors' devices
         weights = BaseWeights(layout, specs, device, dtype)
+        skeleton = made["model"]
+        blocks = plan_gated_mlps(skeleton, plan_base_layers(skeleton, layout))
+        weights.serve_blocks(blocks, {block_id: skeleton.get_submodule(block_id).act_fn for block_id in blocks})
         return cls(checkpoint, weights, fingerprint, device, dtype, max_call_tokens, policy)
 
     @functools.cached_property
@@ -103,11 +112,17 @@ class Executor:
         for spec in self.layer_specs.values():
             parent = spec.layer_id.rpartition(".")[0]
             siblings[parent] = siblings.get(parent, 0) + spec.out_features
-        return max([max(s.in_features, s.out_features) for s in self.layer_specs.values()] + list(siblings.values()))
+        return max([max(s.in_features, s.out_features) for s in self.layer_specs.values()] + list(siblings.values()) +
+                   [s.in_features + s.out_features for s in self.block_specs.values()])  # a block's backward: [x | g]
 
     @property
     def layer_specs(self) -> dict[str, BaseLayerSpec]:
         return {layer_id: layer.spec for layer_id, layer in self.weights.layers.items()}
+
+    @property
+    def block_specs(self) -> dict[str, BaseLayerSpec]:
+        """The gated MLPs this executor runs whole, by id (a sharded executor's weights have none)."""
+        return {block_id: block.spec for block_id, block in getattr(self.weights, "blocks", {}).items()}
 
     # --- clients -------------------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from symbiosis.model.layout import Layout
 
 log = logging.getLogger("symbiosis")
 
-LayerKind = Literal["linear", "conv1d"]
+LayerKind = Literal["linear", "conv1d", "gated_mlp"]  # gated_mlp: a block of three layers (plan_gated_mlps)
 GROUP_SEPARATOR = "+"  # "a+b+c": layers a, b, c that take one input, run as one GEMM
 
 
@@ -139,6 +139,32 @@ def plan_base_layers(model: PreTrainedModel, layout: Layout) -> dict[str, BaseLa
             if spec is not None:
                 plan[module_name] = spec
     return plan
+
+
+# transformers' MLP classes whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)), read in their source
+# (transformers 5); a class whose forward changed would be computed wrong whole: the exactness tests run them
+GATED_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP", "Gemma2MLP", "Gemma3MLP",
+                        "GraniteMLP", "Olmo2MLP"})
+
+
+def plan_gated_mlps(model: PreTrainedModel, plan: dict[str, BaseLayerSpec]) -> dict[str, BaseLayerSpec]:
+    """Module name -> spec of each gated MLP whose three projections are planned base layers (linear, no expert):
+    a block the executor may run whole. Its spec: x [T, hidden] -> [T, hidden], kind `gated_mlp`, the layer ids
+    of gate, up and down in `weight_name` (joined by the group separator). Both sides compute it from the model."""
+    blocks = {}
+    for module_name, module in model.named_modules():
+        if type(module).__name__ not in GATED_MLPS:
+            continue
+        parts = [plan.get(f"{module_name}.{name}") for name in ("gate_proj", "up_proj", "down_proj")]
+        if any(p is None or p.kind != "linear" or p.expert is not None for p in parts):
+            continue
+        gate, up, down = parts
+        if gate.in_features != up.in_features or gate.out_features != up.out_features or \
+                down.in_features != gate.out_features or down.out_features != gate.in_features:
+            continue
+        blocks[module_name] = BaseLayerSpec(module_name, "gated_mlp", gate.in_features, down.out_features,
+                                            GROUP_SEPARATOR.join(p.layer_id for p in parts), None)
+    return blocks
 
 
 EXPERT_PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")  # transformers 5's fused expert parameters

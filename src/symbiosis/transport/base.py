@@ -27,6 +27,10 @@ class Session(ABC):
     client_id: str
     layer_specs: dict[str, BaseLayerSpec]
     dtype: torch.dtype
+    # the gated MLPs this client calls whole (`protocol.py`: kind gated_mlp; client/blocks.py), by id: those the
+    # executor serves, through sessions whose calls carry tensors to another device or host (`RemoteSession.
+    # whole_blocks`); none through a masking session (the activation is not linear in the noise)
+    block_specs: dict[str, BaseLayerSpec] = {}
 
     @abstractmethod
     def forward(self, layer_id: str, x: torch.Tensor, inference: bool = False) -> torch.Tensor:

@@ -121,6 +121,7 @@ class CollectiveSession(RemoteSession):
     before it posts its receive."""
 
     grouped_experts = True
+    whole_blocks = True
 
     def __init__(self, executor, fingerprint: str, name: str, device: torch.device):
         self.backend = executor.data_plane

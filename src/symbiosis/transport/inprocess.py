@@ -24,6 +24,8 @@ class InProcessSession(Session):
         # its steps is already the batch of its requests): it runs the executor's layers on its own thread always
         self.own_gemms = False
         self.layer_specs = executor.layer_specs
+        # (no gated MLPs whole: tensors pass by reference here, and the executor's GEMMs would grow by a
+        # recomputation of gate and up in every backward; `Executor.block_specs` are served to remote clients)
         self.dtype = executor.dtype
         self._layers = executor.weights.layers
 

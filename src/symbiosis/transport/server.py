@@ -268,6 +268,7 @@ class ExecutorServer:
             "dtype": wire.dtype_name(self.executor.dtype), "device": str(self.executor.device),
             "heartbeat_s": self.client_timeout / 4, "max_call_tokens": self.executor.max_call_tokens,
             "layers": [asdict(spec) for spec in self.executor.layer_specs.values()],
+            "blocks": [asdict(spec) for spec in self.executor.block_specs.values()],
             "handoff": str(self._desk.path) if ticket else None, "ticket": ticket.hex() if ticket else None,
             "buffer_bytes": buffer.nbytes if buffer is not None else 0, "collective": plane,
             "experts": {group_id: group.num_experts for group_id, group in self.executor.weights.experts.items()},

@@ -12,6 +12,7 @@ from symbiosis.transport.remote import RemoteSession
 
 class TcpSession(RemoteSession):
     grouped_experts = True
+    whole_blocks = True
 
     def _call(self, op: str, layer_id: str, tensor: torch.Tensor, out_width: int, inference: bool,
               counts: list[int] | None = None) -> torch.Tensor:
