@@ -1,13 +1,16 @@
-"""The critical path of a remote call, alone: a chain of dependent calls (each call's input the last one's output,
+"""The critical path of a remote call, alone: a chain of dependent steps (each step's input the last one's output,
 as a model's layers are), in process and over `nccl://` (the client on another GPU), and the client's CPU time to
-issue them. A fine-tuning step of Llama-3.2-1B makes ~130 such calls; what one costs over the wire beyond the GEMM
-is what a remote client's step pays ~130 times, wherever its CPU does not run far enough ahead to hide it.
+issue them. A fine-tuning step of Llama-3.2-1B makes ~130 calls; what one costs over the wire beyond the GEMM is
+what a remote client's step pays ~130 times, wherever its CPU does not run far enough ahead to hide it.
 
     python benchmarks/remote_chain.py --model llama-3.2-1b --client-device cuda:1 --tokens 1024 --calls 256
 
-Each line: `per_call_us` (the chain's wall time / calls), `issue_us` (the client's CPU time a call, before it
-waits), for `path` in_process (an executor on this process's GPU 0, policy none: the call runs on the caller's
-thread) and nccl (a `symbiosis executor` process on GPU 0, the client on --client-device).
+A step (`--steps`): `layer`, one call of a square layer (`--layer`); `mlp_layers`, layer 0's MLP as a client whose
+adapter touches it calls it (gate and up as one call, SiLU(gate) * up here, down); `mlp_block`, the same MLP as
+one call (client/blocks.py: over nccl:// where the adapter leaves it frozen). Each line: `per_step_us` (the
+chain's wall time / steps), `issue_us` (the client's CPU time a step, before it waits), for `path` in_process (an
+executor on this process's GPU 0, policy none: the calls run on the caller's thread) and nccl (a `symbiosis
+executor` process on GPU 0, the client on --client-device).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import time
 
 import torch
+import torch.nn.functional as F
 
 import symbiosis
 from symbiosis.model.checkpoint import Checkpoint
@@ -27,34 +31,47 @@ def sync(on: torch.device) -> None:
         torch.cuda.synchronize(on)
 
 
-def chain(session, layer_id: str, x: torch.Tensor, calls: int, client_device: torch.device) -> tuple[float, float]:
-    """(wall seconds, issuing seconds) of `calls` dependent forward calls of a square layer, then their results
-    on the client's GPU."""
+def steps(layer_id: str) -> dict:
+    """step name -> (calls it makes, what it does to y [T, hidden])."""
+    mlp = "model.layers.0.mlp"
+
+    def mlp_layers(session, y):
+        gate, up = session.forward(f"{mlp}.gate_proj+{mlp}.up_proj", y).chunk(2, dim=1)
+        return session.forward(f"{mlp}.down_proj", F.silu(gate) * up)
+
+    return {"layer": (1, lambda session, y: session.forward(layer_id, y)), "mlp_layers": (2, mlp_layers),
+            "mlp_block": (1, lambda session, y: session.forward(mlp, y))}
+
+
+def chain(session, step, x: torch.Tensor, count: int, client_device: torch.device) -> tuple[float, float]:
+    """(wall seconds, issuing seconds) of `count` dependent steps, then their results on the client's GPU."""
     sync(client_device)
     started = time.perf_counter()
     y = x
-    for _ in range(calls):
-        y = session.forward(layer_id, y) * 0.01  # a client op between calls, as a norm or a residual add is
+    for _ in range(count):
+        y = step(session, y) * 0.01  # a client op between steps, as a norm or a residual add is
     issued = time.perf_counter()
     session.synchronize(gpu=True)
     sync(client_device)
     return time.perf_counter() - started, issued - started
 
 
-def measure(session, label: str, layer_id: str, args, client_device: torch.device, **extra) -> None:
-    width = session.layer_specs[layer_id].in_features
+def measure(session, label: str, width: int, args, client_device: torch.device, **extra) -> None:
     x = torch.randn(args.tokens, width, device=client_device, dtype=dtype())
-    chain(session, layer_id, x, 16, client_device)  # warm-up: the communicator's buffers, the GEMM's kernels
-    walls, issues = [], []
-    for _ in range(args.repeats):
-        wall, issue = chain(session, layer_id, x, args.calls, client_device)
-        walls.append(wall)
-        issues.append(issue)
-    walls.sort()
-    emit(bench="remote_chain", path=label, model=args.model, layer=layer_id, tokens=args.tokens, calls=args.calls,
-         client_device=str(client_device), per_call_us=round(walls[len(walls) // 2] / args.calls * 1e6, 1),
-         best_per_call_us=round(walls[0] / args.calls * 1e6, 1),
-         issue_us=round(sorted(issues)[len(issues) // 2] / args.calls * 1e6, 1), **extra)
+    for name in args.steps.split(","):
+        calls, step = steps(args.layer)[name]
+        chain(session, step, x, 16, client_device)  # warm-up: the communicator's buffers, the GEMMs' kernels
+        walls, issues = [], []
+        for _ in range(args.repeats):
+            wall, issue = chain(session, step, x, args.calls, client_device)
+            walls.append(wall)
+            issues.append(issue)
+        walls.sort()
+        emit(bench="remote_chain", path=label, step=name, calls_per_step=calls, model=args.model,
+             layer=args.layer if name == "layer" else "model.layers.0.mlp", tokens=args.tokens, steps=args.calls,
+             client_device=str(client_device), per_step_us=round(walls[len(walls) // 2] / args.calls * 1e6, 1),
+             best_per_step_us=round(walls[0] / args.calls * 1e6, 1),
+             issue_us=round(sorted(issues)[len(issues) // 2] / args.calls * 1e6, 1), **extra)
 
 
 def main() -> None:
@@ -63,7 +80,8 @@ def main() -> None:
     parser.add_argument("--client-device", default="cuda:1")
     parser.add_argument("--layer", default="model.layers.0.self_attn.o_proj", help="a square base layer")
     parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--calls", type=int, default=256)
+    parser.add_argument("--calls", type=int, default=256, help="steps in a chain")
+    parser.add_argument("--steps", default="layer,mlp_layers,mlp_block")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--paths", default="in_process,nccl")
     args = parser.parse_args()
@@ -73,7 +91,7 @@ def main() -> None:
     if "in_process" in paths:
         executor = symbiosis.Executor.from_pretrained(path, device=home, dtype=dtype(), policy="none")
         session = executor.attach(executor.fingerprint)
-        measure(session, "in_process", args.layer, args, home)
+        measure(session, "in_process", session.layer_specs[args.layer].in_features, args, home)
         session.close()
         executor.close()
         del executor, session
@@ -86,7 +104,8 @@ def main() -> None:
             scheme = "nccl" if client_device.type == "cuda" else "gloo"
             remote = symbiosis.connect(f"{scheme}://127.0.0.1:{port}", timeout=120)
             session = remote.attach(Checkpoint(path).fingerprint(), "chain", client_device)
-            measure(session, scheme, args.layer, args, client_device, pipelined=session.pipelined)
+            measure(session, scheme, session.layer_specs[args.layer].in_features, args, client_device,
+                    pipelined=session.pipelined)
             session.close()
         finally:
             process.terminate()

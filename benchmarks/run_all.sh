@@ -83,8 +83,9 @@ declare -A COMMAND=(
   # two GPUs (issue: runs on two GPUs), by name only: not in ORDER. Clients on GPU 1 over nccl:// against the same
   # clients in process on GPU 0; the 13B executor sharded over both GPUs, whole layers and columns
   [gpu_tests_2gpu]="$PY -m pytest -q -m gpu tests/unit/executor/test_peers.py tests/unit/executor/test_sharded.py tests/unit/transport/test_collective.py tests/unit/train tests/integration/test_gpu.py -p no:cacheprovider"
-  # one remote call's critical path (256 dependent calls, in process and over nccl://), and the host's cost of the
-  # pair's send and receive with torch's NCCL flight recorder off (the transport's default) and on
+  # one remote call's critical path (256 dependent calls of a layer, of an MLP as its layers, of an MLP whole, in
+  # process and over nccl://), and the host's cost of the pair's send and receive with torch's NCCL flight
+  # recorder off (the transport's default) and on
   [remote_chain_2gpu]="$PY benchmarks/remote_chain.py --model llama-3.2-1b --client-device cuda:1"
   [nccl_pair_cost_2gpu]="$PY benchmarks/nccl_pair_cost.py"
   [remote_2gpu]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,4,8 --duration 5 --no-plain --clients threads --executor local --executor nccl:cuda:0 --client-device cuda:1"
