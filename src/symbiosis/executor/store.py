@@ -171,8 +171,9 @@ class BaseWeights:
         """Serve these gated MLPs whole (`partition.plan_gated_mlps`; `activations`: each one's activation module)."""
         for block_id, spec in blocks.items():
             gate, up, down = spec.weight_name.split(GROUP_SEPARATOR)
-            self.blocks[block_id] = GatedMlp(spec, self.get(GROUP_SEPARATOR.join((gate, up))), self.layers[down],
-                                             activations[block_id])
+            gate_up = self.get(GROUP_SEPARATOR.join((gate, up)))
+            if gate_up is not None:  # (None: not one group, say one of them has a bias: its layers are called)
+                self.blocks[block_id] = GatedMlp(spec, gate_up, self.layers[down], activations[block_id])
 
     def tensor(self, name: str) -> torch.Tensor | None:
         """The weight read as tensor `name`, if a layer holds one (a tied lm_head: the embedding)."""

@@ -10,7 +10,7 @@ from peft import get_peft_model
 
 import symbiosis
 from helpers import assert_trains_as_plain_peft
-from matrix import peft_config
+from matrix import make_checkpoint, peft_config
 from symbiosis.errors import BadCall
 from symbiosis.transport.server import ExecutorServer
 
@@ -83,6 +83,20 @@ def test_every_gated_mlp_architecture_trains_as_plain_peft_whole(arch, checkpoin
             models.append(get_peft_model(model, peft_config("lora", arch)))
         assert_trains_as_plain_peft(*models, arch)
         assert executor.block_specs and all(_calls(executor, f"{block}:backward") == 3 for block in executor.block_specs)
+    finally:
+        server.stop()
+
+
+def test_an_mlp_with_biases_is_served_whole_with_them(tmp_path):
+    """Llama with `mlp_bias`: the block adds each projection's bias, as the layers do."""
+    auto_class = make_checkpoint("llama", tmp_path, mlp_bias=True)
+    executor = symbiosis.Executor.from_pretrained(tmp_path, dtype=torch.float64)
+    assert executor.block_specs and executor.weights.layers["model.layers.0.mlp.down_proj"].bias is not None
+    server = ExecutorServer(executor, "tcp://127.0.0.1:0").start()
+    try:
+        assert_trains_as_plain_peft(*_pair(tmp_path, auto_class, symbiosis.connect(server.url, timeout=20), "lora"),
+                                    "llama")
+        assert _calls(executor, "model.layers.0.mlp:forward") == 3
     finally:
         server.stop()
 
