@@ -87,6 +87,17 @@ def test_every_gated_mlp_architecture_trains_as_plain_peft_whole(arch, checkpoin
         server.stop()
 
 
+def test_a_checkpointed_client_recomputes_its_blocks(backends, checkpoints):
+    """transformers' gradient checkpointing over tcp://: backward runs each decoder layer's forward again, its block
+    call included; numbers as plain PEFT's without checkpointing."""
+    path, auto_class = checkpoints("llama")
+    executor, backend = backends("tcp")
+    reference, split = _pair(path, auto_class, backend, "lora")
+    split.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert_trains_as_plain_peft(reference, split, "llama")
+    assert _calls(executor, "model.layers.0.mlp:forward") == 6 and _calls(executor, "model.layers.0.mlp:backward") == 3
+
+
 def test_an_mlp_with_biases_is_served_whole_with_them(tmp_path):
     """Llama with `mlp_bias`: the block adds each projection's bias, as the layers do."""
     auto_class = make_checkpoint("llama", tmp_path, mlp_bias=True)
