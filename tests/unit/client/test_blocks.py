@@ -4,6 +4,7 @@ its layers; a block call is checked like a layer call."""
 
 from __future__ import annotations
 
+import peft
 import pytest
 import torch
 from peft import get_peft_model
@@ -96,6 +97,22 @@ def test_a_checkpointed_client_recomputes_its_blocks(backends, checkpoints):
     split.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert_trains_as_plain_peft(reference, split, "llama")
     assert _calls(executor, "model.layers.0.mlp:forward") == 6 and _calls(executor, "model.layers.0.mlp:backward") == 3
+
+
+def test_a_trained_copy_of_an_mlp_calls_its_own_layers(backends, checkpoints):
+    """PEFT's `modules_to_save` trains a deep copy of each MLP (its projections' weights fetched from the executor):
+    the copy computes with its own weights, as plain PEFT's does; the frozen originals stay blocks."""
+    path, auto_class = checkpoints("llama")
+    executor, backend = backends("tcp")
+    config = lambda: peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],  # noqa: E731
+                                     modules_to_save=["mlp"], init_lora_weights=False)
+    models = []
+    for model in (auto_class.from_pretrained(path, dtype=torch.float64),
+                  symbiosis.from_pretrained(path, backend, auto_class=auto_class, dtype=torch.float64)):
+        torch.manual_seed(1234)
+        models.append(get_peft_model(model, config()))
+    assert_trains_as_plain_peft(*models, "llama")
+    assert _calls(executor, "model.layers.0.mlp:forward") == 0  # the active copies ran in the client
 
 
 def test_an_mlp_with_biases_is_served_whole_with_them(tmp_path):
