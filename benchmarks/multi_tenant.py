@@ -186,9 +186,7 @@ def symbiosis_processes(args, common: dict, n: int, path, url: str, executor: st
     finally:
         executor.terminate()
         executor.wait()
-    profile.update(client_wait_share=round(statistics.mean(r["wait_share"] for r in ours), 3),
-                   client_calls_per_iter=round(ours[0]["calls_per_iter"], 1))
-    return ours, ours_gpu, profile
+    return ours, ours_gpu, {**profile, **_client_calls(ours)}
 
 
 def symbiosis_threads(args, common: dict, n: int, path, url: str, executor: str = "local"
@@ -205,10 +203,16 @@ def symbiosis_threads(args, common: dict, n: int, path, url: str, executor: str 
                "process_peak_reserved_gib": round(ours[0]["peak_reserved_gib"], 2),
                # where the tenants' threads went: their own CPU, and (remote sessions) time inside calls and waits
                "client_thread_cpu_share": round(statistics.mean(r["thread_cpu_share"] for r in ours), 3)}
-    if "wait_share" in ours[0]:
-        profile.update(client_wait_share=round(statistics.mean(r["wait_share"] for r in ours), 3),
-                       client_calls_per_iter=round(ours[0]["calls_per_iter"], 1))
-    return ours, ours_gpu, profile
+    return ours, ours_gpu, {**profile, **_client_calls(ours)}
+
+
+def _client_calls(ours: list[dict]) -> dict:
+    """The clients' mean share of their time inside executor calls and their waits, and calls an iteration (tenant.py
+    reports them for remote sessions only)."""
+    if "wait_share" not in ours[0]:
+        return {}
+    return {"client_wait_share": round(statistics.mean(r["wait_share"] for r in ours), 3),
+            "client_calls_per_iter": round(ours[0]["calls_per_iter"], 1)}
 
 
 if __name__ == "__main__":

@@ -185,11 +185,8 @@ def run_threads(args) -> None:
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             times[i] = train_loop(model, args, until=until, step=step)
         # where the tenant's thread went: its CPU, and (remote sessions) its time inside calls and their waits
-        busy = sum(times[i]) or 1.0
-        figures[i] = {"thread_cpu_share": (time.thread_time() - cpu) / busy}
-        if hasattr(session, "waited_s"):
-            figures[i].update(calls_per_iter=(session.calls - calls) / max(1, len(times[i])),
-                              wait_share=(session.waited_s - waited) / busy)
+        figures[i] = {"thread_cpu_share": (time.thread_time() - cpu) / (sum(times[i]) or 1.0),
+                      **_call_figures(session, calls, waited, times[i])}
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(tenants))]
     for t in threads:
@@ -262,13 +259,19 @@ def main() -> None:
     print(json.dumps({"ready": True}), flush=True)
     _wait_for(args.go_file)
     session = getattr(model.get_base_model(), "symbiosis_session", None)
-    calls, waited = (session.calls, session.waited_s) if session is not None else (0, 0.0)
+    calls, waited = getattr(session, "calls", 0), getattr(session, "waited_s", 0.0)
     times = loop(model, args, until=time.time() + args.duration)
-    result = dict(_result(args, args.name, times), build_s=build_s)
-    if session is not None:  # the share of the working time this client spent waiting for the executor
-        result.update(calls_per_iter=(session.calls - calls) / max(1, len(times)),
-                      wait_share=(session.waited_s - waited) / sum(times) if times else 0.0)
-    print(json.dumps(result), flush=True)
+    print(json.dumps(dict(_result(args, args.name, times), build_s=build_s,
+                          **_call_figures(session, calls, waited, times))), flush=True)
+
+
+def _call_figures(session, calls: int, waited: float, times: list[float]) -> dict:
+    """A remote session's executor calls an iteration, and the share of the working time it spent inside them and
+    their waits, since it had made `calls` and waited `waited` seconds; nothing for a session that counts neither."""
+    if not hasattr(session, "waited_s"):
+        return {}
+    return {"calls_per_iter": (session.calls - calls) / max(1, len(times)),
+            "wait_share": (session.waited_s - waited) / sum(times) if times else 0.0}
 
 
 if __name__ == "__main__":

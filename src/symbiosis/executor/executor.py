@@ -43,18 +43,21 @@ def _out_of_memory(error: BaseException) -> bool:
         "not enough memory" in str(error)
 
 
-def read_base_plan(path, dtype=None, torch_dtype=None, auto_class=None, skeleton_out: dict | None = None):
-    """(checkpoint, layout, every base layer's spec, dtype) of the model in `path`: its skeleton built on the meta
-    device and the whole checkpoint checked, client tensors too, before anything is read or computed. The skeleton
-    goes into `skeleton_out["model"]` for a caller that reads more of it (the gated MLPs a plain executor serves)."""
+def read_skeleton(path, dtype=None, torch_dtype=None, auto_class=None):
+    """(checkpoint, skeleton, layout, dtype) of the model in `path`: its skeleton built on the meta device and the
+    whole checkpoint checked, client tensors too, before anything is read or computed."""
     checkpoint = Checkpoint(path)
     config = load_config(checkpoint)
     dtype = resolve_dtype(dtype, torch_dtype, config)
     skeleton = build_skeleton(config, auto_class or architecture_class(config), dtype)
     layout = Layout(skeleton, checkpoint)
     check_complete(skeleton, layout)
-    if skeleton_out is not None:
-        skeleton_out["model"] = skeleton
+    return checkpoint, skeleton, layout, dtype
+
+
+def read_base_plan(path, dtype=None, torch_dtype=None, auto_class=None):
+    """(checkpoint, layout, every base layer's spec, dtype) of the model in `path` (`read_skeleton`)."""
+    checkpoint, skeleton, layout, dtype = read_skeleton(path, dtype, torch_dtype, auto_class)
     return checkpoint, layout, all_base_layers(skeleton, layout), dtype
 
 
@@ -92,14 +95,12 @@ class Executor:
         tensor of the checkpoint; `dtype` defaults to the config's dtype (`torch_dtype` is its deprecated alias).
         `policy`: how calls of different clients are batched (`opportunistic`, `lockstep`, `none`, or a Policy).
         """
-        made: dict = {}
-        checkpoint, layout, specs, dtype = read_base_plan(path, dtype, torch_dtype, auto_class, made)
+        checkpoint, skeleton, layout, dtype = read_skeleton(path, dtype, torch_dtype, auto_class)
         fingerprint = checkpoint.fingerprint()
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # compare equal to tensors' devices
-        weights = BaseWeights(layout, specs, device, dtype)
-        skeleton = made["model"]
+        weights = BaseWeights(layout, all_base_layers(skeleton, layout), device, dtype)
         blocks = plan_gated_mlps(skeleton, plan_base_layers(skeleton, layout))
         weights.serve_blocks(blocks, {block_id: skeleton.get_submodule(block_id).act_fn for block_id in blocks})
         return cls(checkpoint, weights, fingerprint, device, dtype, max_call_tokens, policy)
