@@ -121,7 +121,8 @@ def threads_executor(args):
     by this process: executor/peers.py), or `nccl:WHAT` / `gloo:WHAT` (WHAT: a device, or
     `sharded:...`):
     a `symbiosis executor` process serving WHAT, the clients, on --client-device's devices, attached to it over
-    that transport. (An executor process of its own, as the paper's remote clients have: with the executor's
+    that transport (`nccl-layers:` / `gloo-layers:`: the same with every frozen MLP called as its layers, not
+    whole: client/blocks.py's saving measured side by side). (An executor process of its own, as the paper's remote clients have: with the executor's
     NCCL ranks in this process too, the first call hung on two H100s, 2026-11-26.)"""
     kind, _, where = args.executor.partition(":")
     if kind == "local":
@@ -133,7 +134,7 @@ def threads_executor(args):
 
         executor = _sharded(args, where, launch_sharded if kind == "sharded" else on_devices)
         return executor, [executor.device], [executor.close]
-    if kind in ("nccl", "gloo"):
+    if kind.removesuffix("-layers") in ("nccl", "gloo"):
         from common import free_port, start_executor
 
         if where.startswith("sharded:"):  # its calls from the clients batched (the executor's default policy)
@@ -143,7 +144,15 @@ def threads_executor(args):
             placement = ["--device", where]
         port = free_port()
         process = start_executor(Path(args.model_dir), f"tcp://127.0.0.1:{port}", where=placement)
-        remote = symbiosis.connect(f"{kind}://127.0.0.1:{port}", timeout=300)
+        remote = symbiosis.connect(f"{kind.removesuffix('-layers')}://127.0.0.1:{port}", timeout=300)
+        if kind.endswith("-layers"):  # sessions that call no block
+            attach = remote.attach
+
+            def attach_layers(*args, **kwargs):
+                session = attach(*args, **kwargs)
+                session.block_specs = {}
+                return session
+            remote.attach = attach_layers
 
         def stop() -> None:
             process.terminate()

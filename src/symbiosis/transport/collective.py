@@ -89,8 +89,10 @@ def _group(backend: str, host: str, port: int, prefix: str, rank: int, timeout_s
         # torch's flight recorder (2,000 entries by default) captures the Python stack of every NCCL operation, for
         # dumps after a hang. A pair makes two an executor call on each side, under a model's deep stack: on two
         # H100s, one remote Llama-3.2-1B client's step took 0.172 s with it and 0.140 s without. torch reads it once
-        # a process: one that set it keeps what it asked for, as does one whose NCCL groups recorded before this.
-        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")
+        # a process: one that set it (by either of its names; torch 2.11 prefers the second) keeps what it asked
+        # for, as does one whose NCCL groups recorded before this.
+        if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
+            os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
         try:
             group = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
         finally:
