@@ -35,6 +35,7 @@ def one_rank(rank: int, port: int, label: str) -> None:
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
     group = _group("nccl", "127.0.0.1", port, "pair", rank, 60.0, device, store=store)
     peer, figures = 1 - rank, {}
+    send_s = recv_s = started = 0.0  # (the warm-up's rounds are added too, then reset)
     for rows, cols in SHAPES:
         x = torch.randn(rows, cols, device=device, dtype=torch.bfloat16)
         y = torch.empty_like(x)

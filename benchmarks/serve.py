@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from symbiosis.cli import SERVE_SWITCH_INTERVAL_S
 from common import CONFIGS, checkpoint, device, dtype, emit, task_cpu_s, with_tokenizer
 from engine import write_adapters
 
@@ -325,6 +326,8 @@ def main() -> None:
     parser.add_argument("--rates", default="4,16,64", help="requests per second (Poisson)")
     parser.add_argument("--admit-batch", help="the engine's admit_batch values to run every rate with "
                         "(engine/scheduler.py; default: the engine's own, an eighth of its 96 running)")
+    parser.add_argument("--switch-interval", help="the interpreter's GIL switch intervals (seconds, comma-separated) to "
+                        "run every rate with, as `symbiosis serve` sets it (default: its setting)")
     parser.add_argument("--requests", type=int, default=128, help="requests per rate and path")
     parser.add_argument("--client-processes", type=int, default=8, help="the HTTP clients' processes")
     parser.add_argument("--workdir", default="/tmp/symbiosis-bench-serve")
@@ -363,11 +366,14 @@ def main() -> None:
     run_direct(service, warm, arrivals(len(warm), 64.0), names)
     run_http(url, key, warm, arrivals(len(warm), 64.0), names, args.client_processes)
     admit_batches = args.admit_batch.split(",") if args.admit_batch else [service.engine.scheduler.admit_batch]
-    rounds = [(float(rate), int(together)) for together in admit_batches for rate in args.rates.split(",")]
-    for rate, together in rounds:
+    switch_intervals = args.switch_interval.split(",") if args.switch_interval else [SERVE_SWITCH_INTERVAL_S]
+    rounds = [(float(rate), int(together), float(switch)) for together in admit_batches
+              for switch in switch_intervals for rate in args.rates.split(",")]
+    for rate, together, switch in rounds:
         # the engine's admission (engine/scheduler.py: admit_batch), set between rounds: both paths of a round share it
         service.engine.scheduler.admit_batch = together
-        common["admit_batch"] = together
+        sys.setswitchinterval(switch)
+        common.update(admit_batch=together, switch_interval_s=switch)
         jobs, times = workload(args.requests, args.adapters, vocab), arrivals(args.requests, rate)
         print(f"== engine, {rate} requests/s", file=sys.stderr, flush=True)  # (a profiler may wait for a phase)
         direct = measured(service, lambda started: run_direct(service, jobs, times, names, started))
