@@ -3,8 +3,8 @@ one back, rank 0 (GPU 0) receives it and sends it back, over the two-rank group 
 (`transport/collective.py: _group`). The seconds rank 1 spends inside `send` and `recv` (the host's launch of the
 operation, not its transfer) and the round trip's wall time. A remote call makes one of each on both sides, so
 their cost is paid ~4 times a call, ~500 times a Llama-3.2-1B step. Rank 1's figures are printed, for the
-transport's setting (torch's NCCL flight recorder off), for torch's default (on), and with the client's send and
-receive launched as one NCCL group, in turn (docs/PERFORMANCE.md section 14):
+transport's setting (torch's NCCL flight recorder off) and for torch's default (on) in turn
+(docs/PERFORMANCE.md section 14):
 
     python benchmarks/nccl_pair_cost.py
 """
@@ -43,16 +43,7 @@ def one_rank(rank: int, port: int, label: str) -> None:
             if i == WARM_UP:
                 torch.cuda.synchronize()
                 started, send_s, recv_s = time.perf_counter(), 0.0, 0.0
-            if rank == 1 and label == "coalesced":  # both in one NCCL group: one launch (send_us: both)
-                t0 = time.perf_counter()
-                group._start_coalescing(device)
-                group.send([x], peer, 0)
-                group.recv([y], peer, 0)
-                sending = group._end_coalescing(device)
-                sending.wait()
-                send_s += time.perf_counter() - t0
-                x = y * 1.0
-            elif rank == 1:  # the client (timed): send, then receive the answer; neither waits on the host
+            if rank == 1:  # the client (timed): send, then receive the answer; neither waits on the host
                 t0 = time.perf_counter()
                 sending = group.send([x], peer, 0)
                 t1 = time.perf_counter()
@@ -72,8 +63,7 @@ def one_rank(rank: int, port: int, label: str) -> None:
 
 
 # what each run sets in both ranks' environment: the transport's default, and torch's own (its flight recorder on)
-# ("coalesced": the transport's default, the client's send and receive in one NCCL group)
-SETTINGS = {"recorder_off": {}, "flight_recorder": {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}, "coalesced": {}}
+SETTINGS = {"recorder_off": {}, "flight_recorder": {"TORCH_FR_BUFFER_SIZE": "2000"}}
 
 
 def main() -> None:

@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-from symbiosis.cli import SERVE_SWITCH_INTERVAL_S
 from common import CONFIGS, checkpoint, device, dtype, emit, task_cpu_s, with_tokenizer
 from engine import write_adapters
 
@@ -327,7 +326,8 @@ def main() -> None:
     parser.add_argument("--admit-batch", help="the engine's admit_batch values to run every rate with "
                         "(engine/scheduler.py; default: the engine's own, an eighth of its 96 running)")
     parser.add_argument("--switch-interval", help="the interpreter's GIL switch intervals (seconds, comma-separated) to "
-                        "run every rate with, as `symbiosis serve` sets it (default: its setting)")
+                        "run every rate with (default: the interpreter's, 5 ms; 0.5 ms sped the engine's direct path "
+                        "and not HTTP's, docs/PERFORMANCE.md section 9)")
     parser.add_argument("--requests", type=int, default=128, help="requests per rate and path")
     parser.add_argument("--client-processes", type=int, default=8, help="the HTTP clients' processes")
     parser.add_argument("--workdir", default="/tmp/symbiosis-bench-serve")
@@ -366,7 +366,7 @@ def main() -> None:
     run_direct(service, warm, arrivals(len(warm), 64.0), names)
     run_http(url, key, warm, arrivals(len(warm), 64.0), names, args.client_processes)
     admit_batches = args.admit_batch.split(",") if args.admit_batch else [service.engine.scheduler.admit_batch]
-    switch_intervals = args.switch_interval.split(",") if args.switch_interval else [SERVE_SWITCH_INTERVAL_S]
+    switch_intervals = args.switch_interval.split(",") if args.switch_interval else [sys.getswitchinterval()]
     rounds = [(float(rate), int(together), float(switch)) for together in admit_batches
               for switch in switch_intervals for rate in args.rates.split(",")]
     for rate, together, switch in rounds:

@@ -155,11 +155,6 @@ def _generate_split(args: argparse.Namespace, tokenizer) -> int:
     return 0
 
 
-# How long a thread may hold the GIL while another waits for it (Python's default: 5 ms). `symbiosis serve`'s engine
-# thread shares the interpreter with the HTTP event loop; each of its waits for the GIL delays a whole decode step.
-SERVE_SWITCH_INTERVAL_S = 0.005
-
-
 def serve_command(args: argparse.Namespace) -> int:
     """Serve the base model to tenants over HTTP: OpenAI's API on the hosted engine (and the executor to split
     tenants with --executor-listen), state in --state-dir, until SIGTERM / Ctrl-C; SIGHUP reloads --api-keys."""
@@ -194,7 +189,6 @@ def serve_command(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, lambda *_: service.reload_keys())
     for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn stops on these, then hands them on: to a no-op
         signal.signal(sig, lambda *_: None)
-    sys.setswitchinterval(SERVE_SWITCH_INTERVAL_S)
     service.start()
     logging.getLogger("symbiosis.serve").info("serving %s as %r on http://%s:%d (%s, %s)%s", args.model,
                                               service.base_name, args.host, args.port, service.executor.device,
