@@ -195,10 +195,52 @@ def serve_command(args: argparse.Namespace) -> int:
                                               service.executor.dtype, f"; executor on {service.server.url}"
                                               if service.server is not None else "")
     try:
-        uvicorn.run(create_app(service), host=args.host, port=args.port, log_level="warning", access_log=False)
+        if args.http_processes:
+            _serve_through_fronts(create_app(service), args)
+        else:
+            uvicorn.run(create_app(service), host=args.host, port=args.port, log_level="warning", access_log=False)
     finally:
         service.close()
     return 0
+
+
+def _serve_through_fronts(app, args: argparse.Namespace) -> None:
+    """--http-processes N: N front processes (serve/front.py) accept on this process's listening socket and forward
+    each request to `app`, run here on an event loop of its own (serve/bridge.py), until SIGTERM / Ctrl-C."""
+    import asyncio
+    import shutil
+    import socket
+    import subprocess
+    import tempfile
+
+    from symbiosis.serve.app import MAX_UPLOAD_BYTES
+    from symbiosis.serve.bridge import AsgiHost
+
+    family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
+    listener = socket.create_server((args.host, args.port), family=family, backlog=2048)
+    folder = tempfile.mkdtemp(prefix="symbiosis-fronts-")  # (0700: the bridge's socket is this user's alone)
+    url = f"ipc://{folder}/bridge"
+    fronts = [subprocess.Popen([sys.executable, "-m", "symbiosis.serve.front", "--fd", str(listener.fileno()),
+                                "--service", url, "--max-body-bytes", str(MAX_UPLOAD_BYTES)],
+                               pass_fds=[listener.fileno()]) for _ in range(args.http_processes)]
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await AsgiHost(app, url).serve(stop)
+    try:
+        asyncio.run(run())
+    finally:
+        for front in fronts:
+            front.terminate()
+        for front in fronts:
+            try:
+                front.wait(10)
+            except subprocess.TimeoutExpired:
+                front.kill()
+        listener.close()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def demo_command(args: argparse.Namespace) -> int:
@@ -249,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                        "relative to it); without it no adapter can be loaded")
     serve.add_argument("--executor-listen", help="also serve the executor here (ipc://... or tcp://...) to split "
                        "tenants, who attach with their API key as token")
+    serve.add_argument("--http-processes", type=int, default=0, help="HTTP in this many front processes of its "
+                       "own, this process's interpreter left to the engine (0: HTTP in this process)")
     serve.add_argument("--served-model-name", help="the base model's name in the API (default: the directory's)")
     serve.add_argument("--max-requests", type=int, default=256, help="HTTP requests generating at once, in all")
     serve.add_argument("--max-requests-per-tenant", type=int, default=64, help="... of one tenant")

@@ -4,11 +4,13 @@ root, and API keys for three tenants."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -54,19 +56,34 @@ def served_files(tmp_path_factory):
 
 
 class Running:
-    """The service and its server on a loopback port."""
+    """The service and its server on a loopback port; `fronts`: its HTTP in a front (serve/front.py) that forwards
+    to the app over the bridge (serve/bridge.py), both in threads here (`symbiosis serve --http-processes` runs
+    fronts as processes)."""
 
-    def __init__(self, service, port: int):
-        from symbiosis.serve.app import create_app
+    def __init__(self, service, port: int, fronts: bool = False):
+        from symbiosis.serve.app import MAX_UPLOAD_BYTES, create_app
 
         self.service, self.port = service, port
+        app, self.host_thread = create_app(service), None
+        if fronts:
+            from symbiosis.serve.bridge import AsgiHost
+            from symbiosis.serve.front import Front
+
+            url = f"ipc://{tempfile.mkdtemp(prefix='bridge-')}/bridge"
+            host_loop, self.host_stop = asyncio.new_event_loop(), asyncio.Event()
+            host = AsgiHost(app, url)  # bound before the front connects
+            self.host_thread = threading.Thread(target=host_loop.run_until_complete, args=(host.serve(self.host_stop),),
+                                                daemon=True)
+            self.host_thread.start()
+            self.stop_host = lambda: host_loop.call_soon_threadsafe(self.host_stop.set)
+            app = Front(url, MAX_UPLOAD_BYTES)
         self.url = f"http://127.0.0.1:{port}"
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", port))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning", access_log=False))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -83,6 +100,9 @@ class Running:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+        if self.host_thread is not None:
+            self.stop_host()
+            self.host_thread.join(30)
         self.service.close()
 
 
@@ -92,13 +112,13 @@ def load(server, tenant: str, name: str, path: str):
                       headers={"Authorization": f"Bearer {KEYS[tenant]}"})
 
 
-def start(files, state_dir: Path, **options) -> Running:
+def start(files, state_dir: Path, fronts: bool = False, **options) -> Running:
     from symbiosis.serve.service import Service
 
     engine = {"kv_blocks": 256, "block_size": 16, "max_lora_rank": 8, "adapter_slots": 4, **options.pop("engine", {})}
     service = Service(files["model"], state_dir, files["keys"], adapter_root=files["adapters"], dtype=torch.float64,
                       served_name="tiny-llama", engine_options=engine, **options).start()
-    return Running(service, 0)
+    return Running(service, 0, fronts)
 
 
 @pytest.fixture(scope="module")

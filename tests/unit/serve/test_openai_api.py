@@ -33,12 +33,16 @@ def plain_generate(files, adapter: str | None, ids: list[int], new_tokens: int):
     return new, logprobs
 
 
-@pytest.fixture(scope="module")
-def loaded(server):
+@pytest.fixture(scope="module", params=["one_process", "fronts"])
+def loaded(request, served_files, tmp_path_factory):
+    """The service with three adapters loaded: its HTTP in its own process, and in a front (serve/front.py) that
+    forwards each request to it (`symbiosis serve --http-processes`): every test that uses it runs on both."""
+    server = start(served_files, tmp_path_factory.mktemp("state"), fronts=request.param == "fronts")
     for tenant, name, path in (("alice", "poet", "alice/poet"), ("alice", "counter", "alice/counter"),
                                ("bob", "writer", "bob/writer")):
         assert load(server, tenant, name, path).status_code == 200
-    return server
+    yield server
+    server.stop()
 
 
 def test_models_list_the_base_and_only_the_callers_adapters(loaded):
@@ -323,10 +327,12 @@ def test_adapters_and_usage_outlive_a_restart(served_files, tmp_path):
         second.stop()
 
 
-def test_many_concurrent_streams_over_several_adapters_lose_nothing_and_mix_nothing(served_files, tmp_path):
+@pytest.mark.parametrize("fronts", [False, True], ids=["one_process", "fronts"])
+def test_many_concurrent_streams_over_several_adapters_lose_nothing_and_mix_nothing(served_files, tmp_path, fronts):
     """Load: 200 concurrent streaming requests over the base and three adapters of two tenants, each checked
-    against the same request run alone (greedy: the same text whatever else is batched)."""
-    loaded = start(served_files, tmp_path / "state", max_requests=256, max_requests_per_tenant=128)
+    against the same request run alone (greedy: the same text whatever else is batched); through a front too,
+    where every stream's chunks share the bridge's bunches."""
+    loaded = start(served_files, tmp_path / "state", fronts=fronts, max_requests=256, max_requests_per_tenant=128)
     try:
         for tenant, name, path in (("alice", "poet", "alice/poet"), ("alice", "counter", "alice/counter"),
                                    ("bob", "writer", "bob/writer")):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -14,16 +15,20 @@ import symbiosis
 from conftest import KEYS, launch, terminate
 
 
-def test_serve_reloads_keys_on_sighup_and_shares_its_executor(served_files, tmp_path):
+@pytest.mark.parametrize("fronts", [[], ["--http-processes", "2"]], ids=["one_process", "fronts"])
+def test_serve_reloads_keys_on_sighup_and_shares_its_executor(served_files, tmp_path, fronts):
     keys = tmp_path / "keys"
     keys.write_text("".join(f"{tenant} {key}\n" for tenant, key in KEYS.items()))
     executor_url = f"ipc://{tmp_path / 'executor.sock'}"
     process, url = launch(served_files["model"], tmp_path / "state", keys, "--adapter-root", str(served_files["adapters"]),
-                          "--executor-listen", executor_url, "--served-model-name", "tiny", "--no-training")
+                          "--executor-listen", executor_url, "--served-model-name", "tiny", "--no-training", *fronts)
     try:
         client = lambda tenant: openai.OpenAI(base_url=url + "/v1", api_key=KEYS[tenant], max_retries=0)  # noqa: E731
         served = client("bob").completions.create(model="tiny", prompt="the cat", max_tokens=4, temperature=0)
         assert served.usage.completion_tokens >= 1
+        streamed = client("bob").completions.create(model="tiny", prompt="the cat", max_tokens=4, temperature=0,
+                                                    stream=True)
+        assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == served.choices[0].text
 
         # a split tenant attaches to the same executor with its API key and computes with the same base
         executor = symbiosis.connect(executor_url, token=KEYS["alice"], timeout=30)
@@ -51,3 +56,35 @@ def test_serve_reloads_keys_on_sighup_and_shares_its_executor(served_files, tmp_
     finally:
         terminate(process)
     assert process.returncode == 0, process.stderr.read()
+
+
+def _children(pid: int) -> set[int]:
+    return {int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"  # (a zombie has ended)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the process tree from Linux's /proc")
+def test_front_processes_end_with_the_service_even_when_it_is_killed(served_files, tmp_path):
+    """--http-processes: the fronts stop with the service on SIGTERM, and on SIGKILL too (nothing left listening
+    on the port, answering for a service that is gone)."""
+    keys = tmp_path / "keys"
+    keys.write_text("".join(f"{tenant} {key}\n" for tenant, key in KEYS.items()))
+    for stop in (signal.SIGTERM, signal.SIGKILL):
+        process, url = launch(served_files["model"], tmp_path / f"state-{stop.name}", keys, "--no-training",
+                              "--http-processes", "2")
+        fronts = _children(process.pid)
+        assert len(fronts) == 2
+        assert openai.OpenAI(base_url=url + "/v1", api_key=KEYS["alice"], max_retries=0).models.list().data
+        process.send_signal(stop)
+        process.wait(60)
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in fronts):
+            assert time.monotonic() < deadline, f"a front outlived the service ({stop.name})"
+            time.sleep(0.1)

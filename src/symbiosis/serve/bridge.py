@@ -1,0 +1,162 @@
+"""The service's side of its HTTP front processes (`symbiosis serve --http-processes N`; the fronts: front.py).
+
+In one process, the HTTP layer's Python (parsing, each streamed token's write to its socket) takes turns with the
+engine's thread on one GIL, and every decode step waits for it (docs/PERFORMANCE.md section 9). With fronts, HTTP
+lives in processes of their own; this process runs the same ASGI application, unchanged, on requests the fronts
+forward over one ZeroMQ socket, and sends the responses' messages back in bunches: everything that one turn of
+the event loop produced for a front (at saturation, a decode step's chunks of every stream) goes as ONE message.
+
+The wire (ZeroMQ multipart; JSON and raw bytes, nothing unpickled):
+- front -> service: [b"request", JSON {id, method, path, query, headers: [[name, value]...]}, body] (the body
+  whole: the front reads it, bounded); [b"gone", JSON {id}] (the HTTP client went: the app's `receive()` then
+  says `http.disconnect`, which cancels a generation as a direct client's disconnect does).
+- service -> front: [b"bunch", JSON [[id, status, headers] | [id, more], ...], body, body, ...]: a response's
+  start (status and headers) or one of its body messages (`more`: whether more follow), each body message's
+  bytes in the frame after the JSON, in order.
+Names and values of headers travel as latin-1 strings (HTTP's own charset for them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import defaultdict
+
+import zmq
+import zmq.asyncio
+
+log = logging.getLogger("symbiosis.serve")
+
+
+def encode_headers(headers) -> list[list[str]]:
+    return [[name.decode("latin-1"), value.decode("latin-1")] for name, value in headers]
+
+
+def decode_headers(headers) -> list[tuple[bytes, bytes]]:
+    if not isinstance(headers, list) or not all(isinstance(h, list) and len(h) == 2 and all(isinstance(p, str)
+                                                                                          for p in h) for h in headers):
+        raise ValueError("headers must be [name, value] string pairs")
+    return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers]
+
+
+class _Exchange:
+    """One forwarded request: the app's `receive` and `send` for it."""
+
+    def __init__(self, host: "AsgiHost", front: bytes, request_id: int, body: bytes):
+        self.host, self.front, self.id, self.body = host, front, request_id, body
+        self.gone = asyncio.Event()
+        self.started = self.finished = False
+
+    async def receive(self) -> dict:
+        if self.body is not None:
+            body, self.body = self.body, None
+            return {"type": "http.request", "body": body, "more_body": False}
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict) -> None:
+        if self.finished or self.gone.is_set():
+            return
+        if message["type"] == "http.response.start":
+            self.started = True
+            self.host.post(self.front, [self.id, int(message["status"]), encode_headers(message.get("headers", ()))])
+        elif message["type"] == "http.response.body":
+            more = bool(message.get("more_body", False))
+            self.finished = not more
+            self.host.post(self.front, [self.id, more], bytes(message.get("body", b"")))
+
+    def end(self) -> None:
+        """After the app returned: a response it left unfinished is finished (a 500 if it never started)."""
+        if self.gone.is_set() or self.finished:
+            return
+        if not self.started:
+            body = json.dumps({"error": {"message": "the server failed to answer this request; it was logged",
+                                         "type": "server_error", "param": None, "code": None}}).encode()
+            self.host.post(self.front, [self.id, 500, [["content-type", "application/json"]]])
+            self.host.post(self.front, [self.id, False], body)
+        else:
+            self.host.post(self.front, [self.id, False], b"")
+        self.finished = True
+
+
+class AsgiHost:
+    """Runs `app` on the requests that front processes send to `url` (a ROUTER socket bound here), on the running
+    event loop: `await host.serve(stop)` until `stop` is set."""
+
+    def __init__(self, app, url: str):
+        self.app, self.url = app, url
+        self.context = zmq.asyncio.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDHWM, 0)  # a front's bunches are never dropped (each stream's tokens are bounded)
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket.bind(url)
+        self._exchanges: dict[tuple[bytes, int], _Exchange] = {}
+        self._outbox: dict[bytes, list] = defaultdict(list)  # front -> [(item, body or None)] until the next flush
+        self._flush_scheduled = False
+
+    def post(self, front: bytes, item: list, body: bytes | None = None) -> None:
+        """Queue a response message for `front`; every message queued in this turn of the loop leaves as one."""
+        self._outbox[front].append((item, body))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        outbox, self._outbox = self._outbox, defaultdict(list)
+        for front, items in outbox.items():
+            frames = [front, b"bunch", json.dumps([item for item, _ in items], separators=(",", ":")).encode()]
+            frames += [body for _, body in items if body is not None]
+            try:
+                self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames) < 8)
+            except zmq.ZMQError as e:  # the front is gone (its process ended): its requests are abandoned
+                log.warning("a front's responses could not be sent (%s); its requests are dropped", e)
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set():
+                receiving = asyncio.ensure_future(self.socket.recv_multipart())
+                done, _ = await asyncio.wait({receiving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if receiving not in done:
+                    receiving.cancel()
+                    break
+                self._take(receiving.result())
+        finally:
+            stopping.cancel()
+            for exchange in self._exchanges.values():
+                exchange.gone.set()
+            self.socket.close(0)
+            self.context.term()
+
+    def _take(self, frames: list[bytes]) -> None:
+        try:
+            front, kind, header = frames[0], frames[1], json.loads(frames[2])
+            key = (front, int(header["id"]))
+            if kind == b"gone":
+                if (exchange := self._exchanges.get(key)) is not None:
+                    exchange.gone.set()
+                return
+            if kind != b"request" or len(frames) != 4 or key in self._exchanges:
+                raise ValueError(f"unexpected message {kind!r}")
+            scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                     "method": str(header["method"]), "scheme": "http", "path": str(header["path"]),
+                     "raw_path": str(header["path"]).encode("latin-1"), "root_path": "",
+                     "query_string": str(header.get("query", "")).encode("latin-1"),
+                     "headers": decode_headers(header["headers"]), "client": None, "server": None, "state": {}}
+        except (ValueError, KeyError, TypeError, IndexError, UnicodeError) as e:  # fronts are ours: a bug, logged
+            log.error("a front sent a malformed message: %s", e)
+            return
+        exchange = self._exchanges[key] = _Exchange(self, front, key[1], frames[3])
+        asyncio.get_running_loop().create_task(self._run(key, exchange, scope))
+
+    async def _run(self, key, exchange: _Exchange, scope: dict) -> None:
+        try:
+            await self.app(scope, exchange.receive, exchange.send)
+        except Exception:  # noqa: BLE001 -- the app answers its errors itself; whatever escapes is logged
+            log.exception("unexpected error on %s", scope["path"])
+        finally:
+            exchange.end()
+            del self._exchanges[key]

@@ -1,0 +1,154 @@
+"""An HTTP front process of `symbiosis serve --http-processes N` (the service's side and the wire: bridge.py).
+
+Each front runs uvicorn on the service's listening socket (inherited: the kernel hands each connection to one
+front), reads a request's body (bounded), forwards it to the service over ZeroMQ, and writes the response's
+messages as they come back: the per-connection work of HTTP (parsing, each streamed chunk's write) runs on the
+front's own interpreter, not beside the engine's thread. The service answers everything (keys, limits, errors):
+a front holds no state but its requests in flight. It ends when the service does (Linux: the parent's death
+signals it).
+
+    python -m symbiosis.serve.front --fd FD --service ipc://PATH [--max-body-bytes N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import itertools
+import json
+import signal
+import socket
+
+import zmq
+import zmq.asyncio
+
+from symbiosis.serve.bridge import decode_headers, encode_headers
+
+
+def _error(status: int, message: str) -> tuple[dict, bytes]:
+    body = json.dumps({"error": {"message": message, "type": "server_error" if status >= 500 else
+                                 "invalid_request_error", "param": None, "code": None}}).encode()
+    return {"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}, body
+
+
+class Front:
+    """The front's ASGI application (`url`: the service's bridge)."""
+
+    def __init__(self, url: str, max_body_bytes: int):
+        self.url, self.max_body_bytes = url, max_body_bytes
+        self.ids = itertools.count()
+        self.pending: dict[int, asyncio.Queue] = {}
+        self.socket = None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            return await self._lifespan(receive, send)
+        if scope["type"] != "http":  # (no websockets here)
+            return
+        body = await self._body(receive)
+        if body is None:  # over the limit, or the client went while sending it
+            start, content = _error(413, f"the request body is over {self.max_body_bytes} bytes")
+            await send(start)
+            return await send({"type": "http.response.body", "body": content})
+        request_id, replies = next(self.ids), asyncio.Queue()
+        self.pending[request_id] = replies
+        header = {"id": request_id, "method": scope["method"], "path": scope["path"],
+                  "query": scope.get("query_string", b"").decode("latin-1"), "headers": encode_headers(scope["headers"])}
+        watcher = asyncio.ensure_future(self._watch(receive, request_id))
+        finished = False
+        try:
+            await self.socket.send_multipart([b"request", json.dumps(header).encode(), body])
+            while not finished:
+                message = await replies.get()
+                if message is None:  # the client went
+                    return
+                finished = message["type"] == "http.response.body" and not message["more_body"]
+                await send(message)
+        finally:
+            watcher.cancel()
+            del self.pending[request_id]
+            if not finished:  # the client went, or the front stops: the service cancels what it runs for it
+                await self.socket.send_multipart([b"gone", json.dumps({"id": request_id}).encode()])
+
+    async def _body(self, receive) -> bytes | None:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _watch(self, receive, request_id: int) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if (replies := self.pending.get(request_id)) is not None:
+            replies.put_nowait(None)
+
+    async def _dispatch(self) -> None:
+        """The service's bunches, each message to its request's queue."""
+        while True:
+            frames = await self.socket.recv_multipart()
+            items, bodies = json.loads(frames[1]), iter(frames[2:])
+            for item in items:
+                replies = self.pending.get(item[0])
+                if len(item) == 3:
+                    message = {"type": "http.response.start", "status": item[1], "headers": decode_headers(item[2])}
+                else:
+                    message = {"type": "http.response.body", "body": next(bodies), "more_body": item[1]}
+                if replies is not None:
+                    replies.put_nowait(message)
+
+    async def _lifespan(self, receive, send) -> None:
+        dispatching = None
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self.socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+                self.socket.setsockopt(zmq.LINGER, 0)
+                self.socket.setsockopt(zmq.SNDHWM, 0)
+                self.socket.setsockopt(zmq.RCVHWM, 0)
+                self.socket.connect(self.url)
+                dispatching = asyncio.ensure_future(self._dispatch())
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if dispatching is not None:
+                    dispatching.cancel()
+                self.socket.close(0)
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def _end_with_parent() -> None:
+    """SIGTERM this process when its parent (the service) dies, however it dies (Linux's PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # not Linux: the service terminates its fronts when it stops
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(prog="symbiosis.serve.front", description=__doc__)
+    parser.add_argument("--fd", type=int, required=True, help="the service's listening socket, inherited")
+    parser.add_argument("--service", required=True, help="the service's bridge (ipc://...)")
+    parser.add_argument("--max-body-bytes", type=int, required=True)
+    args = parser.parse_args(argv)
+    _end_with_parent()
+    listener = socket.socket(fileno=args.fd)  # (its family and type read from the socket itself)
+    config = uvicorn.Config(Front(args.service, args.max_body_bytes), log_level="warning", access_log=False,
+                            lifespan="on")
+    uvicorn.Server(config).run(sockets=[listener])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
