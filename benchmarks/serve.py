@@ -210,6 +210,46 @@ def serve_on_loopback(service, tenant: str, directories: list[Path]):
     return server, f"http://127.0.0.1:{sock.getsockname()[1]}", names, thread
 
 
+def serve_through_fronts(service, count: int):
+    """The service's HTTP app behind `count` front processes (`symbiosis serve --http-processes`): the app on the
+    bridge's event loop in a thread of this process (serve/bridge.py), the fronts accepting on a free loopback port
+    (serve/front.py): (url, that thread, what stops both)."""
+    import asyncio
+    import tempfile
+
+    from symbiosis.serve.app import MAX_UPLOAD_BYTES, create_app
+    from symbiosis.serve.bridge import AsgiHost
+    from symbiosis.serve.front import start_fronts, stop_fronts
+
+    bridge = f"ipc://{tempfile.mkdtemp(prefix='bench-bridge-')}/bridge"
+    loop, stop = asyncio.new_event_loop(), asyncio.Event()
+    host = AsgiHost(create_app(service), bridge)
+    thread = threading.Thread(target=loop.run_until_complete, args=(host.serve(stop),), name="bridge", daemon=True)
+    thread.start()
+    listener = socket.create_server(("127.0.0.1", 0), backlog=2048)
+    fronts = start_fronts(listener, bridge, count, MAX_UPLOAD_BYTES)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    deadline = time.monotonic() + 60
+    while True:  # up once a front answers
+        try:
+            with socket.create_connection(listener.getsockname(), timeout=5) as probe:
+                probe.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                if probe.recv(64).startswith(b"HTTP/1.1 200"):
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("the front processes did not come up")
+        time.sleep(0.2)
+
+    def close() -> None:
+        stop_fronts(fronts)
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+        listener.close()
+    return url, thread, close
+
+
 def threads_cpu_s() -> dict[int, tuple[str, float]]:
     """Each live thread of this process (Linux's /proc: every thread, also those Python did not start): its OS id ->
     (its Python name without digits, or for threads Python did not start (torch's and OpenMP's pools, the CUDA
@@ -328,6 +368,9 @@ def main() -> None:
     parser.add_argument("--switch-interval", help="the interpreter's GIL switch intervals (seconds, comma-separated) to "
                         "run every rate with (default: the interpreter's, 5 ms; 0.5 ms sped the engine's direct path "
                         "and not HTTP's, docs/PERFORMANCE.md section 9)")
+    parser.add_argument("--http-processes", help="HTTP layouts to run every rate with, comma-separated: 0, the "
+                        "app's event loop in the service's process; N, behind N front processes (symbiosis serve "
+                        "--http-processes N)")
     parser.add_argument("--requests", type=int, default=128, help="requests per rate and path")
     parser.add_argument("--client-processes", type=int, default=8, help="the HTTP clients' processes")
     parser.add_argument("--workdir", default="/tmp/symbiosis-bench-serve")
@@ -359,12 +402,22 @@ def main() -> None:
                                       "max_lora_rank": args.rank, "adapter_slots": args.adapters,
                                       "max_batch_tokens": 2048, "adapter_host_bytes": host_bytes}).start()
     server, url, names, loop_thread = serve_on_loopback(service, "bench", directories)
+    # each HTTP layout: the app's event loop in this process (0), or behind N front processes (its loop the bridge's)
+    layouts, closing = {}, []
+    for count in map(int, (args.http_processes or "0").split(",")):
+        if count == 0:
+            layouts[0] = (url, loop_thread)
+        else:
+            front_url, bridge_thread, close = serve_through_fronts(service, count)
+            layouts[count] = (front_url, bridge_thread)
+            closing.append(close)
     vocab = CONFIGS[args.model]["vocab_size"]
     common = dict(bench="serve", model=args.model, adapters=args.adapters, rank=args.rank,
                   gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     warm = workload(128, args.adapters, vocab, seed=99)  # graphs, compiled kernels, adapter copies
     run_direct(service, warm, arrivals(len(warm), 64.0), names)
-    run_http(url, key, warm, arrivals(len(warm), 64.0), names, args.client_processes)
+    for layout_url, _ in layouts.values():
+        run_http(layout_url, key, warm, arrivals(len(warm), 64.0), names, args.client_processes)
     admit_batches = args.admit_batch.split(",") if args.admit_batch else [service.engine.scheduler.admit_batch]
     switch_intervals = args.switch_interval.split(",") if args.switch_interval else [sys.getswitchinterval()]
     rounds = [(float(rate), int(together), float(switch)) for together in admit_batches
@@ -377,16 +430,22 @@ def main() -> None:
         jobs, times = workload(args.requests, args.adapters, vocab), arrivals(args.requests, rate)
         print(f"== engine, {rate} requests/s", file=sys.stderr, flush=True)  # (a profiler may wait for a phase)
         direct = measured(service, lambda started: run_direct(service, jobs, times, names, started))
-        print(f"== http, {rate} requests/s", file=sys.stderr, flush=True)
-        loop_cpu = thread_cpu_s(loop_thread)
-        http = measured(service, lambda started: run_http(url, key, jobs, times, names, args.client_processes, started))
-        # the event loop's thread alone: the HTTP layer's own Python per token (requests, SSE chunks, writes)
-        http["loop_cpu_ms_per_token"] = 1e3 * (thread_cpu_s(loop_thread) - loop_cpu) / max(1, http["generated"])
         emit(**common, rate=rate, path="engine", **direct)
-        emit(**common, rate=rate, path="http", **http, throughput_ratio=http["tokens_per_s"] / direct["tokens_per_s"],
-             ttft_p50_ratio=http["ttft_p50_ms"] / direct["ttft_p50_ms"],
-             itl_p50_ratio=http["itl_p50_ms"] / direct["itl_p50_ms"],
-             http_cpu_ms_per_token=http["server_cpu_ms_per_token"] - direct["server_cpu_ms_per_token"])
+        for count, (layout_url, layout_thread) in layouts.items():
+            print(f"== http ({count} front processes), {rate} requests/s", file=sys.stderr, flush=True)
+            loop_cpu = thread_cpu_s(layout_thread)
+            http = measured(service, lambda started: run_http(layout_url, key, jobs, times, names,
+                                                              args.client_processes, started))
+            # the app's event loop alone (its own, or the bridge's): the HTTP layer's Python per token in this
+            # process (requests, SSE chunks, and the writes to sockets or to the fronts)
+            http["loop_cpu_ms_per_token"] = 1e3 * (thread_cpu_s(layout_thread) - loop_cpu) / max(1, http["generated"])
+            emit(**common, rate=rate, path="http", http_processes=count, **http,
+                 throughput_ratio=http["tokens_per_s"] / direct["tokens_per_s"],
+                 ttft_p50_ratio=http["ttft_p50_ms"] / direct["ttft_p50_ms"],
+                 itl_p50_ratio=http["itl_p50_ms"] / direct["itl_p50_ms"],
+                 http_cpu_ms_per_token=http["server_cpu_ms_per_token"] - direct["server_cpu_ms_per_token"])
+    for close in closing:
+        close()
     server.should_exit = True
     service.close()
 

@@ -210,19 +210,17 @@ def _serve_through_fronts(app, args: argparse.Namespace) -> None:
     import asyncio
     import shutil
     import socket
-    import subprocess
     import tempfile
 
     from symbiosis.serve.app import MAX_UPLOAD_BYTES
     from symbiosis.serve.bridge import AsgiHost
+    from symbiosis.serve.front import start_fronts, stop_fronts
 
     family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
     listener = socket.create_server((args.host, args.port), family=family, backlog=2048)
     folder = tempfile.mkdtemp(prefix="symbiosis-fronts-")  # (0700: the bridge's socket is this user's alone)
     url = f"ipc://{folder}/bridge"
-    fronts = [subprocess.Popen([sys.executable, "-m", "symbiosis.serve.front", "--fd", str(listener.fileno()),
-                                "--service", url, "--max-body-bytes", str(MAX_UPLOAD_BYTES)],
-                               pass_fds=[listener.fileno()]) for _ in range(args.http_processes)]
+    fronts = start_fronts(listener, url, args.http_processes, MAX_UPLOAD_BYTES)
 
     async def run() -> None:
         stop = asyncio.Event()
@@ -232,13 +230,7 @@ def _serve_through_fronts(app, args: argparse.Namespace) -> None:
     try:
         asyncio.run(run())
     finally:
-        for front in fronts:
-            front.terminate()
-        for front in fronts:
-            try:
-                front.wait(10)
-            except subprocess.TimeoutExpired:
-                front.kill()
+        stop_fronts(fronts)
         listener.close()
         shutil.rmtree(folder, ignore_errors=True)
 

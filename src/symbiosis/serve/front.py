@@ -19,6 +19,8 @@ import itertools
 import json
 import signal
 import socket
+import subprocess
+import sys
 
 import zmq
 import zmq.asyncio
@@ -124,6 +126,23 @@ class Front:
                 self.socket.close(0)
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def start_fronts(listener: socket.socket, service_url: str, count: int, max_body_bytes: int) -> list[subprocess.Popen]:
+    """`count` front processes accepting on `listener` (inherited) and forwarding to the bridge at `service_url`."""
+    return [subprocess.Popen([sys.executable, "-m", "symbiosis.serve.front", "--fd", str(listener.fileno()),
+                              "--service", service_url, "--max-body-bytes", str(max_body_bytes)],
+                             pass_fds=[listener.fileno()]) for _ in range(count)]
+
+
+def stop_fronts(fronts: list[subprocess.Popen], timeout: float = 10.0) -> None:
+    for front in fronts:
+        front.terminate()
+    for front in fronts:
+        try:
+            front.wait(timeout)
+        except subprocess.TimeoutExpired:
+            front.kill()
 
 
 def _end_with_parent() -> None:
