@@ -98,13 +98,15 @@ class Front:
         """The service's bunches, each message to its request's queue."""
         while True:
             frames = await self.socket.recv_multipart()
-            items, bodies = json.loads(frames[1]), iter(frames[2:])
+            items, bodies, offset = json.loads(frames[1]), frames[2], 0
             for item in items:
                 replies = self.pending.get(item[0])
-                if len(item) == 3:
+                if isinstance(item[2], list):  # [id, status, headers]
                     message = {"type": "http.response.start", "status": item[1], "headers": decode_headers(item[2])}
-                else:
-                    message = {"type": "http.response.body", "body": next(bodies), "more_body": item[1]}
+                else:  # [id, more, length]
+                    message = {"type": "http.response.body", "body": bodies[offset:offset + item[2]],
+                               "more_body": item[1]}
+                    offset += item[2]
                 if replies is not None:
                     replies.put_nowait(message)
 
