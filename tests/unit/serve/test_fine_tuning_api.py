@@ -21,9 +21,11 @@ LINES = [{"prompt": "the cat", "completion": " sat on the mat"}, {"prompt": "a d
          {"prompt": "birds", "completion": " sing in the tree"}]
 
 
-@pytest.fixture(scope="module")
-def jobs_server(served_files, tmp_path_factory):
-    running = start(served_files, tmp_path_factory.mktemp("jobs-state"),
+@pytest.fixture(scope="module", params=["one_process", "fronts"])
+def jobs_server(request, served_files, tmp_path_factory):
+    """Every test here runs with the service's HTTP in its own process and behind a front (`--http-processes`):
+    uploads, the jobs' event lists, the page."""
+    running = start(served_files, tmp_path_factory.mktemp("jobs-state"), fronts=request.param == "fronts",
                     training={"checkpoint_every": 2, "max_running_jobs": 4})
     yield running
     running.stop()
