@@ -218,11 +218,11 @@ def serve_through_fronts(service, count: int):
     import tempfile
 
     from symbiosis.serve.app import MAX_UPLOAD_BYTES, create_app
-    from symbiosis.serve.bridge import AsgiHost
+    from symbiosis.serve.bridge import AsgiHost, new_event_loop
     from symbiosis.serve.front import start_fronts, stop_fronts
 
     bridge = f"ipc://{tempfile.mkdtemp(prefix='bench-bridge-')}/bridge"
-    loop, stop = asyncio.new_event_loop(), asyncio.Event()
+    loop, stop = new_event_loop(), asyncio.Event()
     host = AsgiHost(create_app(service), bridge)
     thread = threading.Thread(target=loop.run_until_complete, args=(host.serve(stop),), name="bridge", daemon=True)
     thread.start()

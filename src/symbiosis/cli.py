@@ -213,7 +213,7 @@ def _serve_through_fronts(app, args: argparse.Namespace) -> None:
     import tempfile
 
     from symbiosis.serve.app import MAX_UPLOAD_BYTES
-    from symbiosis.serve.bridge import AsgiHost
+    from symbiosis.serve.bridge import AsgiHost, new_event_loop
     from symbiosis.serve.front import start_fronts, stop_fronts
 
     family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
@@ -227,9 +227,11 @@ def _serve_through_fronts(app, args: argparse.Namespace) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await AsgiHost(app, url).serve(stop)
+    loop = new_event_loop()
     try:
-        asyncio.run(run())
+        loop.run_until_complete(run())
     finally:
+        loop.close()
         stop_fronts(fronts)
         listener.close()
         shutil.rmtree(folder, ignore_errors=True)

@@ -30,6 +30,15 @@ import zmq.asyncio
 log = logging.getLogger("symbiosis.serve")
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """The bridge's loop: uvloop's where it is installed (as uvicorn's `loop="auto"` takes it), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 def encode_headers(headers) -> list[list[str]]:
     return [[name.decode("latin-1"), value.decode("latin-1")] for name, value in headers]
 

@@ -66,11 +66,11 @@ class Running:
         self.service, self.port = service, port
         app, self.host_thread = create_app(service), None
         if fronts:
-            from symbiosis.serve.bridge import AsgiHost
+            from symbiosis.serve.bridge import AsgiHost, new_event_loop
             from symbiosis.serve.front import Front
 
             url = f"ipc://{tempfile.mkdtemp(prefix='bridge-')}/bridge"
-            host_loop, self.host_stop = asyncio.new_event_loop(), asyncio.Event()
+            host_loop, self.host_stop = new_event_loop(), asyncio.Event()
             host = AsgiHost(app, url)  # bound before the front connects
             self.host_thread = threading.Thread(target=host_loop.run_until_complete, args=(host.serve(self.host_stop),),
                                                 daemon=True)
