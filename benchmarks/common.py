@@ -179,8 +179,17 @@ def time_interleaved(models: dict, batch_size=2, seq_len=512, warmup=WARMUP_ITER
 def task_cpu_s(native_id: int) -> float:
     """A thread of this process's CPU seconds so far, by its OS id (Linux's /proc/self/task/TID/stat: user +
     system; every thread, also those Python did not start), or NaN (not Linux, or the thread has ended)."""
+    return _stat_cpu_s(Path(f"/proc/self/task/{native_id}/stat"))
+
+
+def process_cpu_s(pid: int) -> float:
+    """Another process's CPU seconds so far (all its threads; Linux's /proc/PID/stat), or NaN."""
+    return _stat_cpu_s(Path(f"/proc/{pid}/stat"))
+
+
+def _stat_cpu_s(stat: Path) -> float:
     try:
-        fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = stat.read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return float("nan")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from common import CONFIGS, checkpoint, device, dtype, emit, task_cpu_s, with_tokenizer
+from common import CONFIGS, checkpoint, device, dtype, emit, process_cpu_s, task_cpu_s, with_tokenizer
 from engine import write_adapters
 
 
@@ -213,7 +213,7 @@ def serve_on_loopback(service, tenant: str, directories: list[Path]):
 def serve_through_fronts(service, count: int):
     """The service's HTTP app behind `count` front processes (`symbiosis serve --http-processes`): the app on the
     bridge's event loop in a thread of this process (serve/bridge.py), the fronts accepting on a free loopback port
-    (serve/front.py): (url, that thread, what stops both)."""
+    (serve/front.py): (url, that thread, the fronts' process ids, what stops both)."""
     import asyncio
     import tempfile
 
@@ -247,7 +247,7 @@ def serve_through_fronts(service, count: int):
         loop.call_soon_threadsafe(stop.set)
         thread.join(30)
         listener.close()
-    return url, thread, close
+    return url, thread, [front.pid for front in fronts], close
 
 
 def threads_cpu_s() -> dict[int, tuple[str, float]]:
@@ -406,17 +406,17 @@ def main() -> None:
     layouts, closing = {}, []
     for count in map(int, (args.http_processes or "0").split(",")):
         if count == 0:
-            layouts[0] = (url, loop_thread)
+            layouts[0] = (url, loop_thread, [])
         else:
-            front_url, bridge_thread, close = serve_through_fronts(service, count)
-            layouts[count] = (front_url, bridge_thread)
+            front_url, bridge_thread, front_pids, close = serve_through_fronts(service, count)
+            layouts[count] = (front_url, bridge_thread, front_pids)
             closing.append(close)
     vocab = CONFIGS[args.model]["vocab_size"]
     common = dict(bench="serve", model=args.model, adapters=args.adapters, rank=args.rank,
                   gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     warm = workload(128, args.adapters, vocab, seed=99)  # graphs, compiled kernels, adapter copies
     run_direct(service, warm, arrivals(len(warm), 64.0), names)
-    for layout_url, _ in layouts.values():
+    for layout_url, _, _ in layouts.values():
         run_http(layout_url, key, warm, arrivals(len(warm), 64.0), names, args.client_processes)
     admit_batches = args.admit_batch.split(",") if args.admit_batch else [service.engine.scheduler.admit_batch]
     switch_intervals = args.switch_interval.split(",") if args.switch_interval else [sys.getswitchinterval()]
@@ -431,11 +431,15 @@ def main() -> None:
         print(f"== engine, {rate} requests/s", file=sys.stderr, flush=True)  # (a profiler may wait for a phase)
         direct = measured(service, lambda started: run_direct(service, jobs, times, names, started))
         emit(**common, rate=rate, path="engine", **direct)
-        for count, (layout_url, layout_thread) in layouts.items():
+        for count, (layout_url, layout_thread, front_pids) in layouts.items():
             print(f"== http ({count} front processes), {rate} requests/s", file=sys.stderr, flush=True)
-            loop_cpu = thread_cpu_s(layout_thread)
+            loop_cpu, fronts_cpu = thread_cpu_s(layout_thread), [process_cpu_s(pid) for pid in front_pids]
             http = measured(service, lambda started: run_http(layout_url, key, jobs, times, names,
                                                               args.client_processes, started))
+            if front_pids:  # each front's CPU in cores over the run (warm-up and start-up excluded)
+                wall = http["generated"] / http["tokens_per_s"]
+                http["front_cores"] = [round((process_cpu_s(pid) - before) / wall, 2)
+                                       for pid, before in zip(front_pids, fronts_cpu)]
             # the app's event loop alone (its own, or the bridge's): the HTTP layer's Python per token in this
             # process (requests, SSE chunks, and the writes to sockets or to the fronts)
             http["loop_cpu_ms_per_token"] = 1e3 * (thread_cpu_s(layout_thread) - loop_cpu) / max(1, http["generated"])
