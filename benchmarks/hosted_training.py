@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from common import (CONFIGS, checkpoint, device, dtype, emit, peak_gib, reset_peak, sync, task_cpu_s,
-                    with_tokenizer)
+from common import (CONFIGS, checkpoint, device, dtype, emit, peak_gib, reset_peak, serve_through_fronts, sync,
+                    task_cpu_s, with_tokenizer)
 
 PARTS = dict(train_attn=True, train_mlp=False, train_unembed=False)
 
@@ -472,13 +472,14 @@ class _StageClock:
 
 def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration: float, vocab: int,
                 processes: int = 1, replicas: list[str] | None = None,
-                gather_fraction: float | None = None, loop: str = "together") -> dict:
+                gather_fraction: float | None = None, loop: str = "together", http_processes: int = 0) -> dict:
     """A loopback `symbiosis serve` (in this process) and the tenants, each a thread driving the tinker SDK, in
     `processes` processes of their own. The processes' windows open together: each says `ready` when its tenants
     are warm, and all are told `go` at once. One process by default: on one machine, a process a tenant was slower
     (H100 host of 16 cores, 2026-11-27: 32 tenants 5,776 tokens/s against 14,358 in one process; 8 tenants 6,584
     against 8,848), likely because the clients' interpreters compete for the cores with the service's threads,
-    which users' own machines would not (not profiled)."""
+    which users' own machines would not (not profiled). `http_processes`: the service's HTTP behind that many
+    front processes (`symbiosis serve --http-processes`); its "http" CPU is then the bridge's loop's."""
     import uvicorn
 
     from symbiosis.serve.app import create_app
@@ -494,12 +495,19 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
                                                                   "max_pass_tokens": tenants * length,
                                                                   "devices": replicas,
                                                                   "gather_fraction": gather_fraction}).start()
-    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    if http_processes:
+        url, thread, _, stop_http = serve_through_fronts(service, http_processes)
+    else:
+        server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=0, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+
+        def stop_http() -> None:
+            server.should_exit = True
+            thread.join(30)
     processes = max(1, min(tenants, processes))
     groups = [list(range(tenants))[i::processes] for i in range(processes)]
     children = []
@@ -545,9 +553,8 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
               # iterations a second
               "cpu_ms_per_iteration": {name: round(1e3 * seconds_ / max(1, trained // length), 3)
                                        for name, seconds_ in cpu.items()},
-              **_graph_counts(service.trainer, graphs_at_start)}
-    server.should_exit = True
-    thread.join(30)
+              **_graph_counts(service.trainer, graphs_at_start), "http_processes": http_processes}
+    stop_http()
     service.close()
     del service
     _release_gpu()
@@ -649,6 +656,8 @@ def main() -> None:
     parser.add_argument("--fleet", default="8,16", help="PEFT process fleets to run (empty: none)")
     parser.add_argument("--sdk-client", help=argparse.SUPPRESS)
     parser.add_argument("--sdk-processes", type=int, default=1, help="the SDK tenants' processes")
+    parser.add_argument("--http-processes", type=int, default=0, help="the SDK runs' service with its HTTP behind "
+                        "this many front processes (symbiosis serve --http-processes)")
     parser.add_argument("--switch-interval", type=float, help="the service process's sys.setswitchinterval (the "
                                                                   "GIL's hand-over) for the SDK runs")
     parser.add_argument("--batch", type=int, default=1, help="datums of seq-len tokens a tenant's step (the "
@@ -716,7 +725,7 @@ def main() -> None:
             emit(**common, system="symbiosis tinker SDK over HTTP", tenants=n,
                  **through_sdk(model_dir, n, args.rank, args.seq_len, args.duration, vocab, args.sdk_processes,
                                args.replicas.split(",") if args.replicas else None, args.gather_fraction,
-                               args.loop))
+                               args.loop, args.http_processes))
     if not args.no_peft:
         emit(**common, system="PEFT compiled, one job", batch=1,
              **compiled_peft(model_dir, 1, args.seq_len, args.duration))

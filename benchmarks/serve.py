@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from common import CONFIGS, checkpoint, device, dtype, emit, process_cpu_s, task_cpu_s, with_tokenizer
+from common import (CONFIGS, checkpoint, device, dtype, emit, process_cpu_s, serve_through_fronts, task_cpu_s,
+                    with_tokenizer)
 from engine import write_adapters
 
 
@@ -208,46 +209,6 @@ def serve_on_loopback(service, tenant: str, directories: list[Path]):
     while not server.started:
         time.sleep(0.05)
     return server, f"http://127.0.0.1:{sock.getsockname()[1]}", names, thread
-
-
-def serve_through_fronts(service, count: int):
-    """The service's HTTP app behind `count` front processes (`symbiosis serve --http-processes`): the app on the
-    bridge's event loop in a thread of this process (serve/bridge.py), the fronts accepting on a free loopback port
-    (serve/front.py): (url, that thread, the fronts' process ids, what stops both)."""
-    import asyncio
-    import tempfile
-
-    from symbiosis.serve.app import MAX_UPLOAD_BYTES, create_app
-    from symbiosis.serve.bridge import AsgiHost, new_event_loop
-    from symbiosis.serve.front import start_fronts, stop_fronts
-
-    bridge = f"ipc://{tempfile.mkdtemp(prefix='bench-bridge-')}/bridge"
-    loop, stop = new_event_loop(), asyncio.Event()
-    host = AsgiHost(create_app(service), bridge)
-    thread = threading.Thread(target=loop.run_until_complete, args=(host.serve(stop),), name="bridge", daemon=True)
-    thread.start()
-    listener = socket.create_server(("127.0.0.1", 0), backlog=2048)
-    fronts = start_fronts(listener, bridge, count, MAX_UPLOAD_BYTES)
-    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-    deadline = time.monotonic() + 60
-    while True:  # up once a front answers
-        try:
-            with socket.create_connection(listener.getsockname(), timeout=5) as probe:
-                probe.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                if probe.recv(64).startswith(b"HTTP/1.1 200"):
-                    break
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError("the front processes did not come up")
-        time.sleep(0.2)
-
-    def close() -> None:
-        stop_fronts(fronts)
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(30)
-        listener.close()
-    return url, thread, [front.pid for front in fronts], close
 
 
 def threads_cpu_s() -> dict[int, tuple[str, float]]:
