@@ -656,8 +656,8 @@ def main() -> None:
     parser.add_argument("--fleet", default="8,16", help="PEFT process fleets to run (empty: none)")
     parser.add_argument("--sdk-client", help=argparse.SUPPRESS)
     parser.add_argument("--sdk-processes", type=int, default=1, help="the SDK tenants' processes")
-    parser.add_argument("--http-processes", type=int, default=0, help="the SDK runs' service with its HTTP behind "
-                        "this many front processes (symbiosis serve --http-processes)")
+    parser.add_argument("--http-processes", default="0", help="the SDK runs' HTTP layouts, comma-separated: 0, in "
+                        "the service's process; N, behind N front processes (symbiosis serve --http-processes)")
     parser.add_argument("--switch-interval", type=float, help="the service process's sys.setswitchinterval (the "
                                                                   "GIL's hand-over) for the SDK runs")
     parser.add_argument("--batch", type=int, default=1, help="datums of seq-len tokens a tenant's step (the "
@@ -721,11 +721,11 @@ def main() -> None:
                  **engine_api(model_dir, n, args.rank, args.seq_len, args.duration, vocab, args.batch, devices,
                               args.max_pass_tokens, args.micro_batch_tokens,
                               args.replicas.split(",") if args.replicas else None, args.loop))
-        if "sdk" in args.paths:
+        for fronts in (map(int, args.http_processes.split(",")) if "sdk" in args.paths else ()):
             emit(**common, system="symbiosis tinker SDK over HTTP", tenants=n,
                  **through_sdk(model_dir, n, args.rank, args.seq_len, args.duration, vocab, args.sdk_processes,
                                args.replicas.split(",") if args.replicas else None, args.gather_fraction,
-                               args.loop, args.http_processes))
+                               args.loop, fronts))
     if not args.no_peft:
         emit(**common, system="PEFT compiled, one job", batch=1,
              **compiled_peft(model_dir, 1, args.seq_len, args.duration))
