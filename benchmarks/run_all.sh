@@ -25,7 +25,7 @@ fi
 declare -A LIMIT_S=(
   [gpu_tests]=240 [rtt]=90 [single_1b]=150 [single_1b_dora]=200 [single_13b]=330 [multi_1b]=330 [multi_1b_8]=200 [threads_1b_8]=420 [threads_1b_8_both]=480 [threads_1b_8_captured]=330 [anatomy_1b]=300 [anatomy_1b_chunked]=240 [threads_1b_8_chunked]=330 [threads_1b_8_autotuned]=520 [threads_1b_8_all_both]=560 [multi_13b]=420 [multi_1b_ckpt]=240 [multi_13b_ckpt]=570
   [policies]=300 [mixed]=240 [privacy]=320 [long_context]=330
-  [engine_tests]=240 [sgmv]=180 [paged_attention]=240 [engine]=560 [hosted_training]=560 [hosted_training_ahead]=300 [hosted_training_profile]=300 [hosted_sdk_processes]=240 [hosted_sdk_fronts]=300
+  [engine_tests]=240 [sgmv]=180 [paged_attention]=240 [engine]=560 [hosted_training]=560 [hosted_training_ahead]=300 [hosted_training_profile]=300 [hosted_sdk_processes]=240 [hosted_sdk_fronts]=480
   [serve]=590 [serve_saturation]=590 [serve_fronts]=590 [fine_tuning_jobs]=560 [hmi_tiered]=580 [hmi_on_demand]=580 [plot]=580 [moe_train]=560 [moe_train_captured]=560 [moe_decode]=560
   [gpu_tests_2gpu]=300 [remote_2gpu]=330 [remote_chain_2gpu]=150 [nccl_pair_cost_2gpu]=120 [sharded_13b_2gpu]=560 [processes_13b_2gpu]=480 [processes_13b_2gpu_compiled]=560 [sharded_13b_2gpu_columns]=560 [fsdp_13b_2gpu]=420 [hosted_13b_2gpu]=400 [hosted_13b_replicas]=400
   [sharded_remote_8gpu]=590 [fsdp_27b_8gpu]=590
@@ -64,7 +64,7 @@ declare -A COMMAND=(
   # the SDK's 32 tenants from 4 client processes (client_cpu_share: whether one client interpreter bounded the SDK's runs)
   # (10 s windows: 6 s ones read the SDK path 10-15% lower, a graph capture or two inside the window)
   [hosted_sdk_processes]="$PY benchmarks/hosted_training.py --model llama-3.2-1b --tenants 32 --duration 10 --fleet= --paths engine,sdk --no-peft --sdk-processes 4"
-  [hosted_sdk_fronts]="$PY benchmarks/hosted_training.py --model llama-3.2-1b --tenants 32 --duration 10 --fleet= --paths engine,sdk --no-peft --sdk-processes 4 --http-processes 0,2"
+  [hosted_sdk_fronts]="$PY benchmarks/hosted_training.py --model llama-3.2-1b --tenants 32 --duration 10 --fleet= --paths engine,sdk --no-peft --sdk-processes 4 --http-processes 0,1,2"
   # these need the service's dependencies (pyzmq, FastAPI, uvicorn, python-multipart, protobuf, ...; hosted_training
   # also the tinker SDK and its own: h2 for HTTP/2, orjson, pyqwest, rich, zstandard, distro): on a machine without
   # them, install wheels of them first (`pip install --no-index --no-deps --target DIR .whl/*.whl`)
