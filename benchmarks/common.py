@@ -331,3 +331,24 @@ def serve_through_fronts(service, count: int):
         thread.join(30)
         listener.close()
     return url, thread, [front.pid for front in fronts], close
+
+
+def http_layouts(service, counts: str, server, url: str, loop_thread):
+    """Each HTTP layout of `counts` (comma-separated: 0, the app's event loop `loop_thread` at `url`, uvicorn's
+    `server`; N, behind N front processes, `serve_through_fronts`): ({N: (url, the loop's thread, the fronts'
+    pids)}, what stops them all and the service)."""
+    layouts, closing = {}, []
+    for count in map(int, counts.split(",")):
+        if count == 0:
+            layouts[0] = (url, loop_thread, [])
+        else:
+            front_url, bridge_thread, pids, close = serve_through_fronts(service, count)
+            layouts[count] = (front_url, bridge_thread, pids)
+            closing.append(close)
+
+    def close_all() -> None:
+        for close in closing:
+            close()
+        server.should_exit = True
+        service.close()
+    return layouts, close_all

@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import checkpoint, emit, process_cpu_s, serve_through_fronts, with_tokenizer
+from common import checkpoint, emit, http_layouts, process_cpu_s, with_tokenizer
 from serve import run_http, serve_on_loopback, thread_cpu_s
 
 
@@ -86,14 +86,7 @@ def main() -> None:
     steps = FreeSteps(args.step_ms / 1e3)
     service.generator_for = lambda adapter: steps  # the HTTP layer's cost alone: no engine behind it
     server, url, _, loop_thread = serve_on_loopback(service, "bench", [])
-    layouts, closing = {}, []
-    for count in map(int, args.http_processes.split(",")):
-        if count == 0:
-            layouts[0] = (url, loop_thread, [])
-        else:
-            front_url, bridge_thread, pids, close = serve_through_fronts(service, count)
-            layouts[count] = (front_url, bridge_thread, pids)
-            closing.append(close)
+    layouts, close_all = http_layouts(service, args.http_processes, server, url, loop_thread)
     names = [service.base_name]
     jobs = [{"prompt": [5, 6, 7], "max_tokens": args.tokens, "adapter": 0} for _ in range(args.streams)]
     times = [0.01 * i for i in range(args.streams)]  # all open within ~the first steps
@@ -110,10 +103,7 @@ def main() -> None:
                  loop_cpu_ms_per_token=1e3 * (thread_cpu_s(thread) - loop_cpu) / max(1, result["generated"]),
                  process_cpu_ms_per_token=1e3 * (time.process_time() - process_cpu) / max(1, result["generated"]),
                  front_cores=[round((process_cpu_s(pid) - before) / wall, 2) for pid, before in zip(pids, fronts_cpu)])
-    for close in closing:
-        close()
-    server.should_exit = True
-    service.close()
+    close_all()
 
 
 if __name__ == "__main__":

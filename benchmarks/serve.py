@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from common import (CONFIGS, checkpoint, device, dtype, emit, process_cpu_s, serve_through_fronts, task_cpu_s,
+from common import (CONFIGS, checkpoint, device, dtype, emit, http_layouts, process_cpu_s, task_cpu_s,
                     with_tokenizer)
 from engine import write_adapters
 
@@ -364,14 +364,7 @@ def main() -> None:
                                       "max_batch_tokens": 2048, "adapter_host_bytes": host_bytes}).start()
     server, url, names, loop_thread = serve_on_loopback(service, "bench", directories)
     # each HTTP layout: the app's event loop in this process (0), or behind N front processes (its loop the bridge's)
-    layouts, closing = {}, []
-    for count in map(int, (args.http_processes or "0").split(",")):
-        if count == 0:
-            layouts[0] = (url, loop_thread, [])
-        else:
-            front_url, bridge_thread, front_pids, close = serve_through_fronts(service, count)
-            layouts[count] = (front_url, bridge_thread, front_pids)
-            closing.append(close)
+    layouts, close_all = http_layouts(service, (args.http_processes or "0"), server, url, loop_thread)
     vocab = CONFIGS[args.model]["vocab_size"]
     common = dict(bench="serve", model=args.model, adapters=args.adapters, rank=args.rank,
                   gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
@@ -409,10 +402,7 @@ def main() -> None:
                  ttft_p50_ratio=http["ttft_p50_ms"] / direct["ttft_p50_ms"],
                  itl_p50_ratio=http["itl_p50_ms"] / direct["itl_p50_ms"],
                  http_cpu_ms_per_token=http["server_cpu_ms_per_token"] - direct["server_cpu_ms_per_token"])
-    for close in closing:
-        close()
-    server.should_exit = True
-    service.close()
+    close_all()
 
 
 if __name__ == "__main__":
