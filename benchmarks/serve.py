@@ -290,6 +290,19 @@ class QueueSampler:
                 "queues_every_2s": busy[::every]}
 
 
+def engine_switches() -> tuple[int, int]:
+    """The engine thread's context switches so far, (voluntary, involuntary) (Linux; (0, 0) elsewhere). The
+    involuntary ones are the OS scheduler taking its core for another thread or process. The voluntary ones are
+    its own waits, the GIL's among them."""
+    thread = next((t for t in threading.enumerate() if t.name == "symbiosis-engine"), None)
+    try:
+        fields = dict(line.split(":\t") for line in Path(f"/proc/self/task/{thread.native_id}/status").read_text()
+                      .splitlines() if line.endswith(tuple("0123456789")) and ":\t" in line)
+        return int(fields["voluntary_ctxt_switches"]), int(fields["nonvoluntary_ctxt_switches"])
+    except (AttributeError, OSError, KeyError, ValueError):
+        return 0, 0
+
+
 def measured(service, run) -> dict:
     """`run(started)`'s summary (it calls `started()` as its clock starts), with what the service's process spent
     on it: its CPU time (every thread: the engine's, the event loop's) per generated token, where what the HTTP layer
@@ -298,8 +311,10 @@ def measured(service, run) -> dict:
     engine = service.engine
     graph_steps = lambda: getattr(engine.graphs, "steps", 0) if engine.graphs is not None else 0  # noqa: E731
     reads, steps, graphed = engine.adapters.stats.disk_reads, engine.steps, graph_steps()
+    switches = []
     with QueueSampler(service) as queues:
-        result = run(queues.started)
+        result = run(lambda: (queues.started(), switches.append(engine_switches())))
+    switches.append(engine_switches())
     result.update(queues.means())
     # the engine's steps, and how many of them were decode-only steps replayed from CUDA graphs (the others, with a
     # prefill chunk, ran eagerly: their host time is the engine thread's CPU a step)
@@ -309,6 +324,9 @@ def measured(service, run) -> dict:
     result["server_threads_cores"] = busiest_threads(used, time.perf_counter() - queues.began)
     result["adapter_disk_reads"] = engine.adapters.stats.disk_reads - reads
     result["engine_thread_ms_per_step"] = 1e3 * used.get("symbiosis-engine", 0.0) / max(1, result["engine_steps"])
+    # whether other threads and processes took the engine thread's core (involuntary), or it waited (voluntary)
+    result["engine_switches_per_step"] = [round((after - before) / max(1, result["engine_steps"]), 1)
+                                          for before, after in zip(switches[0], switches[-1])]
     return result
 
 
