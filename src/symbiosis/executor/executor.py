@@ -28,7 +28,6 @@ from symbiosis.model.partition import (
     check_complete,
     load_config,
     all_base_layers,
-    plan_base_layers,
     plan_gated_mlps,
 )
 from symbiosis.model.layout import Layout
@@ -100,8 +99,9 @@ class Executor:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # compare equal to tensors' devices
-        weights = BaseWeights(layout, all_base_layers(skeleton, layout), device, dtype)
-        blocks = plan_gated_mlps(skeleton, plan_base_layers(skeleton, layout))
+        specs = all_base_layers(skeleton, layout)
+        weights = BaseWeights(layout, specs, device, dtype)
+        blocks = plan_gated_mlps(skeleton, {spec.layer_id: spec for spec in specs})  # (it skips experts' specs)
         weights.serve_blocks(blocks, {block_id: skeleton.get_submodule(block_id).act_fn for block_id in blocks})
         return cls(checkpoint, weights, fingerprint, device, dtype, max_call_tokens, policy)
 
