@@ -297,18 +297,14 @@ def serve_through_fronts(service, count: int):
     """The service's HTTP app behind `count` front processes (`symbiosis serve --http-processes`): the app on the
     bridge's event loop in a thread of this process (serve/bridge.py), the fronts accepting on a free loopback port
     (serve/front.py): (url, that thread, the fronts' process ids, what stops both)."""
-    import asyncio
     import tempfile
 
     from symbiosis.serve.app import MAX_UPLOAD_BYTES, create_app
-    from symbiosis.serve.bridge import AsgiHost, new_event_loop
+    from symbiosis.serve.bridge import AsgiHost
     from symbiosis.serve.front import start_fronts, stop_fronts
 
     bridge = f"ipc://{tempfile.mkdtemp(prefix='bench-bridge-')}/bridge"
-    loop, stop = new_event_loop(), asyncio.Event()
-    host = AsgiHost(create_app(service), bridge)
-    thread = threading.Thread(target=loop.run_until_complete, args=(host.serve(stop),), name="bridge", daemon=True)
-    thread.start()
+    thread, stop_host = AsgiHost(create_app(service), bridge).serve_in_thread()
     listener = socket.create_server(("127.0.0.1", 0), backlog=2048)
     fronts = start_fronts(listener, bridge, count, MAX_UPLOAD_BYTES)
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
@@ -327,8 +323,7 @@ def serve_through_fronts(service, count: int):
 
     def close() -> None:
         stop_fronts(fronts)
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(30)
+        stop_host()
         listener.close()
     return url, thread, [front.pid for front in fronts], close
 

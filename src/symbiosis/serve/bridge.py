@@ -22,10 +22,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 from collections import defaultdict
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
+
+from symbiosis.serve.errors import ApiError
 
 log = logging.getLogger("symbiosis.serve")
 
@@ -81,8 +85,7 @@ class _Exchange:
         if self.gone.is_set() or self.finished:
             return
         if not self.started:
-            body = json.dumps({"error": {"message": "the server failed to answer this request; it was logged",
-                                         "type": "server_error", "param": None, "code": None}}).encode()
+            body = json.dumps(ApiError(500, "the server failed to answer this request; it was logged").body()).encode()
             self.host.post(self.front, [self.id, 500, [["content-type", "application/json"]]])
             self.host.post(self.front, [self.id, False, len(body)], body)
         else:
@@ -140,6 +143,19 @@ class AsgiHost:
                 exchange.gone.set()
             self.socket.close(0)
             self.context.term()
+
+    def serve_in_thread(self) -> tuple[threading.Thread, Callable[[], None]]:
+        """`serve` on an event loop of its own, on a thread of its own (the service's loop where something else has
+        this process's main thread: tests, benchmarks): (that thread, what stops it)."""
+        loop, stop = new_event_loop(), asyncio.Event()
+        thread = threading.Thread(target=loop.run_until_complete, args=(self.serve(stop),), name="bridge",
+                                  daemon=True)
+        thread.start()
+
+        def stopping() -> None:
+            loop.call_soon_threadsafe(stop.set)
+            thread.join(30)
+        return thread, stopping
 
     def _take(self, frames: list[bytes]) -> None:
         try:

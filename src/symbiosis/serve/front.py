@@ -26,13 +26,7 @@ import zmq
 import zmq.asyncio
 
 from symbiosis.serve.bridge import decode_headers, encode_headers
-
-
-def _error(status: int, message: str) -> tuple[dict, bytes]:
-    body = json.dumps({"error": {"message": message, "type": "server_error" if status >= 500 else
-                                 "invalid_request_error", "param": None, "code": None}}).encode()
-    return {"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}, body
+from symbiosis.serve.errors import ApiError
 
 
 class Front:
@@ -51,9 +45,8 @@ class Front:
             return
         body = await self._body(receive)
         if body is None:  # over the limit, or the client went while sending it
-            start, content = _error(413, f"the request body is over {self.max_body_bytes} bytes")
-            await send(start)
-            return await send({"type": "http.response.body", "body": content})
+            error = ApiError(413, f"the request body is over {self.max_body_bytes} bytes")
+            return await error.response()(scope, receive, send)
         request_id, replies = next(self.ids), asyncio.Queue()
         self.pending[request_id] = replies
         header = {"id": request_id, "method": scope["method"], "path": scope["path"],

@@ -4,7 +4,6 @@ root, and API keys for three tenants."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import socket
@@ -64,18 +63,13 @@ class Running:
         from symbiosis.serve.app import MAX_UPLOAD_BYTES, create_app
 
         self.service, self.port = service, port
-        app, self.host_thread = create_app(service), None
+        app, self.stop_host = create_app(service), None
         if fronts:
-            from symbiosis.serve.bridge import AsgiHost, new_event_loop
+            from symbiosis.serve.bridge import AsgiHost
             from symbiosis.serve.front import Front
 
             url = f"ipc://{tempfile.mkdtemp(prefix='bridge-')}/bridge"
-            host_loop, self.host_stop = new_event_loop(), asyncio.Event()
-            host = AsgiHost(app, url)  # bound before the front connects
-            self.host_thread = threading.Thread(target=host_loop.run_until_complete, args=(host.serve(self.host_stop),),
-                                                daemon=True)
-            self.host_thread.start()
-            self.stop_host = lambda: host_loop.call_soon_threadsafe(self.host_stop.set)
+            _, self.stop_host = AsgiHost(app, url).serve_in_thread()  # bound before the front connects
             app = Front(url, MAX_UPLOAD_BYTES)
         self.url = f"http://127.0.0.1:{port}"
         sock = socket.socket()
@@ -100,9 +94,8 @@ class Running:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
-        if self.host_thread is not None:
+        if self.stop_host is not None:
             self.stop_host()
-            self.host_thread.join(30)
         self.service.close()
 
 

@@ -4,7 +4,6 @@ messages that are not the wire's, which the service logs and outlives."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import socket
@@ -36,13 +35,11 @@ async def app(scope, receive, send):
 @pytest.fixture
 def bridged():
     """(the front's URL, the bridge's URL): `app` behind the bridge and one front, both in threads here."""
-    from symbiosis.serve.bridge import AsgiHost, new_event_loop
+    from symbiosis.serve.bridge import AsgiHost
     from symbiosis.serve.front import Front
 
     url = f"ipc://{tempfile.mkdtemp(prefix='bridge-')}/bridge"
-    loop, stop = new_event_loop(), asyncio.Event()
-    host = threading.Thread(target=loop.run_until_complete, args=(AsgiHost(app, url).serve(stop),), daemon=True)
-    host.start()
+    _, stop_host = AsgiHost(app, url).serve_in_thread()
     listener = socket.create_server(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(Front(url, max_body_bytes=1000), log_level="warning", lifespan="on"))
     front = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
@@ -52,8 +49,7 @@ def bridged():
     yield f"http://127.0.0.1:{listener.getsockname()[1]}", url
     server.should_exit = True
     front.join(30)
-    loop.call_soon_threadsafe(stop.set)
-    host.join(30)
+    stop_host()
 
 
 def test_a_request_goes_through_whole(bridged):
