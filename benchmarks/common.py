@@ -205,6 +205,35 @@ def reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+class GcPauses:
+    """The cyclic garbage collector's pauses while open, per generation: {"0": [collections, ms], ...}; a
+    collection holds the GIL, so in a service every thread waits for it (a full one walked everything made at
+    start-up until the service froze it: docs/PERFORMANCE.md section 9)."""
+
+    def __init__(self):
+        self.by_generation: dict[str, list] = {}
+        self._started: dict[int, float] = {}
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started[threading.get_ident()] = time.perf_counter()
+        elif (began := self._started.pop(threading.get_ident(), None)) is not None:
+            entry = self.by_generation.setdefault(str(info["generation"]), [0, 0.0])
+            entry[0] += 1
+            entry[1] = round(entry[1] + 1e3 * (time.perf_counter() - began), 2)
+
+    def __enter__(self) -> "GcPauses":
+        import gc
+
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import gc
+
+        gc.callbacks.remove(self._callback)
+
+
 def emit(**record) -> None:
     record["mps"] = bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY"))  # run under MPS (run_all.sh MPS=1)?
     line = json.dumps(record)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from common import (CONFIGS, checkpoint, device, dtype, emit, http_layouts, process_cpu_s, task_cpu_s,
+from common import (CONFIGS, GcPauses, checkpoint, device, dtype, emit, http_layouts, process_cpu_s, task_cpu_s,
                     with_tokenizer)
 from engine import write_adapters
 
@@ -312,9 +312,10 @@ def measured(service, run) -> dict:
     graph_steps = lambda: getattr(engine.graphs, "steps", 0) if engine.graphs is not None else 0  # noqa: E731
     reads, steps, graphed = engine.adapters.stats.disk_reads, engine.steps, graph_steps()
     switches = []
-    with QueueSampler(service) as queues:
+    with QueueSampler(service) as queues, GcPauses() as gc_pauses:
         result = run(lambda: (queues.started(), switches.append(engine_switches())))
     switches.append(engine_switches())
+    result["gc_pauses"] = gc_pauses.by_generation  # generation -> [collections, ms] (every thread's)
     result.update(queues.means())
     # the engine's steps, and how many of them were decode-only steps replayed from CUDA graphs (the others, with a
     # prefill chunk, ran eagerly: their host time is the engine thread's CPU a step)

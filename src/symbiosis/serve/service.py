@@ -3,6 +3,7 @@ engine on it, the tenants' keys, the durable state and the adapters, as the HTTP
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from pathlib import Path
@@ -85,6 +86,12 @@ class Service:
     def start(self) -> "Service":
         if self.engine.device.type == "cuda":  # compile and record every step shape now, not on the first requests
             self.engine.warm_up()
+        # Everything made so far (the model's modules, torch's and transformers' objects, compiled code: ~400k
+        # objects on the tiny model) lives as long as the service: out of the cyclic collector's sight, or each full
+        # collection walks it all, holding the GIL the engine's thread needs: 170-240 ms a time on the CPU
+        # (docs/PERFORMANCE.md section 9), as vLLM's engine does after its start-up too.
+        gc.collect()
+        gc.freeze()
         self.engine.start()
         if self.training_queue is not None:
             self.training_queue.start()
@@ -106,6 +113,7 @@ class Service:
             self.server.stop()
         self.executor.close()
         self.state.close()
+        gc.unfreeze()  # what start froze may be garbage now (a process that starts services one after another)
 
     def model_card(self, name: str, created: float | None) -> dict:
         base = name == self.base_name
