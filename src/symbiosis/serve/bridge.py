@@ -10,10 +10,16 @@ The wire (ZeroMQ multipart; JSON and raw bytes, nothing unpickled):
 - front -> service: [b"request", JSON {id, method, path, query, headers: [[name, value]...]}, body] (the body
   whole: the front reads it, bounded); [b"gone", JSON {id}] (the HTTP client went: the app's `receive()` then
   says `http.disconnect`, which cancels a generation as a direct client's disconnect does).
-- service -> front: [b"bunch", JSON [[id, status, headers] | [id, more, length], ...], bodies]: a response's
-  start (status and headers) or one of its body messages (`more`: whether more follow; its `length` bytes the
-  next ones of `bodies`, every body message's bytes joined in order: one frame, not one a message, which cost
-  the service a third of its loop's time at 65 streams).
+- service -> front: [b"bunch", JSON [item, ...], bodies], the items in order:
+  - ["s", id, status, headers]: a response's start;
+  - ["b", id, more, length]: one of its body messages (`more`: whether more follow; its `length` bytes the next
+    ones of `bodies`, every body message's bytes joined in order: one frame, not one a message, which cost the
+    service a third of its loop's time at 65 streams);
+  - ["f", id, prefix, middle, suffix]: the format of the response's token chunks, then ["t", id, index, text]: a
+    chunk of the body, prefix + index + middle + text as a JSON string + suffix, which the front writes: a
+    streamed completion's tokens, relayed as they come (`symbiosis.chunks` in the app's scope: `_Exchange`), and
+    their JSON chunks built in the front, not here beside the engine's thread.
+  A front joins the body messages of one request that come in one bunch into one write.
 Names and values of headers travel as latin-1 strings (HTTP's own charset for them).
 """
 
@@ -55,16 +61,17 @@ def decode_headers(headers) -> list[tuple[bytes, bytes]]:
 
 
 class _Exchange:
-    """One forwarded request: the app's `receive` and `send` for it."""
+    """One forwarded request: the app's `receive` and `send` for it, and (as `symbiosis.chunks` in the scope's
+    extensions) what relays a stream's token chunks to the front: `chunk_format`, `chunk`, `body`."""
 
     def __init__(self, host: "AsgiHost", front: bytes, request_id: int, body: bytes):
-        self.host, self.front, self.id, self.body = host, front, request_id, body
+        self.host, self.front, self.id, self.request_body = host, front, request_id, body
         self.gone = asyncio.Event()
         self.started = self.finished = False
 
     async def receive(self) -> dict:
-        if self.body is not None:
-            body, self.body = self.body, None
+        if self.request_body is not None:
+            body, self.request_body = self.request_body, None
             return {"type": "http.request", "body": body, "more_body": False}
         await self.gone.wait()
         return {"type": "http.disconnect"}
@@ -74,11 +81,26 @@ class _Exchange:
             return
         if message["type"] == "http.response.start":
             self.started = True
-            self.host.post(self.front, [self.id, int(message["status"]), encode_headers(message.get("headers", ()))])
+            self.host.post(self.front, ["s", self.id, int(message["status"]),
+                                        encode_headers(message.get("headers", ()))])
         elif message["type"] == "http.response.body":
             more, body = bool(message.get("more_body", False)), bytes(message.get("body", b""))
             self.finished = not more
-            self.host.post(self.front, [self.id, more, len(body)], body)
+            self.host.post(self.front, ["b", self.id, more, len(body)], body)
+
+    def chunk_format(self, prefix: str, middle: str, suffix: str) -> None:
+        """How the front writes this response's `chunk`s (after its start, before its first chunk)."""
+        self.host.post(self.front, ["f", self.id, prefix, middle, suffix])
+
+    def chunk(self, index: int, text: str) -> None:
+        """A chunk of the body, as `chunk_format` says, from an index and a text."""
+        if not (self.finished or self.gone.is_set()):
+            self.host.post(self.front, ["t", self.id, index, text])
+
+    def body(self, data: bytes) -> None:
+        """A part of the body (more follows), in order with the chunks (`send`'s, from a plain function)."""
+        if not (self.finished or self.gone.is_set()):
+            self.host.post(self.front, ["b", self.id, True, len(data)], data)
 
     def end(self) -> None:
         """After the app returned: a response it left unfinished is finished (a 500 if it never started)."""
@@ -86,10 +108,10 @@ class _Exchange:
             return
         if not self.started:
             body = json.dumps(ApiError(500, "the server failed to answer this request; it was logged").body()).encode()
-            self.host.post(self.front, [self.id, 500, [["content-type", "application/json"]]])
-            self.host.post(self.front, [self.id, False, len(body)], body)
+            self.host.post(self.front, ["s", self.id, 500, [["content-type", "application/json"]]])
+            self.host.post(self.front, ["b", self.id, False, len(body)], body)
         else:
-            self.host.post(self.front, [self.id, False, 0], b"")
+            self.host.post(self.front, ["b", self.id, False, 0], b"")
         self.finished = True
 
 
@@ -172,10 +194,12 @@ class AsgiHost:
                      "raw_path": str(header["path"]).encode("latin-1"), "root_path": "",
                      "query_string": str(header.get("query", "")).encode("latin-1"),
                      "headers": decode_headers(header["headers"]), "client": None, "server": None, "state": {}}
+            exchange = _Exchange(self, front, key[1], frames[3])
+            scope["extensions"] = {"symbiosis.chunks": exchange}
         except (ValueError, KeyError, TypeError, IndexError, UnicodeError) as e:  # fronts are ours: a bug, logged
             log.error("a front sent a malformed message: %s", e)
             return
-        exchange = self._exchanges[key] = _Exchange(self, front, key[1], frames[3])
+        self._exchanges[key] = exchange
         asyncio.get_running_loop().create_task(self._run(key, exchange, scope))
 
     async def _run(self, key, exchange: _Exchange, scope: dict) -> None:

@@ -36,6 +36,7 @@ class Front:
         self.url, self.max_body_bytes = url, max_body_bytes
         self.ids = itertools.count()
         self.pending: dict[int, asyncio.Queue] = {}
+        self.formats: dict[int, list[bytes]] = {}  # request -> its token chunks' (prefix, middle, suffix)
         self.socket = None
 
     async def __call__(self, scope, receive, send):
@@ -64,6 +65,7 @@ class Front:
         finally:
             watcher.cancel()
             del self.pending[request_id]
+            self.formats.pop(request_id, None)
             if not finished:  # the client went, or the front stops: the service cancels what it runs for it
                 await self.socket.send_multipart([b"gone", json.dumps({"id": request_id}).encode()])
 
@@ -88,20 +90,39 @@ class Front:
             replies.put_nowait(None)
 
     async def _dispatch(self) -> None:
-        """The service's bunches, each message to its request's queue."""
+        """The service's bunches, each message to its request's queue (a request's body messages of one bunch as
+        one: one write of a decode step's tokens)."""
         while True:
             frames = await self.socket.recv_multipart()
-            items, bodies, offset = json.loads(frames[1]), frames[2], 0
-            for item in items:
-                replies = self.pending.get(item[0])
-                if isinstance(item[2], list):  # [id, status, headers]
-                    message = {"type": "http.response.start", "status": item[1], "headers": decode_headers(item[2])}
-                else:  # [id, more, length]
-                    message = {"type": "http.response.body", "body": bodies[offset:offset + item[2]],
-                               "more_body": item[1]}
-                    offset += item[2]
-                if replies is not None:
-                    replies.put_nowait(message)
+            bunch: dict[int, list[dict]] = {}
+            for request_id, message in self._messages(json.loads(frames[1]), frames[2]):
+                messages = bunch.setdefault(request_id, [])
+                last = messages[-1] if messages else None
+                if last is not None and message["type"] == last["type"] == "http.response.body" and last["more_body"]:
+                    last["body"] += message["body"]
+                    last["more_body"] = message["more_body"]
+                else:
+                    messages.append(message)
+            for request_id, messages in bunch.items():
+                if (replies := self.pending.get(request_id)) is not None:
+                    for message in messages:
+                        replies.put_nowait(message)
+
+    def _messages(self, items: list, bodies: bytes):
+        """(request id, ASGI message) for each of a bunch's items (the wire: bridge.py)."""
+        offset = 0
+        for kind, request_id, *rest in items:
+            if kind == "s":
+                yield request_id, {"type": "http.response.start", "status": rest[0], "headers": decode_headers(rest[1])}
+            elif kind == "b":
+                yield request_id, {"type": "http.response.body", "body": bodies[offset:offset + rest[1]],
+                                   "more_body": rest[0]}
+                offset += rest[1]
+            elif kind == "f" and request_id in self.pending:
+                self.formats[request_id] = [part.encode() for part in rest]
+            elif kind == "t" and (form := self.formats.get(request_id)) is not None:
+                body = b"%s%d%s%s%s" % (form[0], rest[0], form[1], json.dumps(rest[1]).encode(), form[2])
+                yield request_id, {"type": "http.response.body", "body": body, "more_body": True}
 
     async def _lifespan(self, receive, send) -> None:
         dispatching = None

@@ -3,7 +3,8 @@ events delivered to the event loop, cancellation when the HTTP client goes, and 
 
 The engine's thread puts each request's tokens, then one `Finished`, into an `_EventSink`, which hands them to the
 asyncio loop through the loop's inbox (one wake-up per bunch of events, not per token); an HTTP request with
-several engine requests (`n` > 1, several prompts) reads all of them from one queue, tagged by choice index.
+several engine requests (`n` > 1, several prompts) reads all of them from one queue, tagged by choice index, or,
+relayed (`Generation.relay`), has them handed to a function on the loop as they come, with no task woken for them.
 """
 
 from __future__ import annotations
@@ -86,13 +87,14 @@ def _inbox(loop: asyncio.AbstractEventLoop) -> _LoopInbox:
 
 
 class _EventSink:
-    """`put` from the engine's thread, read on the loop (through the loop's inbox, in order)."""
+    """`put` from the engine's thread, read on the loop (through the loop's inbox, in order) by `target`'s
+    `put_nowait`."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int):
-        self.inbox, self.queue, self.index = _inbox(loop), queue, index
+    def __init__(self, loop: asyncio.AbstractEventLoop, target, index: int):
+        self.inbox, self.target, self.index = _inbox(loop), target, index
 
     def put(self, event) -> None:
-        self.inbox.put(self.queue, (self.index, event))
+        self.inbox.put(self.target, (self.index, event))
 
 
 @dataclass
@@ -140,6 +142,8 @@ class Generation:
         self.choices = [Choice(i, len(p)) for i, p in enumerate(prompts)]
         self.timing = Timing()
         self._last: dict[int, float] = {}
+        self._relay = None
+        self._ended: asyncio.Future | None = None
 
     async def start(self) -> None:
         """Submit every request (an error, e.g. a prompt that does not fit, cancels those submitted already)."""
@@ -149,12 +153,42 @@ class Generation:
             generator = self.generator_for()
             for i, (prompt, params) in enumerate(zip(self.prompts, self.params)):
                 self.handles.append(generator.submit(prompt, params, self.adapter,
-                                                     events=_EventSink(loop, self.queue, i)))
+                                                     events=_EventSink(loop, self, i)))
         try:
             await asyncio.to_thread(submit_all)
         except BaseException:
             self.cancel()
             raise
+
+    def put_nowait(self, item: tuple[int, object]) -> None:
+        """(choice index, Token or Finished), on the loop: to the queue, or relayed."""
+        if self._relay is None:
+            self.queue.put_nowait(item)
+            return
+        self._relay(*self._take(*item))
+        if self.done and not self._ended.done():
+            self._ended.set_result(None)
+
+    async def relay(self, handler, disconnected) -> bool:
+        """Hand every event, from now on and those queued, to `handler(choice, Token or None at its end)` on the
+        loop as it comes (no task wakes for it), until every choice has ended (True) or `disconnected()` (an async
+        function) returns, the HTTP client gone (False: the requests are cancelled)."""
+        self._relay, self._ended = handler, asyncio.get_running_loop().create_future()
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            if item is not _GONE:
+                self.put_nowait(item)
+        if self.done:
+            return True
+        gone = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({self._ended, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not self._ended.done():
+            self.cancel()
+            return False
+        return True
 
     async def __aenter__(self) -> "Generation":
         return self

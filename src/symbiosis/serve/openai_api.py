@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from symbiosis.engine import GenerationError, SamplingParams
 from symbiosis.errors import BadCall, SymbiosisError
@@ -145,6 +145,9 @@ async def _run(service, tenant: str, body, request: Request, adapter, prompts: l
             raise ApiError(400, str(e), "model", "invalid_adapter") from None
         if body.stream:
             admitted = False  # the stream leaves admission when it ends
+            relay = request.scope.get("extensions", {}).get("symbiosis.chunks")  # behind a front process
+            if relay is not None and not (body.logprobs if chat else body.logprobs is not None):
+                return _RelayedStream(service, tenant, body, generation, len(prompts), chat, relay)
             return StreamingResponse(_stream(service, tenant, body, generation, len(prompts), chat),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         async with generation:
@@ -219,56 +222,140 @@ def _sse(payload) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
+def _json(value) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+class _Chunks:
+    """One stream's SSE chunks. Every chunk is {"id", "object", "created", "model", "choices",
+    "system_fingerprint"[, "usage"]}: the fields around the choices are encoded once."""
+
+    def __init__(self, service, body, chat: bool):
+        self.service, self.body, self.chat = service, body, chat
+        identifier = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        head = _sse({"id": identifier, "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": int(time.time()), "model": body.model, "choices": None})
+        self.head = head[:head.rindex(b"null")]
+        self.tail = b',"system_fingerprint":' + json.dumps(service.fingerprint).encode()
+        self.offsets: dict[int, int] = {}  # choice -> its text's length so far (completions' text_offset)
+
+    def chunk(self, choices: list, **extra) -> bytes:
+        more = b"".join(b',"%s":%s' % (key.encode(), _json(value)) for key, value in extra.items())
+        return self.head + _json(choices) + self.tail + more + b"}\n\n"
+
+    def role(self, choices) -> bytes:
+        """A chat's first chunk: the assistant's role for every choice."""
+        return self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None} for c in choices])
+
+    def token(self, choice, token) -> bytes:
+        offset = self.offsets.get(choice.index, 0)
+        self.offsets[choice.index] = offset + len(token.text)
+        if self.chat:
+            logprobs = _chat_logprobs(self.service, [token]) if self.body.logprobs else None
+            piece = {"delta": {"content": token.text}}
+        else:
+            logprobs = None if self.body.logprobs is None else _completion_logprobs(self.service, [token], offset)
+            piece = {"text": token.text}
+        return self.chunk([{"index": choice.index, **piece, "logprobs": logprobs, "finish_reason": None}])
+
+    def token_format(self) -> tuple[str, str, str]:
+        """(prefix, middle, suffix): a token's chunk without log-probabilities is prefix + its choice's index +
+        middle + its text as JSON + suffix, as `token` writes it (a front process writes them: bridge.py)."""
+        piece, close = (b',"delta":{"content":', b"}") if self.chat else (b',"text":', b"")
+        return ((self.head + b'[{"index":').decode(), piece.decode(),
+                (close + b',"logprobs":null,"finish_reason":null}]' + self.tail + b"}\n\n").decode())
+
+    def finish(self, choice) -> bytes:
+        return self.chunk([{"index": choice.index, "finish_reason": choice.finish_reason, "logprobs": None,
+                            **({"delta": {}} if self.chat else {"text": ""})}])
+
+    def usage(self, generation, distinct_prompts: int) -> bytes:
+        return self.chunk([], usage=_usage(generation, distinct_prompts))
+
+
+def _error_event(choice) -> bytes:
+    """A choice that failed mid-stream, as an `error` event (the openai client raises it)."""
+    error = ApiError(500 if getattr(choice.error, "retryable", True) else 422, str(choice.error),
+                     code="generation_failed")
+    return _sse(error.body())
+
+
 async def _stream(service, tenant: str, body, generation, distinct_prompts: int, chat: bool):
-    """SSE chunks as tokens come; an error mid-way is sent as an `error` event (the openai client raises it)."""
-    identifier = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    created, kind = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
-    # every chunk is {"id", "object", "created", "model", "choices", "system_fingerprint"[, "usage"]}: the fields
-    # around the choices encoded once
-    head = _sse({"id": identifier, "object": kind, "created": created, "model": body.model, "choices": None})
-    head = head[:head.rindex(b"null")]
-    tail = b',"system_fingerprint":' + json.dumps(service.fingerprint).encode()
-
-    def chunk(choices, **extra):
-        more = b"".join(b',"%s":%s' % (k.encode(), json.dumps(v, separators=(",", ":")).encode())
-                        for k, v in extra.items())
-        return head + json.dumps(choices, separators=(",", ":")).encode() + tail + more + b"}\n\n"
-
-    failed = False
+    """SSE chunks as tokens come; an error mid-way is sent as an `error` event."""
+    chunks, failed = _Chunks(service, body, chat), False
     try:
         async with generation:
             if chat:
-                yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for c in generation.choices])
-            offsets = [0] * len(generation.choices)
+                yield chunks.role(generation.choices)
             async for bunch in generation.bunches():  # the events there are, as one write
                 parts = []
                 for choice, token in bunch:
-                    if token is None:
-                        if choice.error is not None:
-                            failed = True
-                            error = ApiError(500 if getattr(choice.error, "retryable", True) else 422,
-                                             str(choice.error), code="generation_failed")
-                            yield b"".join(parts) + _sse(error.body())
-                            return
-                        parts.append(chunk([{"index": choice.index, "finish_reason": choice.finish_reason,
-                                             "logprobs": None, **({"delta": {}} if chat else {"text": ""})}]))
-                        continue
-                    if chat:
-                        logprobs = _chat_logprobs(service, [token]) if body.logprobs else None
-                        piece = {"delta": {"content": token.text}}
+                    if token is not None:
+                        parts.append(chunks.token(choice, token))
+                    elif choice.error is not None:
+                        failed = True
+                        yield b"".join(parts) + _error_event(choice)
+                        return
                     else:
-                        logprobs = None if body.logprobs is None else _completion_logprobs(service, [token],
-                                                                                           offsets[choice.index])
-                        piece = {"text": token.text}
-                    offsets[choice.index] += len(token.text)
-                    parts.append(chunk([{"index": choice.index, **piece, "logprobs": logprobs,
-                                         "finish_reason": None}]))
+                        parts.append(chunks.finish(choice))
                 yield b"".join(parts)
             if body.include_usage():
-                yield chunk([], usage=_usage(generation, distinct_prompts))
+                yield chunks.usage(generation, distinct_prompts)
             yield b"data: [DONE]\n\n"
     finally:
         service.admission.leave(tenant)
         if generation.done:
             service.finished(tenant, body.model, generation, distinct_prompts, error=failed)
+
+
+class _RelayedStream(Response):
+    """A stream without log-probabilities behind a front process (`relay`: the bridge's exchange, bridge.py): each
+    token goes to the front as (choice, text) as it comes, with no task woken for it, and the front writes its
+    chunk from the stream's `token_format`: the per-token Python left in this process, beside the engine's
+    thread, is a few microseconds (docs/PERFORMANCE.md section 9)."""
+
+    def __init__(self, service, tenant: str, body, generation, distinct_prompts: int, chat: bool, relay):
+        # (Response's own __init__ would give the headers a content-length: 0)
+        self.status_code, self.media_type, self.background = 200, "text/event-stream", None
+        self.init_headers({"Cache-Control": "no-cache"})
+        self.service, self.tenant, self.body, self.generation = service, tenant, body, generation
+        self.distinct_prompts, self.chat, self.relay = distinct_prompts, chat, relay
+
+    async def __call__(self, scope, receive, send) -> None:
+        chunks, generation, relay, failed = _Chunks(self.service, self.body, self.chat), self.generation, self.relay, None
+
+        def forward(choice, token) -> None:
+            nonlocal failed
+            if failed is not None:  # after an error, the stream is over: the rest is cancelled
+                return
+            if token is not None:
+                relay.chunk(choice.index, token.text)
+            elif choice.error is not None:
+                failed = choice
+                generation.cancel()
+            else:
+                relay.body(chunks.finish(choice))
+
+        async def disconnected() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        try:
+            async with generation:
+                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+                relay.chunk_format(*chunks.token_format())
+                if self.chat:
+                    relay.body(chunks.role(generation.choices))
+                if not await generation.relay(forward, disconnected):
+                    return  # the client went
+                if failed is not None:
+                    end = _error_event(failed)
+                else:
+                    end = (chunks.usage(generation, self.distinct_prompts) if self.body.include_usage() else b"") + \
+                        b"data: [DONE]\n\n"
+                await send({"type": "http.response.body", "body": end, "more_body": False})
+        finally:
+            self.service.admission.leave(self.tenant)
+            if generation.done:
+                self.service.finished(self.tenant, self.body.model, generation, self.distinct_prompts,
+                                      error=failed is not None)

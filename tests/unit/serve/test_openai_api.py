@@ -136,6 +136,68 @@ def test_seeded_sampling_repeats_and_n_gives_distinct_choices(loaded):
     assert first.usage.prompt_tokens == len(AutoTokenizer.from_pretrained(loaded.service.model_path)("the farmer")["input_ids"])
 
 
+def test_streams_of_several_choices_carry_each_choices_text_finish_and_usage(loaded):
+    """Behind a front, tokens are relayed and their chunks written by the front (bridge.py): the same texts,
+    finish reasons and usage as the answer that is not streamed."""
+    client = loaded.client("alice")
+    for create, text in ((client.completions.create, lambda c: c.text),
+                         (client.chat.completions.create, lambda c: c.message.content)):
+        ask = dict(model="poet", max_tokens=9, temperature=1.0, seed=11, n=2)
+        ask.update(prompt="the farmer") if create == client.completions.create else \
+            ask.update(messages=[{"role": "user", "content": "the farmer"}])
+        whole = create(**ask)
+        chunks = list(create(**ask, stream=True, stream_options={"include_usage": True}))
+        texts, finishes = ["", ""], [None, None]
+        for chunk in chunks[:-1]:
+            for choice in chunk.choices:
+                piece = choice.text if hasattr(choice, "text") else (choice.delta.content or "")
+                texts[choice.index] += piece
+                finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+        assert texts == [text(c) for c in whole.choices]
+        assert finishes == [c.finish_reason for c in whole.choices]
+        assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_a_generation_that_fails_midway_ends_its_stream_with_an_error_event(loaded, monkeypatch):
+    from symbiosis.engine import Finished, GenerationError, Token
+
+    class Failing:  # three tokens, then the failure the engine reports for NaN logits
+        def submit(self, prompt, params, adapter=None, events=None):
+            for i in range(3):
+                events.put(Token(id=5, text=f" t{i}"))
+            events.put(Finished(None, GenerationError("the model's logits are NaN", retryable=False)))
+            return self
+
+        def cancel(self):
+            pass
+    monkeypatch.setattr(loaded.service, "generator_for", lambda adapter: Failing())
+    pieces = []
+    with pytest.raises(openai.APIError, match="NaN"):
+        for chunk in loaded.client("alice").completions.create(model="tiny-llama", prompt="the cat", max_tokens=5,
+                                                                stream=True):
+            pieces.append(chunk.choices[0].text)
+    assert pieces == [" t0", " t1", " t2"]
+    assert loaded.service.admission.running["alice"] == 0  # the stream left admission
+
+
+def test_a_relayed_token_chunk_is_the_chunk_the_service_writes():
+    """A front writes a token's chunk from (prefix, middle, suffix) and the token's text (bridge.py): byte for byte
+    what the service writes itself, for texts that JSON escapes."""
+    from types import SimpleNamespace
+
+    from symbiosis.engine import Token
+    from symbiosis.serve.openai_api import _Chunks
+
+    service = SimpleNamespace(fingerprint="fp_0123")
+    for chat in (False, True):
+        chunks = _Chunks(service, SimpleNamespace(model="m", logprobs=None if not chat else False), chat)
+        prefix, middle, suffix = (part.encode() for part in chunks.token_format())
+        for index, text in ((0, " plain"), (3, 'a "quote" \\ and \n'), (1, "caf\u00e9 \u2603")):
+            written = chunks.token(SimpleNamespace(index=index), Token(id=1, text=text))
+            assert prefix + str(index).encode() + middle + json.dumps(text).encode() + suffix == written
+            assert json.loads(written[len(b"data: "):])["choices"][0]["index"] == index
+
+
 def test_errors_come_as_the_clients_exception_classes(loaded):
     alice, bob = loaded.client("alice"), loaded.client("bob")
     with pytest.raises(openai.AuthenticationError):
