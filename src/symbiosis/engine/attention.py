@@ -22,12 +22,12 @@ step's batch from the engine that runs it (`stepping`, per thread).
 
 from __future__ import annotations
 
+import functools
 import threading
-import warnings
 from contextlib import contextmanager
 
 import torch
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import create_mask, flex_attention
 from transformers import AttentionInterface
 
 NAME = "symbiosis_paged"
@@ -55,10 +55,24 @@ def _prefill_kernel(options: dict):  # its own code object: its own compile cach
 
 
 def _unfused(q, k, v, block_mask, score_mod, scale):
-    with warnings.catch_warnings():  # "flex_attention called without torch.compile()": intended here
-        warnings.simplefilter("ignore")
-        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True)
-
+    """flex_attention's arithmetic, unfused, in plain torch: q [R, H, Q, D], k and v [R or 1, Hkv, L, D] ->
+    [R, H, Q, Dv]; a query that sees no key gets zeros, as from flex_attention. (flex_attention itself, called
+    outside torch.compile, compiles a wrapper of its own at every call, which torch 2.13 keeps registered for good,
+    torch._dynamo.eval_frame.cached_backends: a leak of ~1 KB a layer a step, without end, on the CPU.)"""
+    rows, heads, queries = q.shape[:3]
+    length = k.shape[2]
+    visible = create_mask(block_mask.mask_mod, rows, None, queries, length, device=q.device)  # [R, 1, Q, L]
+    groups = heads // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale  # [R, H, Q, L]
+    if score_mod is not None:  # elementwise over the scores, with their indices broadcast as flex_attention's
+        index = [torch.arange(n, device=q.device).view([-1 if i == d else 1 for i in range(4)])
+                 for d, n in enumerate(scores.shape)]
+        scores = score_mod(scores, *index)
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    # a query that sees no key (its row all -inf: NaN) gets zeros; a NaN of the numbers themselves stays one
+    weights = torch.where(visible.any(-1, keepdim=True), weights, 0.0)
+    return weights @ v
 
 def reads_in_place(query: torch.Tensor) -> bool:
     """Whether attention reads the pool in place (a GPU) or gathered contexts (the CPU: unfused, flex_attention
@@ -84,6 +98,7 @@ def _kernel(one_query: bool, block_size: int):
     return _compiled[key]
 
 
+@functools.cache  # one function a cap: a new one at every call would be a new guard for the compiled kernels
 def _softcapped(softcap: float):
     def score_mod(score, b, h, q, k):
         return torch.tanh(score / softcap) * softcap

@@ -568,3 +568,26 @@ def test_on_the_gpu_moe_decode_steps_replay_from_graphs_as_they_run_eagerly(arch
         assert a.token_ids == b.token_ids
         assert torch.allclose(torch.tensor([t.logprob for t in a.logprobs]),
                               torch.tensor([t.logprob for t in b.logprobs]), rtol=5e-2, atol=5e-2)
+
+
+def test_steps_on_the_cpu_leave_nothing_behind(models):
+    """The unfused attention of the CPU keeps nothing a step: flex_attention called outside torch.compile kept a
+    compiled wrapper of its own for good at every call (torch 2.13), ~11 objects a request here, without end."""
+    import gc
+
+    checkpoint, adapters = models("llama")
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float32, kv_blocks=32, block_size=4, max_lora_rank=8)
+
+    def serve(count: int) -> None:
+        handles = [engine.submit(PROMPTS[i % len(PROMPTS)], SamplingParams(max_tokens=5, ignore_eos=True),
+                                 ("attn_r2", adapters["attn_r2"]) if i % 2 else None) for i in range(count)]
+        while engine.has_work():
+            engine.step()
+        assert all(len(h.result().token_ids) == 5 for h in handles)
+
+    serve(8)  # first steps make what lives on (compiled code, caches)
+    gc.collect()
+    before = len(gc.get_objects())
+    serve(40)
+    gc.collect()
+    assert len(gc.get_objects()) - before < 100
