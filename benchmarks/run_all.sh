@@ -74,7 +74,7 @@ declare -A COMMAND=(
   # against the engine called directly, the second at twice the tokens/s (2026-11-27, ninth session)
   [serve_saturation]="$PY benchmarks/serve.py --model llama-3-8b --adapters 64 --rates 64 --admit-batch 1,12 --requests 512"
   [http_layer]="$PY benchmarks/http_layer.py --streams 64 --tokens 128 --step-ms 15 --http-processes 0,1,2 --rounds 2"
-  [serve_fronts]="$PY benchmarks/serve.py --model llama-3-8b --adapters 64 --rates 64 --requests 384 --http-processes 0,1,2,4"
+  [serve_fronts]="$PY benchmarks/serve.py --model llama-3-8b --adapters 64 --rates 64 --requests 256 --http-processes 0,1 --repeat 3"
   [fine_tuning_jobs]="$PY benchmarks/fine_tuning_jobs.py --model llama-3.2-1b --jobs 8 --rate 8 --requests 128"
   [hmi_tiered]="$PY benchmarks/hmi.py --model llama-3.2-1b --tenants 10000 --clients 250 --requests 12500 --phases hot,tiered"
   [hmi_on_demand]="$PY benchmarks/hmi.py --model llama-3.2-1b --tenants 10000 --clients 250 --requests 12500 --phases on_demand,copies,placement,prefetch"

@@ -352,6 +352,8 @@ def main() -> None:
                         "app's event loop in the service's process; N, behind N front processes (symbiosis serve "
                         "--http-processes N)")
     parser.add_argument("--requests", type=int, default=128, help="requests per rate and path")
+    parser.add_argument("--repeat", type=int, default=1, help="run every round this many times, alternated (the "
+                        "engine, then each HTTP layout, again): one run a layout moved by 0.2x between calls")
     parser.add_argument("--client-processes", type=int, default=8, help="the HTTP clients' processes")
     parser.add_argument("--workdir", default="/tmp/symbiosis-bench-serve")
     args = parser.parse_args()
@@ -394,12 +396,13 @@ def main() -> None:
     admit_batches = args.admit_batch.split(",") if args.admit_batch else [service.engine.scheduler.admit_batch]
     switch_intervals = args.switch_interval.split(",") if args.switch_interval else [sys.getswitchinterval()]
     rounds = [(float(rate), int(together), float(switch)) for together in admit_batches
-              for switch in switch_intervals for rate in args.rates.split(",")]
-    for rate, together, switch in rounds:
+              for switch in switch_intervals for rate in args.rates.split(",")] * args.repeat
+    per_repeat = len(rounds) // args.repeat
+    for index, (rate, together, switch) in enumerate(rounds):
         # the engine's admission (engine/scheduler.py: admit_batch), set between rounds: both paths of a round share it
         service.engine.scheduler.admit_batch = together
         sys.setswitchinterval(switch)
-        common.update(admit_batch=together, switch_interval_s=switch)
+        common.update(admit_batch=together, switch_interval_s=switch, repeat=index // per_repeat)
         jobs, times = workload(args.requests, args.adapters, vocab), arrivals(args.requests, rate)
         print(f"== engine, {rate} requests/s", file=sys.stderr, flush=True)  # (a profiler may wait for a phase)
         direct = measured(service, lambda started: run_direct(service, jobs, times, names, started))
