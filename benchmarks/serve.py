@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import random
@@ -312,10 +313,15 @@ def measured(service, run) -> dict:
     graph_steps = lambda: getattr(engine.graphs, "steps", 0) if engine.graphs is not None else 0  # noqa: E731
     reads, steps, graphed = engine.adapters.stats.disk_reads, engine.steps, graph_steps()
     switches = []
+    # each run from an emptied heap (the last run's garbage collected now, not in this run), and the live objects it
+    # starts with: a count that grows run after run is something kept for good (docs/PERFORMANCE.md section 8)
+    gc.collect()
+    live_objects = len(gc.get_objects())
     with QueueSampler(service) as queues, GcPauses() as gc_pauses:
         result = run(lambda: (queues.started(), switches.append(engine_switches())))
     switches.append(engine_switches())
     result["gc_pauses"] = gc_pauses.by_generation  # generation -> [collections, ms] (every thread's)
+    result["live_objects_before"] = live_objects  # (the collector's; gc.freeze's are not counted)
     result.update(queues.means())
     # the engine's steps, and how many of them were decode-only steps replayed from CUDA graphs (the others, with a
     # prefill chunk, ran eagerly: their host time is the engine thread's CPU a step)
