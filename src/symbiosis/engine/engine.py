@@ -221,7 +221,7 @@ class Engine:
         vocab = self.model.get_input_embeddings().weight.shape[0]
         if not prompt:
             raise BadCall("the prompt is empty")
-        if any(not 0 <= t < vocab for t in prompt):
+        if min(prompt) < 0 or max(prompt) >= vocab:
             raise BadCall(f"the prompt holds token ids outside the vocabulary (0..{vocab - 1})")
         total = len(prompt) + params.max_tokens
         if self.context_limit is not None and total > self.context_limit:

@@ -80,7 +80,7 @@ def router(service, tenant_dependency) -> APIRouter:
 def _completion_prompts(prompt, tokenizer) -> list[list[int]]:
     if isinstance(prompt, str):
         prompts = [prompt]
-    elif prompt and all(isinstance(p, int) for p in prompt):
+    elif prompt and isinstance(prompt[0], int):  # (the schema's union made the list one type: list[int])
         prompts = [prompt]
     else:
         prompts = list(prompt)
