@@ -234,6 +234,24 @@ class GcPauses:
         gc.callbacks.remove(self._callback)
 
 
+BENCH_KEY = "bench-key-0123456789abcdef"
+
+
+def tiny_service(prefix: str, max_requests: int):
+    """The service (`symbiosis serve`'s) on the tiny model, without hosted training, in a fresh temporary
+    directory; one tenant, "bench", whose key is BENCH_KEY."""
+    import tempfile
+
+    from symbiosis.serve.service import Service
+
+    model_dir = with_tokenizer(checkpoint("tiny"))
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    (workdir / "keys").write_text(f"bench {BENCH_KEY}\n")
+    (workdir / "adapters").mkdir()
+    return Service(model_dir, workdir / "state", workdir / "keys", adapter_root=workdir / "adapters",
+                   max_requests=max_requests, max_requests_per_tenant=max_requests, training=None).start()
+
+
 def emit(**record) -> None:
     record["mps"] = bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY"))  # run under MPS (run_all.sh MPS=1)?
     line = json.dumps(record)

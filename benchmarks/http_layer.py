@@ -12,12 +12,10 @@ to drive down where the engine's thread and the HTTP layer share one interpreter
 from __future__ import annotations
 
 import argparse
-import tempfile
 import threading
 import time
-from pathlib import Path
 
-from common import checkpoint, emit, http_layouts, process_cpu_s, with_tokenizer
+from common import BENCH_KEY, emit, http_layouts, process_cpu_s, tiny_service
 from serve import run_http, serve_on_loopback, thread_cpu_s
 
 
@@ -73,16 +71,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="each layout's runs, alternated")
     args = parser.parse_args()
 
-    from symbiosis.serve.service import Service
-
-    model_dir = with_tokenizer(checkpoint("tiny"))
-    workdir = Path(tempfile.mkdtemp(prefix="http-layer-"))
-    key = "bench-key-0123456789abcdef"
-    (workdir / "keys").write_text(f"bench {key}\n")
-    (workdir / "adapters").mkdir()
-    service = Service(model_dir, workdir / "state", workdir / "keys", adapter_root=workdir / "adapters",
-                      max_requests=4 * args.streams, max_requests_per_tenant=4 * args.streams,
-                      training=None).start()
+    service, key = tiny_service("http-layer-", 4 * args.streams), BENCH_KEY
     steps = FreeSteps(args.step_ms / 1e3)
     service.generator_for = lambda adapter: steps  # the HTTP layer's cost alone: no engine behind it
     server, url, _, loop_thread = serve_on_loopback(service, "bench", [])
