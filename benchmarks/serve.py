@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import itertools
 import json
 import math
 import random
@@ -357,6 +358,9 @@ def main() -> None:
     parser.add_argument("--http-processes", help="HTTP layouts to run every rate with, comma-separated: 0, the "
                         "app's event loop in the service's process; N, behind N front processes (symbiosis serve "
                         "--http-processes N)")
+    parser.add_argument("--defer-wakeups", default="0", help="comma-separated 0/1: run each HTTP layout with the "
+                        "engine's defer_wakeups off and on (the loop woken once a step, as the engine is about to wait "
+                        "for the device)")
     parser.add_argument("--requests", type=int, default=128, help="requests per rate and path")
     parser.add_argument("--repeat", type=int, default=1, help="run every round this many times, alternated (the "
                         "engine, then each HTTP layout, again): one run a layout moved by 0.2x between calls")
@@ -413,8 +417,11 @@ def main() -> None:
         print(f"== engine, {rate} requests/s", file=sys.stderr, flush=True)  # (a profiler may wait for a phase)
         direct = measured(service, lambda started: run_direct(service, jobs, times, names, started))
         emit(**common, rate=rate, path="engine", **direct)
-        for count, (layout_url, layout_thread, front_pids) in layouts.items():
-            print(f"== http ({count} front processes), {rate} requests/s", file=sys.stderr, flush=True)
+        for (count, (layout_url, layout_thread, front_pids)), defer in itertools.product(
+                layouts.items(), [bool(int(d)) for d in args.defer_wakeups.split(",")]):
+            print(f"== http ({count} front processes, wake-ups deferred: {defer}), {rate} requests/s",
+                  file=sys.stderr, flush=True)
+            service.engine.defer_wakeups = defer
             loop_cpu, fronts_cpu = thread_cpu_s(layout_thread), [process_cpu_s(pid) for pid in front_pids]
             http = measured(service, lambda started: run_http(layout_url, key, jobs, times, names,
                                                               args.client_processes, started))
@@ -425,7 +432,8 @@ def main() -> None:
             # the app's event loop alone (its own, or the bridge's): the HTTP layer's Python per token in this
             # process (requests, SSE chunks, and the writes to sockets or to the fronts)
             http["loop_cpu_ms_per_token"] = 1e3 * (thread_cpu_s(layout_thread) - loop_cpu) / max(1, http["generated"])
-            emit(**common, rate=rate, path="http", http_processes=count, **http,
+            service.engine.defer_wakeups = False
+            emit(**common, rate=rate, path="http", http_processes=count, defer_wakeups=defer, **http,
                  throughput_ratio=http["tokens_per_s"] / direct["tokens_per_s"],
                  ttft_p50_ratio=http["ttft_p50_ms"] / direct["ttft_p50_ms"],
                  itl_p50_ratio=http["itl_p50_ms"] / direct["itl_p50_ms"],

@@ -191,6 +191,12 @@ class Engine:
         self._worker = Worker("symbiosis-engine", self.has_work, self._work)
         self._lock = self._worker.lock
         self.steps = 0
+        # Whether a reader's `events` with `put_quietly` and `flush` (the service's, serve/generation.py) is woken
+        # only as the engine's thread is about to wait for the device, once for a step's events, not at the first
+        # of them: a reader on another thread of this process then takes the GIL while the device runs, not in the
+        # middle of the next step's launch; its tokens come one launch later (docs/PERFORMANCE.md section 9)
+        self.defer_wakeups = False
+        self._quiet: dict[int, object] = {}  # id -> events put to quietly since their last flush
         self.graphs = graphs.DecodeGraphs(self._decode_logits, self.device) if decode_graphs else None
         # the sampled tokens of the latest step, where the next step's decodes read their input
         self.last_tokens = torch.zeros(max_running, dtype=torch.long, device=self.device)
@@ -281,9 +287,26 @@ class Engine:
         previous, self._in_flight = self._in_flight, None
         ran = self._launch(chunks) if chunks else 0
         self._prefetch()
+        self._wake_readers()  # (the last step's events) while this thread waits for the device in `_read`
         if previous is not None:
             self._read(previous)
+        if self._in_flight is None:  # nothing to wait for: at once
+            self._wake_readers()
         return ran
+
+    def _put(self, request: Request, event) -> None:
+        events = request.events
+        quietly = getattr(events, "put_quietly", None) if self.defer_wakeups else None
+        if quietly is None:
+            events.put(event)
+            return
+        quietly(event)
+        self._quiet[id(events)] = events
+
+    def _wake_readers(self) -> None:
+        quiet, self._quiet = self._quiet, {}
+        for events in quiet.values():
+            events.flush()
 
     def _prefetch(self) -> None:
         """While the step just launched runs: place the adapters of the requests that may join the next one (those
@@ -375,7 +398,7 @@ class Engine:
             request.output.append(choice.token)
             reason = stops.stop_reason(request, choice.token, self.tokenizer, self.eos_ids)
             text = stops.new_text(request, final=reason is not None)
-            request.events.put(Token(choice.token, text, choice.logprob, choice.top_logprobs))
+            self._put(request, Token(choice.token, text, choice.logprob, choice.top_logprobs))
             if reason is not None:
                 self._end(request, Finished(reason))
 
@@ -387,7 +410,7 @@ class Engine:
             self.kv.scrub(request.blocks)
         self.scheduler.finish(request)
         request.finished = True
-        request.events.put(finished)
+        self._put(request, finished)
 
     def warm_up(self) -> float:
         """Before the engine's thread starts: run, for every row bucket up to `max_running`'s, a prefill step and a
@@ -424,3 +447,4 @@ class Engine:
         with self._on_stream():  # after the steps still on it (a failed request's KV is scrubbed)
             for request in self.scheduler.running + self.scheduler.waiting + self._incoming:
                 self._end(request, Finished(None, GenerationError("the engine was closed")))
+        self._wake_readers()

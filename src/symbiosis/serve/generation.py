@@ -53,13 +53,26 @@ class _LoopInbox:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self._items: list[tuple[asyncio.Queue, object]] = []
+        self._called = False  # whether the loop is called to empty the inbox
         self._lock = threading.Lock()
 
-    def put(self, queue: asyncio.Queue, item) -> None:
+    def put(self, queue: asyncio.Queue, item, wake: bool = True) -> None:
+        """`wake` False: the loop is not called for it until a `wake()` (or a later put that wakes)."""
         with self._lock:
             self._items.append((queue, item))
-            if len(self._items) > 1:  # the loop is already called to empty the inbox
+            if not wake or self._called:
                 return
+            self._called = True
+        self._call()
+
+    def wake(self) -> None:
+        with self._lock:
+            if not self._items or self._called:
+                return
+            self._called = True
+        self._call()
+
+    def _call(self) -> None:
         try:
             self.loop.call_soon_threadsafe(self._deliver)
         except RuntimeError:  # the loop is closed (the server stopping): its events are dropped
@@ -67,7 +80,7 @@ class _LoopInbox:
 
     def _deliver(self) -> None:
         with self._lock:
-            items, self._items = self._items, []
+            items, self._items, self._called = self._items, [], False
         for queue, item in items:
             queue.put_nowait(item)
 
@@ -95,6 +108,13 @@ class _EventSink:
 
     def put(self, event) -> None:
         self.inbox.put(self.target, (self.index, event))
+
+    def put_quietly(self, event) -> None:
+        """`put`, without calling the loop until `flush` (the engine's `defer_wakeups`)."""
+        self.inbox.put(self.target, (self.index, event), wake=False)
+
+    def flush(self) -> None:
+        self.inbox.wake()
 
 
 @dataclass

@@ -591,3 +591,41 @@ def test_steps_on_the_cpu_leave_nothing_behind(models):
     serve(40)
     gc.collect()
     assert len(gc.get_objects()) - before < 100
+
+
+def test_deferred_wake_ups_deliver_every_event_and_flush_before_the_engine_rests(models):
+    """`defer_wakeups`: readers with put_quietly/flush get every event quietly, the same tokens, and a flush after
+    the last of them (the engine wakes them before it waits for the device, and at once when nothing is in flight)."""
+    checkpoint, adapters = models("llama")
+
+    class Reader:
+        def __init__(self):
+            self.log = []
+
+        def put(self, event):
+            self.log.append(("put", event))
+
+        def put_quietly(self, event):
+            self.log.append(("quiet", event))
+
+        def flush(self):
+            self.log.append(("flush", None))
+
+    def run(defer: bool):
+        engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=32, block_size=4, max_lora_rank=4)
+        engine.defer_wakeups = defer
+        readers = [Reader() for _ in PROMPTS]
+        for prompt, reader in zip(PROMPTS, readers):
+            engine.submit(prompt, SamplingParams(max_tokens=4, ignore_eos=True), ("attn_r2", adapters["attn_r2"]),
+                          events=reader)
+        while engine.has_work():
+            engine.step()
+        return readers
+
+    plain, deferred = run(False), run(True)
+    for before, after in zip(plain, deferred):
+        assert [kind for kind, _ in before.log] == ["put"] * 5
+        assert {kind for kind, _ in after.log} == {"quiet", "flush"} and after.log[-1][0] == "flush"
+        events = [event for kind, event in after.log if kind == "quiet"]
+        assert [getattr(e, "id", None) for e in events] == [getattr(e, "id", None) for _, e in before.log]
+        assert events[-1].reason == "length"

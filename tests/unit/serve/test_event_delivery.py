@@ -51,3 +51,43 @@ def _check_delivery() -> None:
     finally:
         loop.close()
     sinks[1].put("dropped")  # a closed loop: dropped, no error
+
+
+def test_quiet_events_wait_for_a_flush_and_one_wake_up_serves_them_all():
+    failures = []
+    checking = threading.Thread(target=lambda: _record_quiet(failures))
+    checking.start()
+    checking.join()
+    if failures:
+        raise failures[0]
+
+
+def _record_quiet(failures: list) -> None:
+    try:
+        loop = asyncio.new_event_loop()
+        wake_ups = []
+        original = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *args: (wake_ups.append(args), original(*args))[1]
+        queues = [asyncio.Queue() for _ in range(2)]
+        sinks = [_EventSink(loop, queue, index) for index, queue in enumerate(queues)]
+        for step in range(3):
+            for sink in sinks:
+                sink.put_quietly(f"token {step}")
+        assert wake_ups == []  # nothing calls the loop until a flush
+        sinks[0].flush()
+        sinks[1].flush()  # the loop is called already: no second wake-up
+        assert len(wake_ups) == 1
+        received = [loop.run_until_complete(_take(queue, 3)) for queue in queues]
+        assert received == [[(index, f"token {step}") for step in range(3)] for index in range(2)]
+        sinks[0].flush()  # nothing waiting: no wake-up
+        sinks[1].put_quietly("quiet")
+        sinks[0].put("loud")  # a put that wakes takes the quiet one along
+        assert len(wake_ups) == 2
+        assert loop.run_until_complete(_take(queues[1], 1)) == [(1, "quiet")]
+        loop.close()
+    except BaseException as error:  # noqa: BLE001 -- raised again on the test's thread
+        failures.append(error)
+
+
+async def _take(queue: asyncio.Queue, count: int) -> list:
+    return [await queue.get() for _ in range(count)]

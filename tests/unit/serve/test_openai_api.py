@@ -158,6 +158,17 @@ def test_streams_of_several_choices_carry_each_choices_text_finish_and_usage(loa
         assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
 
 
+def test_with_wake_ups_deferred_streams_and_answers_are_the_same(loaded, monkeypatch):
+    """The engine's `defer_wakeups` (the loop woken once a step, before the engine waits for the device): the same
+    text streamed and not, and nothing left undelivered when the engine goes idle."""
+    client = loaded.client("alice")
+    ask = dict(model="poet", prompt="the cat sees", max_tokens=10, temperature=0)
+    plain = client.completions.create(**ask).choices[0].text
+    monkeypatch.setattr(loaded.service.engine, "defer_wakeups", True)
+    assert client.completions.create(**ask).choices[0].text == plain
+    assert "".join(c.choices[0].text for c in client.completions.create(**ask, stream=True)) == plain
+
+
 def test_a_generation_that_fails_midway_ends_its_stream_with_an_error_event(loaded, monkeypatch):
     from symbiosis.engine import Finished, GenerationError, Token
 
