@@ -8,31 +8,40 @@ import threading
 from symbiosis.serve.generation import _EventSink
 
 
-def test_events_from_the_engine_thread_arrive_in_order_with_one_wake_up_per_bunch():
-    # on a thread of its own: after a browser test, Playwright's loop still counts as running in the main thread
+def _on_a_thread(check) -> None:
+    """`check()` on a thread of its own (after a browser test, Playwright's loop still counts as running in the main
+    thread), its failure raised here."""
     failures = []
-    checking = threading.Thread(target=_record, args=(failures,))
+
+    def record() -> None:
+        try:
+            check()
+        except BaseException as error:  # noqa: BLE001 -- raised again on the test's thread
+            failures.append(error)
+    checking = threading.Thread(target=record)
     checking.start()
     checking.join()
     if failures:
         raise failures[0]
 
 
-def _record(failures: list) -> None:
-    try:
-        _check_delivery()
-    except BaseException as error:  # noqa: BLE001 -- raised again on the test's thread
-        failures.append(error)
-
-
-def _check_delivery() -> None:
+def _sinks(count: int):
+    """(a new loop, the calls that wake it, `count` queues on it, a sink for each)."""
     loop = asyncio.new_event_loop()
     wake_ups = []
     original = loop.call_soon_threadsafe
     loop.call_soon_threadsafe = lambda *args: (wake_ups.append(args), original(*args))[1]
+    queues = [asyncio.Queue() for _ in range(count)]
+    return loop, wake_ups, queues, [_EventSink(loop, queue, index) for index, queue in enumerate(queues)]
+
+
+def test_events_from_the_engine_thread_arrive_in_order_with_one_wake_up_per_bunch():
+    _on_a_thread(_check_delivery)
+
+
+def _check_delivery() -> None:
+    loop, wake_ups, queues, sinks = _sinks(3)
     try:
-        queues = [asyncio.Queue() for _ in range(3)]
-        sinks = [_EventSink(loop, queue, index) for index, queue in enumerate(queues)]
 
         def engine_step(step):  # one step: a token for every request
             for sink in sinks:
@@ -54,22 +63,12 @@ def _check_delivery() -> None:
 
 
 def test_quiet_events_wait_for_a_flush_and_one_wake_up_serves_them_all():
-    failures = []
-    checking = threading.Thread(target=lambda: _record_quiet(failures))
-    checking.start()
-    checking.join()
-    if failures:
-        raise failures[0]
+    _on_a_thread(_check_quiet_delivery)
 
 
-def _record_quiet(failures: list) -> None:
+def _check_quiet_delivery() -> None:
+    loop, wake_ups, queues, sinks = _sinks(2)
     try:
-        loop = asyncio.new_event_loop()
-        wake_ups = []
-        original = loop.call_soon_threadsafe
-        loop.call_soon_threadsafe = lambda *args: (wake_ups.append(args), original(*args))[1]
-        queues = [asyncio.Queue() for _ in range(2)]
-        sinks = [_EventSink(loop, queue, index) for index, queue in enumerate(queues)]
         for step in range(3):
             for sink in sinks:
                 sink.put_quietly(f"token {step}")
@@ -84,9 +83,8 @@ def _record_quiet(failures: list) -> None:
         sinks[0].put("loud")  # a put that wakes takes the quiet one along
         assert len(wake_ups) == 2
         assert loop.run_until_complete(_take(queues[1], 1)) == [(1, "quiet")]
+    finally:
         loop.close()
-    except BaseException as error:  # noqa: BLE001 -- raised again on the test's thread
-        failures.append(error)
 
 
 async def _take(queue: asyncio.Queue, count: int) -> list:
