@@ -10,6 +10,7 @@ relayed (`Generation.relay`), has them handed to a function on the loop as they 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import Counter
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 
 from symbiosis.engine import Finished, SamplingParams, Token
 from symbiosis.serve.errors import ApiError
+
+log = logging.getLogger("symbiosis.serve")
 
 
 class Admission:
@@ -164,6 +167,7 @@ class Generation:
         self._last: dict[int, float] = {}
         self._relay = None
         self._ended: asyncio.Future | None = None
+        self.relay_error: Exception | None = None  # what failed in relaying its events (a bug: logged)
 
     async def start(self) -> None:
         """Submit every request (an error, e.g. a prompt that does not fit, cancels those submitted already)."""
@@ -185,8 +189,15 @@ class Generation:
         if self._relay is None:
             self.queue.put_nowait(item)
             return
-        self._relay(*self._take(*item))
-        if self.done and not self._ended.done():
+        if self.relay_error is not None:
+            return
+        try:
+            self._relay(*self._take(*item))
+        except Exception as e:  # noqa: BLE001 -- a bug here must not lose the other requests' events of the bunch
+            log.exception("relaying a generation's event failed; the generation is cancelled")
+            self.relay_error = e
+            self.cancel()
+        if (self.done or self.relay_error is not None) and not self._ended.done():
             self._ended.set_result(None)
 
     async def relay(self, handler, disconnected) -> bool:
@@ -198,7 +209,7 @@ class Generation:
             item = self.queue.get_nowait()
             if item is not _GONE:
                 self.put_nowait(item)
-        if self.done:
+        if self.done or self.relay_error is not None:
             return True
         gone = asyncio.ensure_future(disconnected())
         try:

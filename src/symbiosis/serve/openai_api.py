@@ -348,7 +348,10 @@ class _RelayedStream(Response):
                     relay.body(chunks.role(generation.choices))
                 if not await generation.relay(forward, disconnected):
                     return  # the client went
-                if failed is not None:
+                if generation.relay_error is not None:  # (logged): the stream ends with a server error
+                    failed = generation.relay_error
+                    end = _sse(ApiError(500, "the server failed to stream this completion; it was logged").body())
+                elif failed is not None:
                     end = _error_event(failed)
                 else:
                     end = (chunks.usage(generation, self.distinct_prompts) if self.body.include_usage() else b"") + \

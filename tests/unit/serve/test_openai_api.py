@@ -191,6 +191,49 @@ def test_a_generation_that_fails_midway_ends_its_stream_with_an_error_event(load
     assert loaded.service.admission.running["alice"] == 0  # the stream left admission
 
 
+def test_a_relay_that_fails_ends_its_stream_with_a_server_error_and_no_other(loaded, monkeypatch):
+    """Behind a front, a failure while relaying one stream's token (a bug, logged) ends that stream with a server
+    error event; the streams whose events came in the same bunch go on whole."""
+    from symbiosis.engine import Finished, Token
+    from symbiosis.serve import bridge
+
+    if loaded.stop_host is None:
+        pytest.skip("relaying is the front's")
+
+    class AtOnce:  # every request's tokens at its submission: several requests' events in one bunch
+        def submit(self, prompt, params, adapter=None, events=None):
+            for i in range(4):
+                events.put(Token(id=5, text=" boom" if prompt[0] == 13 and i == 2 else f" t{i}"))
+            events.put(Finished("length"))
+            return self
+
+        def cancel(self):
+            pass
+    chunk = bridge._Exchange.chunk
+
+    def failing(self, index, text):
+        if text == " boom":
+            raise RuntimeError("a bug")
+        chunk(self, index, text)
+    monkeypatch.setattr(bridge._Exchange, "chunk", failing)
+    monkeypatch.setattr(loaded.service, "generator_for", lambda adapter: AtOnce())
+    client, results = loaded.client("alice"), {}
+
+    def stream(name, prompt):
+        try:
+            results[name] = "".join(c.choices[0].text for c in client.completions.create(
+                model="tiny-llama", prompt=prompt, max_tokens=4, stream=True))
+        except openai.APIError as e:
+            results[name] = e
+    threads = [threading.Thread(target=stream, args=(f"s{i}", [13 if i == 0 else 14, 5])) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert isinstance(results["s0"], openai.APIError) and "failed to stream" in str(results["s0"])
+    assert all(results[f"s{i}"] == " t0 t1 t2 t3" for i in range(1, 6))
+
+
 def test_a_relayed_token_chunk_is_the_chunk_the_service_writes():
     """A front writes a token's chunk from (prefix, middle, suffix) and the token's text (bridge.py): byte for byte
     what the service writes itself, for texts that JSON escapes."""
