@@ -7,6 +7,7 @@ and runs its baseline (plain transformers + PEFT, one job per tenant) in the sam
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -223,14 +224,10 @@ class GcPauses:
             entry[1] = round(entry[1] + 1e3 * (time.perf_counter() - began), 2)
 
     def __enter__(self) -> "GcPauses":
-        import gc
-
         gc.callbacks.append(self._callback)
         return self
 
     def __exit__(self, *exc) -> None:
-        import gc
-
         gc.callbacks.remove(self._callback)
 
 

@@ -74,6 +74,7 @@ def _unfused(q, k, v, block_mask, score_mod, scale):
     weights = torch.where(visible.any(-1, keepdim=True), weights, 0.0)
     return weights @ v
 
+
 def reads_in_place(query: torch.Tensor) -> bool:
     """Whether attention reads the pool in place (a GPU) or gathered contexts (the CPU: unfused, flex_attention
     would evaluate every key of the pool). The tests run the in-place path on the CPU too."""

@@ -84,9 +84,11 @@ class _Exchange:
             self.host.post(self.front, ["s", self.id, int(message["status"]),
                                         encode_headers(message.get("headers", ()))])
         elif message["type"] == "http.response.body":
-            more, body = bool(message.get("more_body", False)), bytes(message.get("body", b""))
-            self.finished = not more
-            self.host.post(self.front, ["b", self.id, more, len(body)], body)
+            self._post_body(bytes(message.get("body", b"")), bool(message.get("more_body", False)))
+
+    def _post_body(self, data: bytes, more: bool) -> None:
+        self.finished = not more
+        self.host.post(self.front, ["b", self.id, more, len(data)], data)
 
     def chunk_format(self, prefix: str, middle: str, suffix: str) -> None:
         """How the front writes this response's `chunk`s (after its start, before its first chunk)."""
@@ -100,7 +102,7 @@ class _Exchange:
     def body(self, data: bytes) -> None:
         """A part of the body (more follows), in order with the chunks (`send`'s, from a plain function)."""
         if not (self.finished or self.gone.is_set()):
-            self.host.post(self.front, ["b", self.id, True, len(data)], data)
+            self._post_body(data, more=True)
 
     def end(self) -> None:
         """After the app returned: a response it left unfinished is finished (a 500 if it never started)."""
@@ -109,10 +111,9 @@ class _Exchange:
         if not self.started:
             body = json.dumps(ApiError(500, "the server failed to answer this request; it was logged").body()).encode()
             self.host.post(self.front, ["s", self.id, 500, [["content-type", "application/json"]]])
-            self.host.post(self.front, ["b", self.id, False, len(body)], body)
+            self._post_body(body, more=False)
         else:
-            self.host.post(self.front, ["b", self.id, False, 0], b"")
-        self.finished = True
+            self._post_body(b"", more=False)
 
 
 class AsgiHost:

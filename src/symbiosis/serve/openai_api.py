@@ -218,12 +218,12 @@ def _response(service, body, generation, distinct_prompts: int, chat: bool) -> d
             "usage": _usage(generation, distinct_prompts), "system_fingerprint": service.fingerprint}
 
 
-def _sse(payload) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-
 def _json(value) -> bytes:
     return json.dumps(value, separators=(",", ":")).encode()
+
+
+def _sse(payload) -> bytes:
+    return b"data: " + _json(payload) + b"\n\n"
 
 
 class _Chunks:
@@ -236,7 +236,7 @@ class _Chunks:
         head = _sse({"id": identifier, "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": int(time.time()), "model": body.model, "choices": None})
         self.head = head[:head.rindex(b"null")]
-        self.tail = b',"system_fingerprint":' + json.dumps(service.fingerprint).encode()
+        self.tail = b',"system_fingerprint":' + _json(service.fingerprint)
         self.offsets: dict[int, int] = {}  # choice -> its text's length so far (completions' text_offset)
 
     def chunk(self, choices: list, **extra) -> bytes:
@@ -349,7 +349,6 @@ class _RelayedStream(Response):
                 if not await generation.relay(forward, disconnected):
                     return  # the client went
                 if generation.relay_error is not None:  # (logged): the stream ends with a server error
-                    failed = generation.relay_error
                     end = _sse(ApiError(500, "the server failed to stream this completion; it was logged").body())
                 elif failed is not None:
                     end = _error_event(failed)
@@ -361,4 +360,4 @@ class _RelayedStream(Response):
             self.service.admission.leave(self.tenant)
             if generation.done:
                 self.service.finished(self.tenant, self.body.model, generation, self.distinct_prompts,
-                                      error=failed is not None)
+                                      error=failed is not None or generation.relay_error is not None)
