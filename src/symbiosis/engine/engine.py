@@ -31,7 +31,7 @@ import torch
 
 from symbiosis.engine import graphs, layers, sampling, stops
 from symbiosis.engine.adapters import AdapterStore
-from symbiosis.engine.batch import StepBatch
+from symbiosis.engine.batch import Staging, StepBatch
 from symbiosis.engine.kv import BlockPool, PagedKV
 from symbiosis.engine.params import SamplingParams
 from symbiosis.engine.scheduler import Request, Scheduler
@@ -206,6 +206,7 @@ class Engine:
         # kernels are then scheduled as the GPU frees room, instead of queueing behind every kernel the pass
         # launched before them (H100: inter-token p99 1.26 s beside 8 jobs on one stream, PERFORMANCE section 11).
         self.stream = torch.cuda.Stream(self.device, priority=-100) if self.device.type == "cuda" else None
+        self.staging = Staging() if self.device.type == "cuda" else None  # the steps' index arrays' pinned memory
         if self.stream is not None:  # what was made above, on the current stream, before the first step reads it
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
@@ -356,12 +357,12 @@ class Engine:
                 all(len(c.tokens) == 1 and c.sample for c in chunks):
             self.adapters.wait_all()  # a graph cannot wait layer by layer (adapters.py)
             rows = graphs.bucket(len(chunks))
-            batch = StepBatch(chunks, *layout, padded_rows=rows)
+            batch = StepBatch(chunks, *layout, padded_rows=rows, staging=self.staging)
             key = (rows, batch.token_segments is not None, self.adapters.pools_version)
             return batch, self.graphs.run(key, batch)[:len(chunks)]
         if not self.adapters.layerwise:
             self.adapters.wait_all()
-        batch = StepBatch(chunks, *layout)
+        batch = StepBatch(chunks, *layout, staging=self.staging)
         return batch, self._logits(batch)
 
     def _decode_logits(self, batch: StepBatch) -> torch.Tensor:

@@ -38,11 +38,12 @@ from symbiosis.engine.adapters import AdapterStore, HostAdapter
 from symbiosis.engine.batch import Chunk
 from symbiosis.engine.kv import BlockPool
 from symbiosis.engine.params import SamplingParams
+from symbiosis.engine.stops import TextSoFar
 
 _arrivals = itertools.count()
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: lists of them are searched by identity, not by comparing every field
 class Request:
     id: str
     prompt: list[int]
@@ -59,6 +60,7 @@ class Request:
     cancelled: bool = False
     text: str = ""  # the output's text so far (with a tokenizer)
     emitted: int = 0  # characters of `text` already streamed
+    text_state: TextSoFar = field(default_factory=TextSoFar)  # how far `text` is decoded (stops.py)
     in_flight_row: int | None = None  # a token sampled by the running step, not read yet: its row there
     in_flight_step: int | None = None  # that step's number
     finished: bool = False

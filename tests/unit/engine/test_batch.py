@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
+import pytest
 import torch
 
 from symbiosis.engine.batch import QUERY_BLOCK, Chunk, StepBatch, bucket
@@ -58,3 +60,30 @@ def test_decodes_take_a_token_still_on_the_device_from_its_row():
     assert layout.one_token_rows and layout.whole and batch.num_tokens == 4
     assert layout.kv_num_blocks[3].eq(0).all() and layout.row_chunk[3] == -2, "the padding row reads no page"
     assert batch.previous_rows.tolist() == [2, -1, 0, -1] and batch.input_ids.tolist() == [0, 11, 0, 0]
+
+
+def test_a_steps_arrays_reach_the_device_as_they_were_built_whatever_their_dtypes_and_order():
+    """One copy for int64 and int32 arrays together (each view at a multiple of its item size)."""
+    from symbiosis.engine.batch import _upload
+
+    arrays = {"a": np.arange(5, dtype=np.int32), "b": [7, -1, 2**40], "c": np.arange(12, dtype=np.int64).reshape(3, 4),
+              "d": np.full((2, 3), -5, dtype=np.int32)}
+    tensors = _upload(arrays, torch.device("cpu"), None)
+    for name, array in arrays.items():
+        expected = torch.as_tensor(np.asarray(array, dtype=np.int64) if isinstance(array, list) else array)
+        assert tensors[name].dtype == expected.dtype and torch.equal(tensors[name], expected), name
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_staged_uploads_stay_right_as_the_ring_wraps_and_grows():
+    """More uploads than the ring has buffers, of growing sizes, not waited for one by one: each lands intact."""
+    from symbiosis.engine.batch import Staging, _upload
+
+    staging, device, sent = Staging(slots=3), torch.device("cuda"), []
+    for i in range(40):
+        arrays = {"x": np.arange(i * 997, dtype=np.int64) + i, "y": np.full(i % 7 + 1, i, dtype=np.int32)}
+        sent.append((arrays, _upload(arrays, device, staging)))
+    torch.cuda.synchronize()
+    for arrays, tensors in sent:
+        for name, array in arrays.items():
+            assert torch.equal(tensors[name].cpu(), torch.from_numpy(array))
