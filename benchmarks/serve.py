@@ -358,9 +358,9 @@ def main() -> None:
     parser.add_argument("--http-processes", help="HTTP layouts to run every rate with, comma-separated: 0, the "
                         "app's event loop in the service's process; N, behind N front processes (symbiosis serve "
                         "--http-processes N)")
-    parser.add_argument("--defer-wakeups", default="0", help="comma-separated 0/1: run each HTTP layout with the "
+    parser.add_argument("--defer-wakeups", default="1", help="comma-separated 0/1: run each HTTP layout with the "
                         "engine's defer_wakeups off and on (the loop woken once a step, as the engine is about to wait "
-                        "for the device)")
+                        "for the device; on by default)")
     parser.add_argument("--requests", type=int, default=128, help="requests per rate and path")
     parser.add_argument("--repeat", type=int, default=1, help="run every round this many times, alternated (the "
                         "engine, then each HTTP layout, again): one run a layout moved by 0.2x between calls")
@@ -408,6 +408,7 @@ def main() -> None:
     rounds = [(float(rate), int(together), float(switch)) for together in admit_batches
               for switch in switch_intervals for rate in args.rates.split(",")] * args.repeat
     per_repeat = len(rounds) // args.repeat
+    defer_default = service.engine.defer_wakeups
     for index, (rate, together, switch) in enumerate(rounds):
         # the engine's admission (engine/scheduler.py: admit_batch), set between rounds: both paths of a round share it
         service.engine.scheduler.admit_batch = together
@@ -432,7 +433,7 @@ def main() -> None:
             # the app's event loop alone (its own, or the bridge's): the HTTP layer's Python per token in this
             # process (requests, SSE chunks, and the writes to sockets or to the fronts)
             http["loop_cpu_ms_per_token"] = 1e3 * (thread_cpu_s(layout_thread) - loop_cpu) / max(1, http["generated"])
-            service.engine.defer_wakeups = False
+            service.engine.defer_wakeups = defer_default
             emit(**common, rate=rate, path="http", http_processes=count, defer_wakeups=defer, **http,
                  throughput_ratio=http["tokens_per_s"] / direct["tokens_per_s"],
                  ttft_p50_ratio=http["ttft_p50_ms"] / direct["ttft_p50_ms"],

@@ -629,3 +629,40 @@ def test_deferred_wake_ups_deliver_every_event_and_flush_before_the_engine_rests
         events = [event for kind, event in after.log if kind == "quiet"]
         assert [getattr(e, "id", None) for e in events] == [getattr(e, "id", None) for _, e in before.log]
         assert events[-1].reason == "length"
+
+
+def test_deferred_wake_ups_come_before_an_eager_launch_and_after_a_replayed_one(models):
+    """With `defer_wakeups`, the events read so far wait through a decode step's launch (a graph's replay: short)
+    but not through an eager step's (a prefill's, ~10x the host time): the readers are flushed before it."""
+    checkpoint, adapters = models("llama")
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=32, block_size=4, max_lora_rank=4,
+                                    decode_graphs=True)
+    log = []
+
+    class Reader:
+        put = put_quietly = lambda self, event: log.append("event")  # noqa: E731
+        flush = lambda self: log.append("flush")  # noqa: E731
+
+    launch = engine._launch
+
+    def logged(chunks):
+        log.append("replayed" if engine._replays(chunks) else "eager")
+        return launch(chunks)
+
+    engine._launch = logged
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine.submit(PROMPTS[0], params, ("attn_r2", adapters["attn_r2"]), events=Reader())
+    for _ in range(4):
+        engine.step()
+    engine.submit(PROMPTS[1], params, events=Reader())  # a prefill beside the first one's decodes
+    while engine.has_work():
+        engine.step()
+    pending, launches = 0, {"replayed": 0, "eager": 0}
+    for entry in log:
+        if entry in launches:
+            launches[entry] += 1
+            assert entry == "replayed" or pending == 0, log  # nothing read waits through an eager launch
+            if entry == "replayed" and pending:
+                launches["replayed with events waiting"] = launches.get("replayed with events waiting", 0) + 1
+        pending = 0 if entry == "flush" else pending + (entry == "event")
+    assert launches["eager"] >= 2 and launches.get("replayed with events waiting", 0) >= 1, launches
