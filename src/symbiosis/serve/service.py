@@ -72,7 +72,8 @@ class Service:
                 gather_fraction=training.pop("gather_fraction", None), answering=self.state.batch)
             # the trainer of calls that belong to no model (prompt log-probabilities)
             self.trainer = self.training_queue.trainers[0]
-            tinker = {key: training.pop(key) for key in ("persist_every", "tokenizer_id") if key in training}
+            tinker = {key: training.pop(key) for key in ("persist_every", "tokenizer_id", "keep_answers_s")
+                      if key in training}
             self.tinker = TinkerService(self, **tinker)
             self.jobs = JobService(self, **training)
         self.hmi = None

@@ -90,6 +90,9 @@ class Replicas:
     def skip(self, key: str, seq: int) -> None:
         self._queue(key).skip(key, seq)
 
+    def next_seq(self, key: str) -> int | None:
+        return self._queue(key).next_seq(key)
+
     def submit_call(self, call: Callable[[], object], done: Callable[[object], None],
                     fail: Callable[[Exception], None]) -> None:
         """A call of no adapter: on the first replica's thread, between its passes (a call that runs a pass runs

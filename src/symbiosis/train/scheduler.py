@@ -145,6 +145,11 @@ class TrainingQueue:
             self._next.setdefault(UNORDERED, self._unordered)
             self._lock.notify()
 
+    def next_seq(self, key: str) -> int | None:
+        """The seq of the operation the adapter's queue waits for next (None: no such adapter)."""
+        with self._lock:
+            return self._next.get(key)
+
     def skip(self, key: str, seq: int) -> None:
         """`seq` will never come (it was answered otherwise): the adapter's queue goes on past it."""
         with self._lock:

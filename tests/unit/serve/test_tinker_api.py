@@ -310,3 +310,51 @@ def test_a_tenant_cannot_pile_up_pending_requests(training_server, monkeypatch):
     monkeypatch.setattr(tinker_service, "MAX_PENDING_PER_TENANT", 4)  # room for one: it is answered and frees it
     assert alice.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
     assert alice.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_old_answers_are_pruned_but_each_models_newest_and_an_old_seq_id_is_refused_not_queued(training_server,
+                                                                                               monkeypatch):
+    """Answered requests older than keep_answers_s are deleted (at start and every PRUNE_EVERY_S, on a thread of
+    their own), all but each model's newest: its seq_id is where the model's queue goes on after a restart. A
+    resubmitted seq_id whose answer was pruned fails as the user's error; it does not wait in the queue for ever."""
+    import time
+
+    from conftest import httpx
+    from symbiosis.serve.tinker import service as tinker_service
+
+    tinker_api, store = training_server.service.tinker, training_server.service.tinker.store
+    service = _client(training_server)
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4).result()
+    datum, _, _ = _datum(training.get_tokenizer(), TEXT)
+    for _ in range(3):
+        training.forward_backward([datum], "cross_entropy").result()
+    model = training.model_id
+
+    def seqs():
+        return sorted(row["seq_id"] for row in store._query("SELECT seq_id FROM tinker_requests WHERE owner = ?",
+                                                            (model,)))
+    assert seqs() == [0, 1, 2, 3]  # create_model's, then three forward_backward
+    store._change("UPDATE tinker_requests SET finished = finished - ? WHERE owner = ?",
+                  (2 * tinker_api.keep_answers_s, model))
+    monkeypatch.setattr(tinker_service, "PRUNE_EVERY_S", 0.0)  # the next submission prunes, on its own thread
+    assert training.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0  # seq 4
+    deadline = time.monotonic() + 30
+    while seqs() != [4] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert seqs() == [4]
+    store._change("UPDATE tinker_requests SET finished = finished - ? WHERE owner = ?",
+                  (2 * tinker_api.keep_answers_s, model))
+    assert store.prune(tinker_api.keep_answers_s) == 0 and seqs() == [4]  # the newest stays, however old
+    headers = {"X-API-Key": TINKER_KEYS["alice"]}
+    body = {"model_id": model, "seq_id": 2, "type": "optim_step",  # seq 2's answer was pruned
+            "adam_params": {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+                            "grad_clip_norm": 0.0}}
+    pending = tinker_api._pending_of.get("alice", 0)  # (an earlier test's requests wait for ever)
+    submitted = httpx.post(training_server.url + "/api/v1/optim_step", json=body, headers=headers)
+    assert submitted.status_code == 200, submitted.text
+    answer = httpx.post(training_server.url + "/api/v1/retrieve_future",
+                        json={"request_id": submitted.json()["request_id"]}, headers=headers, timeout=60).json()
+    assert answer["category"] == "user" and "no longer kept" in answer["error"], answer
+    assert tinker_api._pending_of.get("alice", 0) == pending, "the refused request is not left pending"
+    assert training.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0  # seq 5 goes on
+    service.close("success")

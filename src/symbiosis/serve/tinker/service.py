@@ -19,7 +19,9 @@ import logging
 import math
 import secrets
 import shutil
+import sqlite3
 import threading
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -30,7 +32,7 @@ from symbiosis.engine import Finished, SamplingParams
 from symbiosis.errors import AdapterError, BadCall, SymbiosisError
 from symbiosis.serve.tinker import wire
 from symbiosis.serve.tinker.paths import TinkerPath, check_name, model_directory_name, model_id as make_model_id
-from symbiosis.serve.tinker.store import TinkerStore
+from symbiosis.serve.tinker.store import KEEP_ANSWERS_S, TinkerStore
 from symbiosis.train import HostedLora, LoraSpec, Work
 from symbiosis.train.lora import AdamParams
 from symbiosis.train.scheduler import Operation
@@ -44,6 +46,7 @@ MAX_SAMPLES = 64
 # few dozen): past it a new one is refused with 429 (the SDK waits and retries), so that no tenant can pile up
 # queued work (each request up to the body limit) in the service's memory, nor requests whose seq never comes
 MAX_PENDING_PER_TENANT = 128
+PRUNE_EVERY_S = 600  # how often answered requests older than keep_answers_s are deleted
 MAX_SAMPLE_TOKENS = 4096
 
 
@@ -64,11 +67,17 @@ def category(error: Exception) -> str:
 
 
 class TinkerService:
-    def __init__(self, service, persist_every: int = 1, tokenizer_id: str | None = None):
-        """On the service's trainer and training queue (shared with fine-tuning jobs)."""
+    def __init__(self, service, persist_every: int = 1, tokenizer_id: str | None = None,
+                 keep_answers_s: float = KEEP_ANSWERS_S):
+        """On the service's trainer and training queue (shared with fine-tuning jobs). `keep_answers_s`: how long an
+        answered request is kept (polled late, resubmitted); pruned at start and every `PRUNE_EVERY_S` after."""
         if persist_every < 1:
             raise ValueError("persist_every must be at least 1")
-        self.service, self.persist_every = service, persist_every
+        if not keep_answers_s > 0:
+            raise ValueError("keep_answers_s must be positive")
+        self.service, self.persist_every, self.keep_answers_s = service, persist_every, keep_answers_s
+        self._pruned_at = time.monotonic()
+        self._pruning = threading.Lock()  # held while a pruning thread runs
         self.store = TinkerStore(service.state)
         self.root = service.state.directory / "tinker"
         self.base_name = service.base_name
@@ -89,6 +98,7 @@ class TinkerService:
 
     def _recover(self) -> None:
         self.store.fail_unanswered(RESTARTED)
+        self.store.prune(self.keep_answers_s)
         for row in self.store.all_models():
             model = row["model_id"]
             try:
@@ -143,7 +153,28 @@ class TinkerService:
             with self._pending_lock:
                 self.pending[request_id] = tenant
                 self._pending_of[tenant] += 1
+        self._prune_now_and_then()
         return request_id, new
+
+    def _prune_now_and_then(self) -> None:
+        """Every PRUNE_EVERY_S (or a fraction of keep_answers_s), the old answers deleted on a thread of their own."""
+        now = time.monotonic()
+        if now - self._pruned_at < min(PRUNE_EVERY_S, self.keep_answers_s / 4) or \
+                not self._pruning.acquire(blocking=False):
+            return
+        self._pruned_at = now
+
+        def prune():
+            try:
+                deleted = self.store.prune(self.keep_answers_s)
+                if deleted:
+                    log.info("pruned %d answered requests older than %g s", deleted, self.keep_answers_s)
+            except sqlite3.Error as e:
+                log.error("could not prune old answered requests: %s", e)
+            finally:
+                self._pruning.release()
+
+        threading.Thread(target=prune, name="symbiosis-tinker-prune", daemon=True).start()
 
     def _answer(self, request_id: str, content_type: str, body: bytes) -> None:
         self.store.answer(request_id, content_type, body)
@@ -244,6 +275,13 @@ class TinkerService:
         self._check_owner(tenant, model)
         request_id, new = self._accept(tenant, model, int(seq_id), kind)
         if not new:
+            return request_id
+        expected = self.queue.next_seq(model)
+        if expected is not None and int(seq_id) < expected:  # it would wait in the queue for ever
+            self._fail(request_id, UserError(
+                f"seq_id {seq_id} of model {model} comes before the model's next request ({expected}): a request of "
+                f"that number was answered more than {self.keep_answers_s:g} s ago and its answer is no longer kept, "
+                "or it was never sent"))
             return request_id
         lost = self.lost.pop(model, None)
         if lost is not None:
