@@ -245,9 +245,9 @@ class Engine:
             raise BadCall("stop strings need an engine with a tokenizer")
         host_adapter = None if adapter is None else self.adapters.load(*adapter)
         generator = None
-        if params.temperature > 0:
+        if params.temperature > 0 and params.seed is not None:  # (without a seed: the device's default generator)
             generator = torch.Generator(self.device)
-            generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
+            generator.manual_seed(params.seed)
         request = Request(request_id or uuid.uuid4().hex, prompt, params, host_adapter, generator)
         if events is not None:
             request.events = events

@@ -3,7 +3,8 @@
     greedy (temperature 0):   argmax(logits)
     sampled:                  z = logits / temperature;  keep the top_k largest of z (0: all);
                               keep the smallest set of most likely tokens whose probability reaches top_p;
-                              draw one from softmax(z) over what is kept, with the request's generator
+                              draw one from softmax(z) over what is kept, with the request's generator (seeded
+                              requests; the others' rows together, from the device's default generator)
     logprob (if asked):       log_softmax(logits)[token], and the `logprobs` largest alternatives
 
 In two halves, so that the host need not wait for the device in between (engine.py runs the next step meanwhile):
@@ -76,19 +77,49 @@ class Launched:
         return choices
 
 
+def _filtered_rows(z: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`_filtered` of each row of z [R, V] with its own parameters, in a few calls for all the rows."""
+    vocabulary, device = z.shape[-1], z.device
+    z = z / torch.tensor([p.temperature for p in params], dtype=z.dtype, device=device)[:, None]
+    ks = [p.top_k if p.top_k and p.top_k < vocabulary else 0 for p in params]
+    if any(ks):
+        kth = torch.topk(z, max(ks)).values.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=device)[:, None])
+        kth = kth.masked_fill(torch.tensor([k == 0 for k in ks], device=device)[:, None], float("-inf"))  # [R, 1]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        ordered, order = torch.sort(z)  # ascending, as transformers' TopPLogitsWarper
+        cumulative = ordered.softmax(-1).cumsum(-1)
+        top_p = torch.tensor([p.top_p for p in params], dtype=cumulative.dtype, device=device)[:, None]
+        drop = (cumulative <= 1 - top_p) & (top_p < 1.0)
+        drop[:, -1] = False  # the most likely token always stays
+        z = z.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return z
+
+
 def launch(logits: torch.Tensor, requests: list) -> Launched:
-    """logits [K, V] (any float dtype), one row per request (whose `.params` say how and `.generator` draws)."""
+    """logits [K, V] (any float dtype), one row per request (whose `.params` say how and `.generator` draws: a
+    seeded request's own generator, row by row; the rows of requests without one (no seed) drawn together from
+    the device's default generator, in a few calls whatever their number: row by row, 64 sampled requests cost the
+    engine's thread ~0.5k kernel launches a step)."""
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     finite = torch.isfinite(logits).all(-1)                                                # [K]
     tokens = logits.argmax(-1)                                                             # [K]
+    shared = []
     for row, request in enumerate(requests):
         params: SamplingParams = request.params
-        if params.temperature > 0:
+        if params.temperature > 0 and request.generator is None:
+            shared.append(row)
+        elif params.temperature > 0:
             # a row that is not finite fails when read; until then it draws from finite numbers (a device-side
             # check of the distribution would end the whole process)
             z = torch.where(finite[row], logits[row], 0.0)
             probabilities = _filtered(z, params).softmax(-1)
             tokens[row] = torch.multinomial(probabilities, 1, generator=request.generator)[0]
+    if shared:
+        rows = torch.tensor(shared, device=logits.device)
+        z = torch.where(finite[rows][:, None], logits[rows], 0.0)
+        probabilities = _filtered_rows(z, [requests[row].params for row in shared]).softmax(-1)
+        tokens[rows] = torch.multinomial(probabilities, 1)[:, 0]
     logprob_rows = {row: i for i, row in enumerate(r for r, q in enumerate(requests) if q.params.logprobs is not None)}
     chosen = top = None
     if logprob_rows:
