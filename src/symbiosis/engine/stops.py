@@ -53,25 +53,21 @@ def stop_reason(request, token: int, tokenizer, eos_ids) -> str | None:
     """Why `request` ends with `token` (its newest output), if it does; with a tokenizer, `request.text` becomes the
     output's text (without a final stop token, cut before a stop string)."""
     params = request.params
-    reason = "stop" if token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids) else None
-    if tokenizer is not None:
-        tokens = request.output[:-1] if reason else request.output
-        decode = _decoder(tokenizer)
-        unchanged = _decode(request, tokens, decode)
-        hits = [request.text.find(s, max(0, unchanged - len(s) + 1)) for s in params.stop] if reason is None else []
-        hits = [hit for hit in hits if hit >= 0]
-        if hits:
-            reason = "stop"
-        if reason is None and len(request.output) >= params.max_tokens:
-            reason = "length"
-        if reason is not None:  # the whole output once, as plain decode gives it
-            request.text = decode(tokens)
-            found = [hit for hit in (request.text.find(s) for s in params.stop) if hit >= 0] if hits else []
-            if found:
-                request.text = request.text[:min(found)]
+    stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids)
+    reason = "stop" if stop_token else "length" if len(request.output) >= params.max_tokens else None
+    if tokenizer is None:
         return reason
-    if reason is None and len(request.output) >= params.max_tokens:
-        reason = "length"
+    tokens = request.output[:-1] if stop_token else request.output
+    decode = _decoder(tokenizer)
+    if reason is None:  # the window's text: a stop string in what it adds ends the request
+        unchanged = _decode(request, tokens, decode)
+        if not any(request.text.find(s, max(0, unchanged - len(s) + 1)) >= 0 for s in params.stop):
+            return None
+        reason = "stop"
+    request.text = decode(tokens)  # it ends: the whole output once, as plain decode gives it
+    hits = [hit for hit in (request.text.find(s) for s in params.stop) if hit >= 0] if not stop_token else []
+    if hits:
+        request.text, reason = request.text[:min(hits)], "stop"
     return reason
 
 
