@@ -28,20 +28,6 @@ class Choice:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
-def _filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    z = logits / params.temperature
-    if params.top_k and params.top_k < z.shape[-1]:
-        kth = torch.topk(z, params.top_k).values[-1]
-        z = z.masked_fill(z < kth, float("-inf"))
-    if params.top_p < 1.0:
-        ordered, order = torch.sort(z)  # ascending, as transformers' TopPLogitsWarper
-        cumulative = ordered.softmax(-1).cumsum(-1)
-        drop = cumulative <= 1 - params.top_p
-        drop[-1] = False  # the most likely token always stays
-        z = z.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-    return z
-
-
 class Launched:
     """The choices of one step, queued on the device: `tokens` [K] stays there (the next step's decodes read it
     before the host has); `read()` waits for the host's copies."""
@@ -78,7 +64,8 @@ class Launched:
 
 
 def _filtered_rows(z: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """`_filtered` of each row of z [R, V] with its own parameters, in a few calls for all the rows."""
+    """z [R, V] over each row's temperature, with -inf where its top_k and top_p drop a token (as transformers'
+    warpers), each row with its own parameters, in a few calls for all the rows."""
     vocabulary, device = z.shape[-1], z.device
     z = z / torch.tensor([p.temperature for p in params], dtype=z.dtype, device=device)[:, None]
     ks = [p.top_k if p.top_k and p.top_k < vocabulary else 0 for p in params]
@@ -113,7 +100,7 @@ def launch(logits: torch.Tensor, requests: list) -> Launched:
             # a row that is not finite fails when read; until then it draws from finite numbers (a device-side
             # check of the distribution would end the whole process)
             z = torch.where(finite[row], logits[row], 0.0)
-            probabilities = _filtered(z, params).softmax(-1)
+            probabilities = _filtered_rows(z[None], [params])[0].softmax(-1)
             tokens[row] = torch.multinomial(probabilities, 1, generator=request.generator)[0]
     if shared:
         rows = torch.tensor(shared, device=logits.device)

@@ -18,6 +18,19 @@ PARAMS = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k
           SamplingParams(temperature=1.1, top_p=0.01), SamplingParams(temperature=1.0, top_p=1e-9)]
 
 
+def _one_row(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The reference: one row, its parameters as numbers, as transformers' temperature, top-k and top-p warpers."""
+    z = logits / params.temperature
+    if params.top_k and params.top_k < z.shape[-1]:
+        z = z.masked_fill(z < torch.topk(z, params.top_k).values[-1], float("-inf"))
+    if params.top_p < 1.0:
+        ordered, order = torch.sort(z)
+        drop = ordered.softmax(-1).cumsum(-1) <= 1 - params.top_p
+        drop[-1] = False  # the most likely token always stays
+        z = z.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    return z
+
+
 def _request(params, seed=None):
     generator = None if seed is None else torch.Generator().manual_seed(seed)
     return SimpleNamespace(params=params, generator=generator)
@@ -28,7 +41,7 @@ def test_rows_filtered_together_are_each_row_filtered_alone(dtype):
     logits = torch.randn(len(PARAMS), VOCABULARY, generator=torch.Generator().manual_seed(0), dtype=dtype) * 3
     together = sampling._filtered_rows(logits, PARAMS)
     for row, params in enumerate(PARAMS):
-        alone = sampling._filtered(logits[row], params)
+        alone = _one_row(logits[row], params)
         assert torch.equal(together[row].isinf(), alone.isinf()), params
         assert torch.equal(together[row], alone), params
 
