@@ -304,10 +304,11 @@ def engine_api(model_dir: Path, tenants: int, rank: int, length: int, duration: 
     runners_cpu = lambda: sum(task_cpu_s(t.native_id) for t in runners)  # noqa: E731
     trained, wall = drive(tenants, start_tenant, length * batch, duration,
                           on_start=lambda: at_start.append((queue.passes, dict(queue.seconds), runners_cpu(),
-                                                            _graph_counts(trainer))))
+                                                            _graph_counts(trainer), queue.overlapped)))
     passes_run = queue.passes - at_start[0][0]
     result = {"tokens_per_s": trained / wall, "passes_per_s": passes_run / wall,
               "datums_per_pass": trained / length / max(1, passes_run), **_peaks(gpus),
+              "overlapped_share": round((queue.overlapped - at_start[0][4]) / max(1, passes_run), 3),
               "runner_share": _runner_share(queue, at_start[0][1], wall), **_graph_counts(trainer, at_start[0][3]),
               # the trainer's CPU a tenant's iteration, as through_sdk prints it beside the HTTP server's
               "cpu_ms_per_iteration": {"training": round(1e3 * (runners_cpu() - at_start[0][2]) /
@@ -522,6 +523,7 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
             if child.stdout.readline().strip() != "ready":
                 raise RuntimeError("an SDK client process failed before its window (its traceback is above)")
         passes, seconds = service.training_queue.passes, dict(service.training_queue.seconds)
+        overlapped = service.training_queue.overlapped
         # the workers of `asyncio.to_thread` (the other routes' service calls): named by asyncio's loop or uvloop's
         watched = {"http": [thread], "http_workers": [t for t in threading.enumerate()
                                                       if t.name.startswith(("asyncio_", "uvloop_"))],
@@ -534,6 +536,7 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
         outcomes = [json.loads(child.stdout.read().strip().splitlines()[-1]) for child in children]
         cpu = {name: seconds_ - cpu[name] for name, seconds_ in group_cpu().items()}
         passes = service.training_queue.passes - passes  # (a few after the window, as clients finish their step)
+        overlapped = service.training_queue.overlapped - overlapped
     finally:
         for child in children:
             if len(outcomes) < len(children):  # failed: nobody waits for the others
@@ -544,6 +547,7 @@ def through_sdk(model_dir: Path, tenants: int, rank: int, length: int, duration:
                            "traceback, if any, is above)")
     trained, wall = sum(t for t, _, _ in outcomes), max(w for _, w, _ in outcomes)
     result = {"tokens_per_s": trained / wall, "datums_per_pass": trained / length / max(1, passes),
+              "overlapped_share": round(overlapped / max(1, passes), 3),  # passes in flight beside the next's gather
               "peak_gib": peak_gib(), "client_processes": processes,
               # each client process's CPU seconds over its window: near 1, its interpreter is what bounds the run
               "client_cpu_share": [round(cpu / w, 2) for _, w, cpu in outcomes],

@@ -55,6 +55,10 @@ class Replicas:
         return sum(queue.passes for queue in self.queues)
 
     @property
+    def overlapped(self) -> int:
+        return sum(queue.overlapped for queue in self.queues)
+
+    @property
     def seconds(self) -> dict[str, float]:
         """Each replica's runner's seconds (TrainingQueue.seconds), summed."""
         return {what: sum(queue.seconds[what] for queue in self.queues) for what in self.queues[0].seconds}

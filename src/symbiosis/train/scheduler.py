@@ -36,6 +36,19 @@ once the pass is on the device, so the host's answers overlap the GPU's pass and
 for the GPU. Where any stepped adapter's next request is not there yet, its loop waits for the answer: every step
 is answered at once, as before.
 
+On a GPU a pass runs after its launch returns (`Trainer.launch`), and a round may leave it in flight: where
+clients are on their way back (answered by this round, or not back when its gather ended), the pass is answered
+only once the next round has launched its own, behind it on the device. Lock-step clients whose round trip is long
+beside a pass (32 Tinker SDK loops over HTTP: ~40 ms through the service's one event loop, against a 130 ms pass of
+all 32) are split in two halves that way: once a whole gather has kept the device idle a tenth of a pass
+(`SPLIT_AT`) and a pass keeps the device busy after its launch (so smaller passes cost the device, not the host,
+their share), the next gather launches its pass when half the expected adapters are back. The device runs one
+half's pass while the other half's answers make their round trip, and the halves stay apart, each waited for while
+the other's pass runs. Loops that come back at once (clients in the process) keep one pass for all; so does a
+host-bound pass (one tenant's). An adapter in flight runs nothing else until its pass is answered; the optimizer
+steps queued behind a pass's requests are launched right behind it, on the device's queue, so that a later pass
+does not hold up their answers.
+
 A pass that fails (out of memory, say) fails the requests in it, and the gradients their adapters gathered since
 their last optimizer step are dropped (`Operation.fail` says so): a later optimizer step must not apply half a
 pass.
@@ -44,23 +57,30 @@ pass.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager
 
 from symbiosis.train.lora import AdamParams, HostedLora, launch_steps
-from symbiosis.train.trainer import Result, Trainer, Work
+from symbiosis.train.trainer import InFlight, Result, Trainer, Work
 from symbiosis.worker import Worker
 
 log = logging.getLogger("symbiosis.train")
 UNORDERED = ""  # the queue of calls that belong to no adapter (submit_call); adapter keys are never empty
 GATHER_FRACTION = 0.5  # a round waits for the adapters the last one answered at most this much of the last pass
 GATHER_QUIET_S = 0.02  # ... and no longer than this after the last of them came
+SPLIT_AT = 0.1  # a gather with the device idle this much of a pass or more: the next ones launch half (see _gather)
+POLL_S = 0.001  # how often a gather beside a pass in flight looks whether the device has finished it
 
 
 def _nothing() -> None:
     pass
+
+
+def _raise(error: Exception):
+    raise error
 
 
 @dataclass
@@ -75,6 +95,23 @@ class Operation:
     step: tuple[HostedLora, AdamParams] | None = None
     results: list[Result] = field(default_factory=list)  # a pass's parts so far
     next_datum: int = 0
+
+
+@dataclass
+class _Flight:
+    """A pass launched on the device and not yet answered: its operations' parts (`_pass`), the pass's results to
+    come (None: its launch failed with `error`), the optimizer steps queued right behind it (`_waited_steps`) and
+    the call that answers them."""
+    parts: list[tuple[str, Operation, Work]]
+    pending: InFlight | None
+    error: Exception | None
+    steps: dict[str, Operation]
+    answer_steps: Callable[[], None]
+    began: float
+
+    @property
+    def keys(self) -> set[str]:
+        return {key for key, _, _ in self.parts} | set(self.steps)
 
 
 class TrainingQueue:
@@ -95,17 +132,28 @@ class TrainingQueue:
         self._queues: dict[str, dict[int, Operation]] = {}  # adapter key -> seq -> operation
         self._next: dict[str, int] = {}  # adapter key -> the seq that runs next
         self._unordered = 0
-        self._worker = Worker("symbiosis-training", lambda: bool(self._ready()), self.round)
+        self._worker = Worker("symbiosis-training", lambda: bool(self._ready()) or self._flight is not None,
+                              self.round)
         self._lock = self._worker.lock
         self._expected: set[str] = set()  # adapters the last round answered: their next requests are awaited
         # while a gather waits: the expected adapters not yet ready (a submission wakes it only when it readies the
         # last of them: 64 wake-ups a round of 32 loops took the interpreter from the HTTP thread that was
         # reading their requests), and when the last operation came (for its quiet bound)
         self._missing: set[str] | None = None
+        self._wake_at = 0  # ... how few of them may be missing when it goes on (half, where it splits)
         self._last_arrival = 0.0
         self._answered: set[str] = set()  # adapters this round answered
         self._last_pass_s = 0.0
+        self._last_made = 0.0  # when the last pass's results were made (a pass in flight behind it began then)
+        self._flight: _Flight | None = None  # a pass on the device whose answers wait for the next pass's launch
+        self._flying: set[str] = set()  # its adapters: nothing of theirs runs until it is answered
+        self._carried: set[str] = set()  # expected adapters the last gather went on without (awaited once more)
+        # the last gather the device waited through whole (nothing in flight, every expected adapter awaited), and
+        # whether the last pass kept the device busy after its launch at least half its time: split the next ones
+        self._idle_gather_s = 0.0
+        self._device_bound = False
         self.passes = 0
+        self.overlapped = 0  # passes kept in flight while the next one was gathered and launched
         # seconds the runner spent waiting for expected adapters, on optimizer steps and calls, and on passes:
         # where a round's time goes (the benchmarks read it; a monotonic count, as Prometheus's counters)
         self.seconds = {"gather": 0.0, "steps": 0.0, "pass": 0.0}
@@ -132,7 +180,7 @@ class TrainingQueue:
                 self._lock.notify()
             elif key in self._missing and operation.seq == self._next[key]:
                 self._missing.discard(key)
-                if not self._missing:
+                if len(self._missing) <= self._wake_at:
                     self._lock.notify()
 
     def submit_call(self, call: Callable[[], object], done: Callable[[object], None],
@@ -165,36 +213,75 @@ class TrainingQueue:
 
     def stop(self) -> None:
         self._worker.stop()
+        if self._flight is not None:  # answered before the queue stops
+            self._land(self._flight)
+            self._flight = None
 
     def _ready(self) -> dict[str, Operation]:
-        return {key: queue[self._next[key]] for key, queue in self._queues.items() if self._next[key] in queue}
+        return {key: queue[self._next[key]] for key, queue in self._queues.items()
+                if self._next[key] in queue and key not in self._flying}
 
     def _advance(self, key: str) -> None:
         self._queues[key].pop(self._next[key], None)
         self._next[key] += 1
 
-    def _gather(self) -> dict[str, Operation]:
-        """The ready operations, once the adapters the last round answered are back or the bound has passed."""
+    def _gather(self, expected: set[str]) -> tuple[dict[str, Operation], set[str]]:
+        """The ready operations once the `expected` adapters are back, and those of them still on their way (to be
+        awaited by the next round too).
+
+        With a pass in flight the device is busy: the gather waits for all of them until the device has finished
+        that pass. With the device idle it waits for all of them until the bound (GATHER_FRACTION of the last pass,
+        GATHER_QUIET_S after the last arrival, max_gather_s), those not back by then no longer expected; or, where
+        the last whole gather kept the device idle SPLIT_AT of a pass or more and a pass keeps the device busy
+        after its launch (clients whose round trip takes that long: 32 Tinker SDK loops over HTTP took ~40 ms to
+        come back to a 130 ms pass), until half of them are back: their pass runs while the others come back, and
+        the others' pass while the first half's answers make their round trip (round() keeps the first pass in
+        flight until the second is launched)."""
         with self._lock:
             now = began = time.monotonic()
+            flight = self._flight
             fraction = GATHER_FRACTION if self.gather_fraction is None else self.gather_fraction
             deadline = now + min(self.max_gather_s, fraction * self._last_pass_s)
+            live = {key for key in expected if key in self._queues and key not in self._flying}
+            split = flight is None and self.trainer.overlaps and self._device_bound \
+                and self._idle_gather_s >= SPLIT_AT * self._last_pass_s
+            wake_at = len(live) // 2 if split else 0  # how few may be missing when the gather goes on
+            carried, whole = set(), True
             while True:
                 ready = self._ready()
-                missing = {key for key in self._expected if key in self._queues and key not in ready}
-                now = time.monotonic()
-                left = min(deadline, max(began, self._last_arrival) + GATHER_QUIET_S) - now
-                if not missing or left <= 0 or self._worker.stopping:  # (stop() wakes it: no wait at shutdown)
+                missing = {key for key in live if key not in ready}
+                if not missing or self._worker.stopping:  # (stop() wakes it: no wait at shutdown)
                     break
-                self._missing = missing
-                self._lock.wait(left)
+                if flight is not None:
+                    if flight.pending is None or flight.pending.done():
+                        carried = missing - self._carried  # (awaited by one more round at most)
+                        break
+                    wait = POLL_S
+                else:
+                    if len(missing) <= wake_at:
+                        carried, whole = missing - self._carried, False
+                        break
+                    wait = min(deadline, max(began, self._last_arrival) + GATHER_QUIET_S) - now
+                    if wait <= 0:
+                        break
+                self._missing, self._wake_at = missing, wake_at
+                self._lock.wait(wait)
+                now = time.monotonic()
             self._missing = None
-            self.seconds["gather"] += time.monotonic() - began
-            return ready  # (round() sets what the next round expects)
+            waited = time.monotonic() - began
+            self.seconds["gather"] += waited
+            if flight is None and whole:
+                self._idle_gather_s = waited
+            return ready, carried  # (round() sets what the next round expects)
 
     def round(self) -> bool:
-        """Run what is ready: the optimizer steps, the calls, then one pass. Returns whether anything ran."""
-        ready = self._gather()
+        """Run what is ready: the optimizer steps, the calls, then one pass. Returns whether anything ran.
+
+        Where the device runs a pass while the host goes on (`Trainer.overlaps`) and adapters are on their way
+        back (answered by this round, or not back when the gather ended), the pass is kept in flight: its answers
+        are given once the next round has launched its pass, so that the device runs one while the other's
+        clients make their round trip."""
+        ready, carried = self._gather(self._expected)
         steps = {key: op for key, op in ready.items() if op.step is not None}
         calls = {key: op for key, op in ready.items() if op.work is None and op.step is None}
         passes = {key: op for key, op in ready.items() if op.work is not None}
@@ -207,15 +294,21 @@ class TrainingQueue:
         self.seconds["steps"] += time.monotonic() - started
         if steps or calls:  # their adapters' next forward_backward joins this pass (`_rejoin`)
             passes.update(self._rejoin(set(steps) | set(calls) - {UNORDERED}, set(passes)))
-        if passes:
-            started = time.monotonic()
-            self._pass(passes, answer_steps)
-            self._last_pass_s = time.monotonic() - started
-            self.seconds["pass"] += self._last_pass_s
-        answer_steps()
+        flight = self._launch(passes) if passes else None
+        answer_steps()  # (once the pass is queued: the device runs it while the host answers)
+        older, self._flight = self._flight, None
+        if older is not None:
+            self._land(older)
+        if flight is not None:
+            if self.trainer.overlaps and (self._answered | carried) - flight.keys:
+                self._flight = flight
+                self.overlapped += 1
+            else:
+                self._land(flight, alone=True)
         with self._lock:
-            self._expected, self._answered = self._answered, set()
-        return bool(ready)
+            self._expected, self._answered = (self._answered | carried) - self._flying, set()
+            self._carried = carried
+        return bool(ready) or older is not None
 
     def _next_queued(self, keys: set[str]) -> bool:
         """Whether each of these adapters' next request is queued already (its loop sends ahead of the answers)."""
@@ -229,25 +322,23 @@ class TrainingQueue:
         forward_backward can never be in one round's ready set (one operation an adapter a round); without this,
         loops whose steps and passes fell out of phase would stay split for good, half of them stepping while the
         other half passes."""
-        with self._lock:
-            self._expected = answered
-        more = self._gather()
+        more, _ = self._gather(answered)
         return {key: op for key, op in more.items() if op.work is not None and key not in passing}
 
-    def _launch_steps(self, operations: dict[str, Operation]) -> Callable[[], None]:
+    def _launch_steps(self, operations: dict[str, Operation], release: bool = True) -> Callable[[], None]:
         """Every adapter's optimizer step of the round queued on the device together (`launch_steps`: a few launches
-        for all). Their queues move on at once (what runs after sees the stepped states); the returned call answers
+        for all). Their queues move on at once (what runs after sees the stepped states; `release` False: the
+        steps queued behind a pass in flight, whose queues move on when it is answered); the returned call answers
         them (once), reading their metrics: at once where a loop waits for the answer before its next request,
         otherwise when the round's pass is queued, so that the GPU runs the pass while the host answers the steps
         (an answer may write the adapter's state: serve/tinker)."""
         try:
             read_metrics = launch_steps([op.step for op in operations.values()])
-        except Exception as e:  # noqa: BLE001 -- these steps fail; the other requests go on
+        except Exception as e:  # noqa: BLE001 -- these steps fail (when answered); the other requests go on
+            read_metrics = functools.partial(_raise, e)
+        if release:
             for key, op in operations.items():
-                self._finish(key, op, error=e)
-            return _nothing
-        for key, op in operations.items():
-            self._release(key, op)
+                self._release(key, op)
         answered = []
 
         def answer() -> None:
@@ -257,8 +348,8 @@ class TrainingQueue:
             try:
                 metrics = read_metrics()
             except Exception as e:  # noqa: BLE001 -- these steps fail; the other requests go on
-                for op in operations.values():
-                    op.fail(e)
+                for key, op in operations.items():
+                    self._finish(key, op, error=e)
                 return
             with self.answering():
                 for (key, op), step_metrics in zip(operations.items(), metrics):
@@ -275,9 +366,10 @@ class TrainingQueue:
         else:
             self._finish(key, op, result=result)
 
-    def _pass(self, operations: dict[str, Operation], launched: Callable[[], None] = _nothing) -> None:
-        """One pass of the operations' next datums (each its share of `max_pass_tokens`); `launched` runs once the
-        pass is queued on the device, before its answers (or its failure's)."""
+    def _launch(self, operations: dict[str, Operation]) -> _Flight:
+        """One pass of the operations' next datums (each its share of `max_pass_tokens`) queued on the device, and
+        behind it the optimizer steps of the loops that wait for both answers (`_waited_steps`)."""
+        began = time.monotonic()
         share = max(1, self.max_pass_tokens // len(operations))
         parts = []
         for key, op in operations.items():
@@ -289,40 +381,74 @@ class TrainingQueue:
                 tokens += len(datum.tokens)
             parts.append((key, op, Work(op.work.lora, datums, op.work.loss_fn, op.work.config, op.work.backward)))
         try:
-            results = self.trainer.run([work for _, _, work in parts], launched=launched)
-        except Exception as e:  # noqa: BLE001 -- the pass's requests fail; their adapters drop their gradients
+            pending = self.trainer.launch([work for _, _, work in parts])
+        except Exception as e:  # noqa: BLE001 -- the pass's requests fail (`_land`); the others go on
             log.exception("a training pass failed")
-            launched()
-            with self.answering():
-                for key, op, work in parts:
+            flight = _Flight(parts, None, e, {}, _nothing, began)
+        else:
+            steps = self._waited_steps(parts)
+            flight = _Flight(parts, pending, None, steps, self._launch_steps(steps, release=False) if steps
+                             else _nothing, began)
+        with self._lock:
+            self._flying |= flight.keys
+        self.seconds["pass"] += time.monotonic() - began
+        return flight
+
+    def _land(self, flight: _Flight, alone: bool = False) -> None:
+        """Answer a launched pass (and the steps behind it) once the device has made its results; `alone`: it was
+        launched just now, nothing behind it: how long it kept the device busy after its launch says whether the
+        device (not the host) bounds passes (`_gather`'s split)."""
+        began = time.monotonic()
+        results, error = None, flight.error
+        if flight.pending is not None:
+            try:
+                results = flight.pending.results()
+            except Exception as e:  # noqa: BLE001 -- the pass's requests fail; their adapters drop their gradients
+                log.exception("a training pass failed")
+                error = e
+        made = time.monotonic()
+        with self.answering():
+            if error is not None:
+                failure = RuntimeError(f"the training pass failed ({type(error).__name__}: {error}); the gradients "
+                                       "this model gathered since its last optimizer step were dropped")
+                for key, op, work in flight.parts:
                     if op.work.backward:
                         work.lora.drop_gradients()
-                    self._finish(key, op, error=RuntimeError(
-                        f"the training pass failed ({type(e).__name__}: {e}); the gradients this model gathered "
-                        "since its last optimizer step were dropped"))
-            return
-        self.passes += 1
-        with self.answering():
-            finished = []
-            for (key, op, work), result in zip(parts, results):
-                op.results.append(result)
-                op.next_datum += len(work.datums)
-                if op.next_datum == len(op.work.datums):
-                    self._finish(key, op, result=Result([lp for r in op.results for lp in r.logprobs],
-                                                        [loss for r in op.results for loss in r.losses]))
-                    finished.append(key)
-            if (steps := self._waited_steps(finished)):  # answered with the pass, in its group
-                self._launch_steps(steps)()
-
-    def _waited_steps(self, keys: list[str]) -> dict[str, Operation]:
-        """The optimizer steps queued right behind these adapters' finished requests whose loops wait for their
-        answers (nothing queued behind the step: tinker-cookbook's loop sends forward_backward and optim_step, then
-        waits for both). Run now, they are answered beside the pass: the loop's next requests come a round's steps
-        earlier (the steps of loops that send ahead are left to the next round, answered while its pass runs)."""
+                    self._finish(key, op, error=failure)
+                for key, op in flight.steps.items():
+                    self._finish(key, op, error=failure)
+            else:
+                self.passes += 1
+                pass_s = made - max(flight.began, self._last_made)
+                self._last_pass_s, self._last_made = pass_s, made
+                if alone:
+                    self._device_bound = made - began >= pass_s / 2
+                for (key, op, work), result in zip(flight.parts, results):
+                    op.results.append(result)
+                    op.next_datum += len(work.datums)
+                    if op.next_datum == len(op.work.datums):
+                        self._finish(key, op, result=Result([lp for r in op.results for lp in r.logprobs],
+                                                            [loss for r in op.results for loss in r.losses]))
+                flight.answer_steps()  # answered with the pass, in its group
         with self._lock:
-            ready = self._ready()
-            return {key: op for key in keys if (op := ready.get(key)) is not None and op.step is not None
-                    and op.seq + 1 not in self._queues[key]}
+            self._flying -= flight.keys
+        self.seconds["pass"] += time.monotonic() - began
+
+    def _waited_steps(self, parts: list[tuple[str, Operation, Work]]) -> dict[str, Operation]:
+        """The optimizer steps queued right behind the requests this pass finishes, of loops that wait for their
+        answers (nothing queued behind the step: tinker-cookbook's loop sends forward_backward and optim_step, then
+        waits for both). Launched behind the pass, they are answered with it: the loop's next requests come a
+        round's steps earlier, and a pass launched after them does not hold up their answers (the steps of loops
+        that send ahead are left to the next round, answered while its pass runs)."""
+        found = {}
+        with self._lock:
+            for key, op, work in parts:
+                queue = self._queues.get(key, {})
+                step = queue.get(op.seq + 1)
+                if op.next_datum + len(work.datums) == len(op.work.datums) and step is not None \
+                        and step.step is not None and op.seq + 2 not in queue:
+                    found[key] = step
+        return found
 
     def _release(self, key: str, op: Operation) -> None:
         """`op` is over for its adapter's queue, which goes on past it; the adapter was answered this round."""

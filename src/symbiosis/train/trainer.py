@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -116,18 +115,27 @@ class Trainer:
             if targets.is_floating_point() or bool(((targets < 0) | (targets >= self.vocab)).any()):
                 raise BadCall(f"datum {i}: target_tokens outside the vocabulary (0..{self.vocab - 1})")
 
-    def run(self, works: list[Work], launched: Callable[[], None] | None = None) -> list[Result]:
-        """One pass over the works' datums; backward for those that ask. Returns each work's result. `launched`: a
-        call made once the pass is queued on the device, before its results are read back (the host's work done
-        there overlaps the GPU's)."""
+    def run(self, works: list[Work]) -> list[Result]:
+        """One pass over the works' datums; backward for those that ask. Returns each work's result."""
+        return self.launch(works).results()
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether a launched pass runs while the host goes on (a GPU's queue): the training queue may then launch
+        the next pass before reading this one's results."""
+        return torch.device(self.device).type == "cuda"
+
+    def launch(self, works: list[Work]) -> "InFlight":
+        """`run`'s pass queued on the device, its results read back by the returned `InFlight` (on a CPU, done
+        already): the host's work until then overlaps the GPU's."""
         if torch.device(self.device).type == "cuda":  # its GPU current (a replica's thread: train/replicas.py)
             with torch.cuda.device(self.device):
-                return self._on_streams(works, launched)
-        return self._run(works, launched)
+                return self._on_streams(works)
+        return self._run(works)
 
-    def _on_streams(self, works: list[Work], launched: Callable[[], None] | None) -> list[Result]:
+    def _on_streams(self, works: list[Work]) -> "InFlight":
         if not self.pass_streams:
-            return self._run(works, launched)
+            return self._run(works)
         with contextlib.ExitStack() as streams:
             # after what the default streams hold (optimizer steps), and before what they get next (autograd's
             # backward runs on its forward's streams); the first device's last, so that it is the current device
@@ -135,12 +143,12 @@ class Trainer:
                 stream.wait_stream(torch.cuda.default_stream(stream.device))
                 streams.enter_context(torch.cuda.stream(stream))
             try:
-                return self._run(works, launched)
+                return self._run(works)
             finally:
                 for stream in self.pass_streams:
                     torch.cuda.default_stream(stream.device).wait_stream(stream)
 
-    def _run(self, works: list[Work], launched: Callable[[], None] | None = None) -> list[Result]:
+    def _run(self, works: list[Work]) -> "InFlight":
         datums = [d for work in works for d in work.datums]
         length = max(len(d.tokens) for d in datums)
         input_ids = torch.zeros(len(datums), length, dtype=torch.long)
@@ -209,16 +217,8 @@ class Trainer:
                             work.lora.pending = True
         finally:
             self.state.end()
-        if launched is not None:
-            launched()
-        read = _to_host([t for pair in outputs for t in pair])
-        logprobs_read, losses_read = read[0::2], [float(loss) for loss in read[1::2]]
-        results, row = [], 0
-        for work in works:
-            end = row + len(work.datums)
-            results.append(Result(logprobs_read[row:end], losses_read[row:end]))
-            row = end
-        return results
+        # every datum's log-probabilities and loss copied to the host behind the pass: read once, when asked
+        return InFlight(works, *_to_host([t for pair in outputs for t in pair]))
 
     def _decode(self, input_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """The decoder's last hidden states [B, L, H] of the pass's datums (their stacks begun), on the head's
@@ -273,10 +273,43 @@ def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.
     return _moved(tensors, lambda flat: flat.pin_memory().to(device, non_blocking=True))
 
 
-def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor on the host, as it is (shape, dtype), in one copy per dtype: one wait for the device, not one a
-    tensor."""
-    return _moved(tensors, lambda flat: flat.cpu())
+def _to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], "torch.cuda.Event | None"]:
+    """Each tensor on the host, as it is (shape, dtype), in one copy per dtype; from a GPU, into pinned memory,
+    queued behind the work that makes them, and the event to wait for before reading them (the work queued after
+    the copies is not waited for)."""
+    if not tensors or not tensors[0].is_cuda:
+        return _moved(tensors, lambda flat: flat.cpu()), None
+
+    def copy(flat: torch.Tensor) -> torch.Tensor:
+        return torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True).copy_(flat, non_blocking=True)
+
+    copied, event = _moved(tensors, copy), torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensors[0].device))
+    return copied, event
+
+
+class InFlight:
+    """A pass queued on the device (`Trainer.launch`), its datums' log-probabilities and losses being copied to the
+    host (`read`, in datum order, each datum's pair; ready once `event` is, or now where it is None)."""
+
+    def __init__(self, works: list[Work], read: list[torch.Tensor], event: "torch.cuda.Event | None"):
+        self.works, self._read, self._event = works, read, event
+
+    def done(self) -> bool:
+        """Whether the device has finished the pass (`results` will not wait)."""
+        return self._event is None or self._event.query()
+
+    def results(self) -> list[Result]:
+        """Each work's result, once the device has made them."""
+        if self._event is not None:
+            self._event.synchronize()
+        logprobs_read, losses_read = self._read[0::2], [float(loss) for loss in self._read[1::2]]
+        results, row = [], 0
+        for work in self.works:
+            end = row + len(work.datums)
+            results.append(Result(logprobs_read[row:end], losses_read[row:end]))
+            row = end
+        return results
 
 
 def _moved(tensors: list[torch.Tensor], move) -> list[torch.Tensor]:
