@@ -56,6 +56,7 @@ pass.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -72,6 +73,7 @@ UNORDERED = ""  # the queue of calls that belong to no adapter (submit_call); ad
 GATHER_FRACTION = 0.5  # a round waits for the adapters the last one answered at most this much of the last pass
 GATHER_QUIET_S = 0.02  # ... and no longer than this after the last of them came
 SPLIT_AT = 0.1  # a gather with the device idle this much of a pass or more: the next ones launch half (see _gather)
+UNSPLIT_AT = 0.05  # ... until half of them come back within this much of the two halves' passes: one pass again
 POLL_S = 0.001  # how often a gather beside a pass in flight looks whether the device has finished it
 
 
@@ -148,10 +150,12 @@ class TrainingQueue:
         self._flight: _Flight | None = None  # a pass on the device whose answers wait for the next pass's launch
         self._flying: set[str] = set()  # its adapters: nothing of theirs runs until it is answered
         self._carried: set[str] = set()  # expected adapters the last gather went on without (awaited once more)
-        # the last gather the device waited through whole (nothing in flight, every expected adapter awaited), and
-        # whether the last pass kept the device busy after its launch at least half its time: split the next ones
-        self._idle_gather_s = 0.0
+        # whether passes launch once half the expected adapters are back (`_gather`), whether the last pass alone
+        # kept the device busy after its launch at least half its time, and when the last pass was answered
+        self._splitting = False
         self._device_bound = False
+        self._answered_at = 0.0
+        self._round_trips: collections.deque[float] = collections.deque(maxlen=2)  # the halves' last, while split
         self.passes = 0
         self.overlapped = 0  # passes kept in flight while the next one was gathered and launched
         # seconds the runner spent waiting for expected adapters, on optimizer steps and calls, and on passes:
@@ -225,32 +229,40 @@ class TrainingQueue:
         self._queues[key].pop(self._next[key], None)
         self._next[key] += 1
 
-    def _gather(self, expected: set[str]) -> tuple[dict[str, Operation], set[str]]:
+    def _gather(self, expected: set[str], may_split: bool = True) -> tuple[dict[str, Operation], set[str]]:
         """The ready operations once the `expected` adapters are back, and those of them still on their way (to be
         awaited by the next round too).
 
         With a pass in flight the device is busy: the gather waits for all of them until the device has finished
         that pass. With the device idle it waits for all of them until the bound (GATHER_FRACTION of the last pass,
-        GATHER_QUIET_S after the last arrival, max_gather_s), those not back by then no longer expected; or, where
-        the last whole gather kept the device idle SPLIT_AT of a pass or more and a pass keeps the device busy
-        after its launch (clients whose round trip takes that long: 32 Tinker SDK loops over HTTP took ~40 ms to
-        come back to a 130 ms pass), until half of them are back: their pass runs while the others come back, and
-        the others' pass while the first half's answers make their round trip (round() keeps the first pass in
-        flight until the second is launched)."""
+        GATHER_QUIET_S after the last arrival, max_gather_s), those not back by then no longer expected; or, while
+        splitting, until half of them are back: their pass runs while the others come back, and the others' pass
+        while the first half's answers make their round trip (round() keeps the first pass in flight until the
+        second is launched).
+
+        Splitting starts when a whole gather kept the device idle SPLIT_AT of a pass or more and a pass alone keeps
+        the device busy after its launch (clients whose round trip is long: 32 Tinker SDK loops over HTTP took ~40
+        ms to come back to a 130 ms pass; not one tenant's pass, which is the host's). It stops when both halves
+        come back within UNSPLIT_AT of the two halves' passes (loops that send ahead are back at once) or a whole
+        gather is short: round() then answers the pass in flight before it gathers, and one pass holds everybody
+        again."""
         with self._lock:
             now = began = time.monotonic()
             flight = self._flight
             fraction = GATHER_FRACTION if self.gather_fraction is None else self.gather_fraction
             deadline = now + min(self.max_gather_s, fraction * self._last_pass_s)
             live = {key for key in expected if key in self._queues and key not in self._flying}
-            split = flight is None and self.trainer.overlaps and self._device_bound \
-                and self._idle_gather_s >= SPLIT_AT * self._last_pass_s
+            split = flight is None and may_split and self._splitting
             wake_at = len(live) // 2 if split else 0  # how few may be missing when the gather goes on
             carried, whole = set(), True
             while True:
                 ready = self._ready()
                 missing = {key for key in live if key not in ready}
                 if not missing or self._worker.stopping:  # (stop() wakes it: no wait at shutdown)
+                    if flight is not None and live:  # a half back: its round trip, and the other half's before
+                        self._round_trips.append(now - self._answered_at)
+                        if max(self._round_trips) < UNSPLIT_AT * 2 * self._last_pass_s:
+                            self._splitting = False
                     break
                 if flight is not None:
                     if flight.pending is None or flight.pending.done():
@@ -270,18 +282,22 @@ class TrainingQueue:
             self._missing = None
             waited = time.monotonic() - began
             self.seconds["gather"] += waited
-            if flight is None and whole:
-                self._idle_gather_s = waited
+            if flight is None and whole and live and may_split:
+                self._splitting = self.trainer.overlaps and self._device_bound \
+                    and waited >= SPLIT_AT * self._last_pass_s
             return ready, carried  # (round() sets what the next round expects)
 
     def round(self) -> bool:
         """Run what is ready: the optimizer steps, the calls, then one pass. Returns whether anything ran.
 
-        Where the device runs a pass while the host goes on (`Trainer.overlaps`) and adapters are on their way
-        back (answered by this round, or not back when the gather ended), the pass is kept in flight: its answers
-        are given once the next round has launched its pass, so that the device runs one while the other's
-        clients make their round trip."""
-        ready, carried = self._gather(self._expected)
+        While the gathers split (`_gather`) and adapters are on their way back (answered by this round, or not back
+        when the gather ended), the pass is kept in flight: its answers are given once the next round has launched
+        its pass, so that the device runs one while the other's clients make their round trip."""
+        older = self._flight
+        if older is not None and not self._splitting:  # one pass for all again: its clients are awaited too
+            self._land(older)
+            self._flight = older = None
+        ready, carried = self._gather(self._expected | self._answered)
         steps = {key: op for key, op in ready.items() if op.step is not None}
         calls = {key: op for key, op in ready.items() if op.work is None and op.step is None}
         passes = {key: op for key, op in ready.items() if op.work is not None}
@@ -295,12 +311,14 @@ class TrainingQueue:
         if steps or calls:  # their adapters' next forward_backward joins this pass (`_rejoin`)
             passes.update(self._rejoin(set(steps) | set(calls) - {UNORDERED}, set(passes)))
         flight = self._launch(passes) if passes else None
+        started = time.monotonic()
         answer_steps()  # (once the pass is queued: the device runs it while the host answers)
-        older, self._flight = self._flight, None
+        self.seconds["steps"] += time.monotonic() - started
+        self._flight = None
         if older is not None:
             self._land(older)
         if flight is not None:
-            if self.trainer.overlaps and (self._answered | carried) - flight.keys:
+            if self._splitting and (self._answered | carried) - flight.keys:
                 self._flight = flight
                 self.overlapped += 1
             else:
@@ -322,7 +340,7 @@ class TrainingQueue:
         forward_backward can never be in one round's ready set (one operation an adapter a round); without this,
         loops whose steps and passes fell out of phase would stay split for good, half of them stepping while the
         other half passes."""
-        more, _ = self._gather(answered)
+        more, _ = self._gather(answered, may_split=False)
         return {key: op for key, op in more.items() if op.work is not None and key not in passing}
 
     def _launch_steps(self, operations: dict[str, Operation], release: bool = True) -> Callable[[], None]:
@@ -432,6 +450,7 @@ class TrainingQueue:
                 flight.answer_steps()  # answered with the pass, in its group
         with self._lock:
             self._flying -= flight.keys
+        self._answered_at = time.monotonic()
         self.seconds["pass"] += time.monotonic() - began
 
     def _waited_steps(self, parts: list[tuple[str, Operation, Work]]) -> dict[str, Operation]:

@@ -352,14 +352,15 @@ class _OnADevice:
 
 def _lock_step_loops(queue, works, iterations, round_trip_s):
     """tinker-cookbook's loop for each adapter on a thread of its own: forward_backward and optim_step sent
-    together, both answers awaited, then its next iteration `round_trip_s[key]` later. Returns each adapter's
-    losses."""
+    together, both answers awaited, then its next iteration `round_trip_s(key, iteration)` seconds later. Returns
+    each adapter's losses."""
     import threading
 
     from symbiosis.train.lora import AdamParams
 
     losses = {key: [] for key in works}
     errors = []
+    sent = threading.Barrier(len(works) + 1)  # every loop's first requests queued before the queue starts
 
     def loop(key):
         for i in range(iterations):
@@ -370,16 +371,19 @@ def _lock_step_loops(queue, works, iterations, round_trip_s):
             queue.submit(key, Operation(2 * i + 1, done=lambda result: answered.release(),
                                         fail=lambda e: (errors.append(e), answered.release()),
                                         call=lambda metrics: metrics, step=(work.lora, AdamParams(0.05))))
+            if i == 0:
+                sent.wait(60)
             assert answered.acquire(timeout=60) and answered.acquire(timeout=60)
-            time.sleep(round_trip_s[key])
+            time.sleep(round_trip_s(key, i))
 
     for key in works:
         queue.open(key, 0)
     threads = [threading.Thread(target=loop, args=(key,)) for key in works]
-    queue.start()
     try:
         for thread in threads:
             thread.start()
+        sent.wait(60)
+        queue.start()
         for thread in threads:
             thread.join(120)
     finally:
@@ -407,31 +411,34 @@ def _alone(trainer, seed, key, iterations):
     return losses
 
 
-def test_on_a_device_clients_slow_to_come_back_train_in_two_halves_that_overlap(trainer):
+def test_on_a_device_clients_slow_to_come_back_train_in_two_halves_that_overlap_until_they_are_quick(trainer):
     """Lock-step loops that come back over a tenth of a pass or more, on a device that runs a pass after its
     launch: the queue launches a pass once half of them are back, keeps it in flight while the other half gathers,
     launches theirs behind it, and only then answers the first (so its clients come back while the device runs the
-    second). Each adapter's losses are those of its loop alone."""
+    second). When they come back at once, one pass holds them all again. Each adapter's losses are those of its
+    loop alone."""
     on_device = _OnADevice(trainer, pass_s=0.08)
     queue = TrainingQueue(on_device)
     keys = "abcd"
     works = {key: _work(trainer, seed, 1) for seed, key in enumerate(keys)}
     iterations = 8
-    losses = _lock_step_loops(queue, works, iterations, {key: 0.006 * i for i, key in enumerate(keys)})
+    # then they come back at once (as loops that send ahead do): one pass for all again
+    losses = _lock_step_loops(queue, works, iterations + 6,
+                              lambda key, i: 0.01 * keys.index(key) if i < iterations else 0.0)
     assert queue.overlapped >= iterations, "passes launched while another was in flight"
     assert on_device.passes.count(2) >= iterations, on_device.passes
+    assert on_device.passes[-3:] == [4, 4, 4], str(on_device.passes)
     for seed, key in enumerate(keys):
-        assert losses[key] == pytest.approx(_alone(trainer, seed, key, iterations), rel=1e-10)
+        assert losses[key] == pytest.approx(_alone(trainer, seed, key, iterations + 6), rel=1e-10)
 
 
 def test_on_a_device_clients_that_come_back_at_once_stay_in_one_pass(trainer):
-    """The same loops coming back at once: passes hold all of them (but the first, which may start before every
-    loop has sent its first request), each answered as soon as it is done."""
+    """The same loops coming back at once: every pass holds all of them, answered as soon as it is done."""
     on_device = _OnADevice(trainer, pass_s=0.03)
     queue = TrainingQueue(on_device)
     works = {key: _work(trainer, seed, 1) for seed, key in enumerate("abcd")}
-    losses = _lock_step_loops(queue, works, 5, dict.fromkeys(works, 0.0))
-    assert queue.overlapped == 0 and on_device.passes.count(4) >= 4, on_device.passes
+    losses = _lock_step_loops(queue, works, 5, lambda key, i: 0.0)
+    assert queue.overlapped == 0 and on_device.passes == [4] * 5, on_device.passes
     for seed, key in enumerate("abcd"):
         assert losses[key] == pytest.approx(_alone(trainer, seed, key, 5), rel=1e-10)
 
