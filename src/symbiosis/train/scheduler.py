@@ -40,8 +40,8 @@ On a GPU a pass runs after its launch returns (`Trainer.launch`), and a round ma
 clients are on their way back (answered by this round, or not back when its gather ended), the pass is answered
 only once the next round has launched its own, behind it on the device. Lock-step clients whose round trip is long
 beside a pass (32 Tinker SDK loops over HTTP: ~40 ms through the service's one event loop, against a 130 ms pass of
-all 32) are split in two halves that way: once a whole gather has kept the device idle a tenth of a pass
-(`SPLIT_AT`) and a pass keeps the device busy after its launch (so smaller passes cost the device, not the host,
+all 32) are split in two halves that way: once two whole gathers in a row have kept the device idle a tenth of
+a pass (`SPLIT_AT`) and a pass keeps the device busy after its launch (so smaller passes cost the device, not the host,
 their share), the next gather launches its pass when half the expected adapters are back. The device runs one
 half's pass while the other half's answers make their round trip, and the halves stay apart, each waited for while
 the other's pass runs. Loops that come back at once (clients in the process) keep one pass for all; so does a
@@ -153,6 +153,7 @@ class TrainingQueue:
         # whether passes launch once half the expected adapters are back (`_gather`), whether the last pass alone
         # kept the device busy after its launch at least half its time, and when the last pass was answered
         self._splitting = False
+        self._idle_gathers = 0  # whole gathers in a row that kept the device idle SPLIT_AT of a pass or more
         self._device_bound = False
         self._answered_at = 0.0
         self._round_trips: collections.deque[float] = collections.deque(maxlen=2)  # the halves' last, while split
@@ -240,8 +241,9 @@ class TrainingQueue:
         while the first half's answers make their round trip (round() keeps the first pass in flight until the
         second is launched).
 
-        Splitting starts when a whole gather kept the device idle SPLIT_AT of a pass or more and a pass alone keeps
-        the device busy after its launch (clients whose round trip is long: 32 Tinker SDK loops over HTTP took ~40
+        Splitting starts when two whole gathers in a row kept the device idle SPLIT_AT of a pass or more (one such
+        gather may be a pause of the clients', the collector's) and a pass alone keeps the device busy after its
+        launch (clients whose round trip is long: 32 Tinker SDK loops over HTTP took ~40
         ms to come back to a 130 ms pass; not one tenant's pass, which is the host's). It stops when both halves
         come back within UNSPLIT_AT of the two halves' passes (loops that send ahead are back at once) or a whole
         gather is short: round() then answers the pass in flight before it gathers, and one pass holds everybody
@@ -283,8 +285,9 @@ class TrainingQueue:
             waited = time.monotonic() - began
             self.seconds["gather"] += waited
             if flight is None and whole and live and may_split:
-                self._splitting = self.trainer.overlaps and self._device_bound \
-                    and waited >= SPLIT_AT * self._last_pass_s
+                idle = self.trainer.overlaps and self._device_bound and waited >= SPLIT_AT * self._last_pass_s
+                self._idle_gathers = self._idle_gathers + 1 if idle else 0
+                self._splitting = self._idle_gathers >= 2
             return ready, carried  # (round() sets what the next round expects)
 
     def round(self) -> bool:
