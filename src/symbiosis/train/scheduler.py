@@ -3,11 +3,11 @@
 Each adapter (a training model) has a queue of operations, run strictly in its `seq` order (a request whose
 predecessor has not arrived waits for it). A round takes the next operation of every adapter: the optimizer steps
 (all adapters' together: a few multi-tensor launches), then the calls (saves, loads: each its adapter's alone) one
-after another, then the forward and forward_backward requests of all adapters run as one pass (Trainer.run). A pass holds at most
-`max_pass_tokens`; each waiting request gets an equal share of it (at least one datum), and a request larger than
-its share goes on in the next rounds, where every other waiting request again gets its share. So no adapter waits
-more than one pass for a turn, however large another adapter's batch: a small request finishes in the first pass
-it joins.
+after another, then the forward and forward_backward requests of all adapters run as one pass (`Trainer.launch`). A
+pass holds at most `max_pass_tokens`; each waiting request gets an equal share of it (at least one datum), and a
+request larger than its share goes on in the next rounds, where every other waiting request again gets its share.
+So no adapter waits more than one pass for a turn, however large another adapter's batch: a small request finishes
+in the first pass it joins.
 
 A round starts as soon as anything is waiting (no fixed cycle), with one exception that keeps passes whole: the
 adapters answered by the last round are expected back (a training loop answered its forward_backward sends its
@@ -26,9 +26,9 @@ come back within a millisecond or two; clients of the Tinker SDK over HTTP one a
 milliseconds, the service's event loop answering each and taking its next request.
 
 A loop that sends its forward_backward and its optimizer step together and then waits for both answers
-(tinker-cookbook's; `--loop together`) has its step queued while the pass runs: the step is taken right after
-the pass and answered with the pass's answers (one group: one transaction of the service's), so that the loop's
-next requests do not wait for a round of steps of their own.
+(tinker-cookbook's; `--loop together`) has its step queued by the time the pass is launched: the step is launched
+right behind the pass and answered with the pass's answers (one group: one transaction of the service's), so that
+the loop's next requests do not wait for a round of steps of their own.
 
 Loops that send ahead (the next forward_backward queued before the step's answer: `--loop ahead` in
 benchmarks/hosted_training.py) are not waited for: the round queues the steps, then the pass, and answers the steps
@@ -40,14 +40,14 @@ On a GPU a pass runs after its launch returns (`Trainer.launch`), and a round ma
 clients are on their way back (answered by this round, or not back when its gather ended), the pass is answered
 only once the next round has launched its own, behind it on the device. Lock-step clients whose round trip is long
 beside a pass (32 Tinker SDK loops over HTTP: ~40 ms through the service's one event loop, against a 130 ms pass of
-all 32) are split in two halves that way: once two whole gathers in a row have kept the device idle a tenth of
-a pass (`SPLIT_AT`) and a pass keeps the device busy after its launch (so smaller passes cost the device, not the host,
-their share), the next gather launches its pass when half the expected adapters are back. The device runs one
-half's pass while the other half's answers make their round trip, and the halves stay apart, each waited for while
-the other's pass runs. Loops that come back at once (clients in the process) keep one pass for all; so does a
-host-bound pass (one tenant's). An adapter in flight runs nothing else until its pass is answered; the optimizer
-steps queued behind a pass's requests are launched right behind it, on the device's queue, so that a later pass
-does not hold up their answers.
+all 32) are split in two halves that way: once two whole gathers in a row have kept the device idle a tenth of a
+pass (`SPLIT_AT`) and a pass keeps the device busy after its launch (so smaller passes cost the device, not the
+host, their share), the next gather launches its pass when half the expected adapters are back. The device runs
+one half's pass while the other half's answers make their round trip, and the halves stay apart, each waited for
+while the other's pass runs, until both come back at once (`UNSPLIT_AT`). Loops that come back at once (clients in
+the process, loops that send ahead) keep one pass for all; so does a host-bound pass (one tenant's). An adapter in
+flight runs nothing else until its pass is answered. H100, 32 SDK loops: 0.75x -> 0.88-1.03x the in-process
+loops' tokens/s (docs/PERFORMANCE.md section 10).
 
 A pass that fails (out of memory, say) fails the requests in it, and the gradients their adapters gathered since
 their last optimizer step are dropped (`Operation.fail` says so): a later optimizer step must not apply half a
@@ -101,7 +101,7 @@ class Operation:
 
 @dataclass
 class _Flight:
-    """A pass launched on the device and not yet answered: its operations' parts (`_pass`), the pass's results to
+    """A pass launched on the device and not yet answered: its operations' parts (`_launch`), the pass's results to
     come (None: its launch failed with `error`), the optimizer steps queued right behind it (`_waited_steps`) and
     the call that answers them."""
     parts: list[tuple[str, Operation, Work]]

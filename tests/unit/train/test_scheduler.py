@@ -368,8 +368,8 @@ def _lock_step_loops(queue, works, iterations, round_trip_s, dtype=torch.float64
         for i in range(iterations):
             answered = threading.Semaphore(0)
             work = Work(works[key].lora, _datums(key, i, dtype), "cross_entropy")
-            queue.submit(key, Operation(2 * i, done=lambda result: (losses[key].append(result.loss), answered.release()),
-                                        fail=lambda e: (errors.append(e), answered.release()), work=work))
+            queue.submit(key, Operation(2 * i, fail=lambda e: (errors.append(e), answered.release()), work=work,
+                                        done=lambda result: (losses[key].append(result.loss), answered.release())))
             queue.submit(key, Operation(2 * i + 1, done=lambda result: answered.release(),
                                         fail=lambda e: (errors.append(e), answered.release()),
                                         call=lambda metrics: metrics, step=(work.lora, adam)))
