@@ -25,7 +25,7 @@ fi
 declare -A LIMIT_S=(
   [gpu_tests]=240 [rtt]=90 [single_1b]=150 [single_1b_dora]=200 [single_13b]=330 [multi_1b]=330 [multi_1b_8]=200 [threads_1b_8]=420 [threads_1b_8_both]=480 [threads_1b_8_captured]=330 [anatomy_1b]=300 [anatomy_1b_chunked]=240 [threads_1b_8_chunked]=330 [threads_1b_8_autotuned]=520 [threads_1b_8_all_both]=560 [multi_13b]=420 [multi_1b_ckpt]=240 [multi_13b_ckpt]=570
   [policies]=300 [mixed]=240 [privacy]=320 [long_context]=330
-  [engine_tests]=240 [sgmv]=180 [paged_attention]=240 [engine]=560 [hosted_training]=560 [hosted_training_ahead]=300 [hosted_training_profile]=300 [hosted_sdk_processes]=240 [hosted_sdk_fronts]=480
+  [engine_tests]=240 [sgmv]=180 [paged_attention]=240 [engine]=560 [hosted_training]=560 [hosted_fleet]=420 [hosted_training_ahead]=300 [hosted_training_profile]=300 [hosted_sdk_processes]=240 [hosted_sdk_fronts]=480
   [serve]=590 [serve_saturation]=590 [serve_fronts]=590 [http_layer]=300 [app_cost]=120 [fine_tuning_jobs]=560 [hmi_tiered]=580 [hmi_on_demand]=580 [plot]=580 [moe_train]=560 [moe_train_captured]=560 [moe_decode]=560
   [gpu_tests_2gpu]=300 [remote_2gpu]=330 [remote_chain_2gpu]=150 [nccl_pair_cost_2gpu]=120 [sharded_13b_2gpu]=560 [processes_13b_2gpu]=480 [processes_13b_2gpu_compiled]=560 [sharded_13b_2gpu_columns]=560 [fsdp_13b_2gpu]=420 [hosted_13b_2gpu]=400 [hosted_13b_replicas]=400
   [sharded_remote_8gpu]=590 [fsdp_27b_8gpu]=590
@@ -59,6 +59,9 @@ declare -A COMMAND=(
   [engine]="$PY benchmarks/engine.py --batches 1,8,32,64"
   [hosted_training]="$PY benchmarks/hosted_training.py --model llama-3.2-1b --tenants 8,16,32 --anatomy"
   # tenants' loops that send their next iteration before waiting for the last (the queue then never waits for them)
+  # the three targets of hosted training in one call, the fleet beside (run under MPS=1): 32 tenants against the
+  # one-job ceiling and against 16 PEFT processes, and one tenant against a compiled PEFT job
+  [hosted_fleet]="$PY benchmarks/hosted_training.py --model llama-3.2-1b --tenants 1,32 --fleet 16 --paths engine --duration 8"
   [hosted_training_ahead]="$PY benchmarks/hosted_training.py --model llama-3.2-1b --tenants 32 --duration 10 --fleet= --paths engine,sdk --no-peft --loop ahead --sdk-processes 4"
   [hosted_training_profile]="$PY benchmarks/hosted_training.py --model llama-3.2-1b --tenants 32 --profile $OUT/hosted_training_profile.txt"
   # the SDK's 32 tenants from 4 client processes (client_cpu_share: whether one client interpreter bounded the SDK's runs)
@@ -110,7 +113,7 @@ declare -A COMMAND=(
 )
 ORDER=(gpu_tests rtt single_1b single_1b_dora anatomy_1b anatomy_1b_chunked multi_1b multi_1b_8 threads_1b_8 threads_1b_8_captured
        threads_1b_8_chunked threads_1b_8_autotuned threads_1b_8_all_both threads_1b_8_both multi_1b_ckpt privacy policies mixed long_context single_13b multi_13b
-       multi_13b_ckpt engine_tests sgmv paged_attention engine hosted_training hosted_training_ahead hosted_training_profile hosted_sdk_processes hosted_sdk_fronts serve serve_saturation serve_fronts http_layer app_cost fine_tuning_jobs hmi_tiered hmi_on_demand
+       multi_13b_ckpt engine_tests sgmv paged_attention engine hosted_training hosted_fleet hosted_training_ahead hosted_training_profile hosted_sdk_processes hosted_sdk_fronts serve serve_saturation serve_fronts http_layer app_cost fine_tuning_jobs hmi_tiered hmi_on_demand
        plot moe_train moe_train_captured moe_decode)
 
 for name in "${@:-${ORDER[@]}}"; do
