@@ -243,11 +243,10 @@ class TrainingQueue:
 
         Splitting starts when two whole gathers in a row kept the device idle SPLIT_AT of a pass or more (one such
         gather may be a pause of the clients', the collector's) and a pass alone keeps the device busy after its
-        launch (clients whose round trip is long: 32 Tinker SDK loops over HTTP took ~40
-        ms to come back to a 130 ms pass; not one tenant's pass, which is the host's). It stops when both halves
-        come back within UNSPLIT_AT of the two halves' passes (loops that send ahead are back at once) or a whole
-        gather is short: round() then answers the pass in flight before it gathers, and one pass holds everybody
-        again."""
+        launch (clients whose round trip is long: 32 Tinker SDK loops over HTTP took ~40 ms to come back to a 130
+        ms pass; not one tenant's pass, which is the host's). It stops when both halves come back within
+        UNSPLIT_AT of the two halves' passes (loops that send ahead are back at once) or a whole gather is short:
+        round() then answers the pass in flight before it gathers, and one pass holds everybody again."""
         with self._lock:
             now = began = time.monotonic()
             flight = self._flight
