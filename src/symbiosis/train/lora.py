@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from symbiosis.client.adapter_files import check_adapter_directory
 from symbiosis.client.generate import FINGERPRINT_FILE, check_base_fingerprint
 from symbiosis.errors import AdapterError
+from symbiosis.train.transfer import to_host
 
 ALPHA = 32.0
 PREFIX = "base_model.model."
@@ -311,16 +312,8 @@ def launch_steps(steps: list[tuple[HostedLora, AdamParams]]) -> Callable[[], lis
     for lora, _ in moving:
         lora.pending = False
         lora.steps += 1
-    copied, event = None, None
-    if moving:
-        stacked = torch.stack(norms)
-        if stacked.is_cuda:  # into pinned memory behind the norms, an event after it: a read that waits for them alone
-            copied = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-            copied.copy_(stacked, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(stacked.device))
-        else:
-            copied = stacked
+    # the norms into pinned memory behind them, an event after: a read that waits for them alone
+    (copied,), event = to_host([torch.stack(norms)]) if moving else ((None,), None)
 
     def metrics() -> list[dict[str, float]]:
         if event is not None:

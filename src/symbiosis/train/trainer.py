@@ -29,6 +29,7 @@ from symbiosis.kernels import softmax_grad
 from symbiosis.train import losses
 from symbiosis.train.graphs import DecoderGraphs, capturable
 from symbiosis.train.lora import HostedLora
+from symbiosis.train.transfer import to_device, to_host
 from symbiosis.train.model import build
 
 
@@ -161,8 +162,8 @@ class Trainer:
         # pageable memory, may drain the GPU first: one a datum held the host and the GPU in lockstep), so the host
         # queues the pass ahead of the GPU.
         names = [sorted(datum.inputs) for datum in datums]
-        input_ids, mask = _to_device([input_ids, mask], self.device)
-        moved = iter(_to_device([d.inputs[k] for d, keys in zip(datums, names) for k in keys], self.head_device))
+        input_ids, mask = to_device([input_ids, mask], self.device)
+        moved = iter(to_device([d.inputs[k] for d, keys in zip(datums, names) for k in keys], self.head_device))
         inputs_of = [{k: next(moved) for k in keys} for keys in names]
         try:
             with torch.enable_grad() if backward else torch.no_grad():
@@ -218,7 +219,7 @@ class Trainer:
         finally:
             self.state.end()
         # every datum's log-probabilities and loss copied to the host behind the pass: read once, when asked
-        return InFlight(works, *_to_host([t for pair in outputs for t in pair]))
+        return InFlight(works, *to_host([t for pair in outputs for t in pair]))
 
     def _decode(self, input_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """The decoder's last hidden states [B, L, H] of the pass's datums (their stacks begun), on the head's
@@ -266,28 +267,6 @@ class Trainer:
         return torch.cat(pieces)
 
 
-def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Each tensor on `device`, as it is, in one copy per dtype from pinned memory (queued, not waited for)."""
-    if torch.device(device).type == "cpu":
-        return list(tensors)
-    return _moved(tensors, lambda flat: flat.pin_memory().to(device, non_blocking=True))
-
-
-def _to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], "torch.cuda.Event | None"]:
-    """Each tensor on the host, as it is (shape, dtype), in one copy per dtype; from a GPU, into pinned memory,
-    queued behind the work that makes them, and the event to wait for before reading them (the work queued after
-    the copies is not waited for)."""
-    if not tensors or not tensors[0].is_cuda:
-        return _moved(tensors, lambda flat: flat.cpu()), None
-
-    def copy(flat: torch.Tensor) -> torch.Tensor:
-        return torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True).copy_(flat, non_blocking=True)
-
-    copied, event = _moved(tensors, copy), torch.cuda.Event()
-    event.record(torch.cuda.current_stream(tensors[0].device))
-    return copied, event
-
-
 class InFlight:
     """A pass queued on the device (`Trainer.launch`), its datums' log-probabilities and losses being copied to the
     host (`read`, in datum order, each datum's pair; ready once `event` is, or now where it is None)."""
@@ -310,19 +289,6 @@ class InFlight:
             results.append(Result(logprobs_read[row:end], losses_read[row:end]))
             row = end
         return results
-
-
-def _moved(tensors: list[torch.Tensor], move) -> list[torch.Tensor]:
-    """`tensors` concatenated per dtype, each concatenation through `move`, and cut back into their shapes."""
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, tensor in enumerate(tensors):
-        by_dtype.setdefault(tensor.dtype, []).append(i)
-    for indices in by_dtype.values():
-        flat = move(torch.cat([tensors[i].reshape(-1) for i in indices]))
-        for i, piece in zip(indices, flat.split([tensors[i].numel() for i in indices])):
-            out[i] = piece.view(tensors[i].shape)
-    return out
 
 
 def _picked(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
