@@ -295,7 +295,7 @@ class TrainingQueue:
         While the gathers split (`_gather`) and adapters are on their way back (answered by this round, or not back
         when the gather ended), the pass is kept in flight: its answers are given once the next round has launched
         its pass, so that the device runs one while the other's clients make their round trip."""
-        older = self._flight
+        older, landed = self._flight, self._flight is not None
         if older is not None and not self._splitting:  # one pass for all again: its clients are awaited too
             self._land(older)
             self._flight = older = None
@@ -328,7 +328,7 @@ class TrainingQueue:
         with self._lock:
             self._expected, self._answered = (self._answered | carried) - self._flying, set()
             self._carried = carried
-        return bool(ready) or older is not None
+        return bool(ready) or landed
 
     def _next_queued(self, keys: set[str]) -> bool:
         """Whether each of these adapters' next request is queued already (its loop sends ahead of the answers)."""
