@@ -7,7 +7,9 @@ what a remote client's step pays ~130 times, wherever its CPU does not run far e
 
 A step (`--steps`): `layer`, one call of a square layer (`--layer`); `mlp_layers`, layer 0's MLP as a client whose
 adapter touches it calls it (gate and up as one call, SiLU(gate) * up here, down); `mlp_block`, the same MLP as
-one call (client/blocks.py: over nccl:// where the adapter leaves it frozen). Each line: `per_step_us` (the
+one call (client/blocks.py: over nccl:// where the adapter leaves it frozen); `o_and_mlp`, o_proj then that MLP
+block (two calls: a decoder layer's tail as the MLP blocks served it); `tail`, the decoder layer's tail as one call
+([h | a] -> o(a) + mlp(norm(h + o(a)))). Each line: `per_step_us` (the
 chain's wall time / steps), `issue_us` (the client's CPU time a step, before it waits), for `path` in_process (an
 executor on this process's GPU 0, policy none: the calls run on the caller's thread) and nccl (a `symbiosis
 executor` process on GPU 0, the client on --client-device).
@@ -39,8 +41,12 @@ def steps(layer_id: str) -> dict:
         gate, up = session.forward(f"{mlp}.gate_proj+{mlp}.up_proj", y).chunk(2, dim=1)
         return session.forward(f"{mlp}.down_proj", F.silu(gate) * up)
 
+    def o_and_mlp(session, y):  # a decoder layer's tail as the MLP blocks call it: o_proj, then the MLP
+        return session.forward(mlp, session.forward("model.layers.0.self_attn.o_proj", y) + y)
+
     return {"layer": (1, lambda session, y: session.forward(layer_id, y)), "mlp_layers": (2, mlp_layers),
-            "mlp_block": (1, lambda session, y: session.forward(mlp, y))}
+            "mlp_block": (1, lambda session, y: session.forward(mlp, y)), "o_and_mlp": (2, o_and_mlp),
+            "tail": (1, lambda session, y: session.forward("model.layers.0", torch.cat([y, y], dim=1)))}
 
 
 def chain(session, step, x: torch.Tensor, count: int, client_device: torch.device) -> tuple[float, float]:
@@ -68,7 +74,7 @@ def measure(session, label: str, width: int, args, client_device: torch.device, 
             issues.append(issue)
         walls.sort()
         emit(bench="remote_chain", path=label, step=name, calls_per_step=calls, model=args.model,
-             layer=args.layer if name == "layer" else "model.layers.0.mlp", tokens=args.tokens, steps=args.calls,
+             layer=args.layer if name == "layer" else "model.layers.0" if name == "tail" else "model.layers.0.mlp", tokens=args.tokens, steps=args.calls,
              client_device=str(client_device), per_step_us=round(walls[len(walls) // 2] / args.calls * 1e6, 1),
              best_per_step_us=round(walls[0] / args.calls * 1e6, 1),
              issue_us=round(sorted(issues)[len(issues) // 2] / args.calls * 1e6, 1), **extra)
@@ -81,7 +87,7 @@ def main() -> None:
     parser.add_argument("--layer", default="model.layers.0.self_attn.o_proj", help="a square base layer")
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--calls", type=int, default=256, help="steps in a chain")
-    parser.add_argument("--steps", default="layer,mlp_layers,mlp_block")
+    parser.add_argument("--steps", default="layer,mlp_layers,mlp_block,o_and_mlp,tail")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--paths", default="in_process,nccl")
     args = parser.parse_args()

@@ -122,7 +122,8 @@ def threads_executor(args):
     `sharded:...`):
     a `symbiosis executor` process serving WHAT, the clients, on --client-device's devices, attached to it over
     that transport (`nccl-layers:` / `gloo-layers:`: the same with every frozen MLP called as its layers, not
-    whole: client/blocks.py's saving measured side by side). (An executor process of its own, as the paper's remote clients have: with the executor's
+    whole; `nccl-mlps:` / `gloo-mlps:`: MLPs whole but no decoder tails: client/blocks.py's savings measured side by
+    side). (An executor process of its own, as the paper's remote clients have: with the executor's
     NCCL ranks in this process too, the first call hung on two H100s, 2026-11-26.)"""
     kind, _, where = args.executor.partition(":")
     if kind == "local":
@@ -134,7 +135,8 @@ def threads_executor(args):
 
         executor = _sharded(args, where, launch_sharded if kind == "sharded" else on_devices)
         return executor, [executor.device], [executor.close]
-    if kind.removesuffix("-layers") in ("nccl", "gloo"):
+    kind, _, calls = kind.partition("-")  # nccl-layers: no block; nccl-mlps: MLP blocks, no decoder tails
+    if kind in ("nccl", "gloo") and calls in ("", "layers", "mlps"):
         from common import free_port, start_executor
 
         if where.startswith("sharded:"):  # its calls from the clients batched (the executor's default policy)
@@ -144,15 +146,16 @@ def threads_executor(args):
             placement = ["--device", where]
         port = free_port()
         process = start_executor(Path(args.model_dir), f"tcp://127.0.0.1:{port}", where=placement)
-        remote = symbiosis.connect(f"{kind.removesuffix('-layers')}://127.0.0.1:{port}", timeout=300)
-        if kind.endswith("-layers"):  # sessions that call no block
+        remote = symbiosis.connect(f"{kind}://127.0.0.1:{port}", timeout=300)
+        if calls:  # sessions that call fewer blocks
             attach = remote.attach
 
-            def attach_layers(*args, **kwargs):
+            def attach_fewer(*args, **kwargs):
                 session = attach(*args, **kwargs)
-                session.block_specs = {}
+                session.block_specs = {block: spec for block, spec in session.block_specs.items()
+                                       if calls == "mlps" and spec.kind == "gated_mlp"}
                 return session
-            remote.attach = attach_layers
+            remote.attach = attach_fewer
 
         def stop() -> None:
             process.terminate()

@@ -7,10 +7,13 @@ take one input, outputs side by side):
     forward_nobias: x [T, in]  -> x W^T       [T, out]
     backward:       g [T, out] -> g W         [T, in]   (no gradient for W or b is formed)
 
-and two on a block (kind `gated_mlp`: a gated MLP run whole, `partition.plan_gated_mlps`), stateless as the rest:
+and two on a block (`partition.BLOCK_KINDS`), stateless as the rest:
 
-    forward:        x [T, in]             -> down(act(gate(x)) * up(x))   [T, out]
+    forward:        x [T, in]             -> the block's output            [T, out]
     backward:       [x | g] [T, in + out] -> the input's gradient          [T, in]
+
+A `gated_mlp` block is down(act(gate(x)) * up(x)) (`partition.plan_gated_mlps`); a `decoder_tail` takes [h | a]
+(the residual stream, o_proj's input) and gives o(a) + mlp(norm(h + o(a))) (`partition.plan_decoder_tails`).
 
 `check_call` is what the executor checks before a call is queued, and what a remote session checks before
 it sends one (so a pipelined call's error shows at the call). Tenant processes import this module, never
@@ -22,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from symbiosis.errors import BadCall, UnknownLayer
-from symbiosis.model.partition import BaseLayerSpec
+from symbiosis.model.partition import BLOCK_KINDS, BaseLayerSpec
 
 OPS = ("forward", "forward_nobias", "backward")  # an op travels as its index on the ipc:// doorbell
 CALL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # likewise a call's dtype
@@ -36,10 +39,10 @@ def check_call(layer_id: str, spec: BaseLayerSpec | None, op: str, tensor: torch
         raise BadCall(f"unknown op {op!r}; expected one of {OPS}")
     if spec is None:
         raise UnknownLayer(f"this executor serves no base layer {layer_id[:300]!r}")
-    if spec.kind == "gated_mlp" and op == "forward_nobias":
+    if spec.kind in BLOCK_KINDS and op == "forward_nobias":
         raise BadCall(f"block {layer_id[:300]!r} runs forward and backward only")
     width = spec.out_features if op == "backward" else spec.in_features
-    if spec.kind == "gated_mlp" and op == "backward":  # its input beside the output's gradient
+    if spec.kind in BLOCK_KINDS and op == "backward":  # its input beside the output's gradient
         width = spec.in_features + spec.out_features
     if tensor.dim() != 2 or tensor.shape[1] != width:
         raise BadCall(f"{op} call to layer {layer_id[:300]!r} expects [tokens, {width}], got {list(tensor.shape)}")

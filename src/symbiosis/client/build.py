@@ -20,7 +20,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from symbiosis.client import peft_support
-from symbiosis.client.blocks import serve_whole
+from symbiosis.client.blocks import serve_tail, serve_whole
 from symbiosis.client.adapter_files import check_adapter_directory
 from symbiosis.client.experts import make_virtual_experts
 from symbiosis.client.privacy import MaskedSession, NoiseMasking
@@ -30,7 +30,7 @@ from symbiosis.errors import CheckpointError, VirtualWeightAccess
 from symbiosis.model.checkpoint import Checkpoint
 from symbiosis.model.layout import Layout
 from symbiosis.model.partition import (build_skeleton, check_complete, load_config, plan_base_layers, plan_expert_layers,
-                                       plan_gated_mlps)
+                                       plan_decoder_tails, plan_gated_mlps)
 from symbiosis.torch_dtypes import resolve_dtype
 
 peft_support.install()  # PEFT's entry points check split models' configs and adapter files
@@ -139,14 +139,19 @@ def from_pretrained(path: str | os.PathLike, executor, auto_class=AutoModelForCa
         model.set_submodule(module_name, virtual)
     for module_name, projections in experts.items():
         make_virtual_experts(model.get_submodule(module_name), projections, session, device, dtype)
-    for module_name, spec in plan_gated_mlps(model, plan).items():  # the MLPs the executor also runs whole
+    mlps = plan_gated_mlps(model, plan)
+    for module_name, spec in mlps.items():  # the MLPs the executor also runs whole
         if session.block_specs.get(module_name) == spec:
             serve_whole(model.get_submodule(module_name), module_name, session)
+    tails = {name: spec for name, spec in plan_decoder_tails(model, plan, mlps).items()
+             if session.block_specs.get(name) == spec}  # served once the norms hold their weights
 
     model.to_empty(device=device)
     _load_client_tensors(model, layout, device, session)
     model.initialize_weights()
     model.tie_weights()
+    for module_name in tails:  # (their norms' weights as loaded: a later write declines the tail)
+        serve_tail(model.get_submodule(module_name), module_name, session)
     if (checkpoint.path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(checkpoint.path)
     model.save_pretrained = _refuse_full_save

@@ -146,6 +146,7 @@ def _init_virtual(layer: nn.Module, spec: BaseLayerSpec, session, grouper, devic
     layer.layer_id = spec.layer_id
     layer.session = session
     layer.grouper = grouper
+    layer.deferred = None  # x -> what to return instead of calling the executor (client/blocks.py: a decoder tail)
     shape = (spec.out_features, spec.in_features) if spec.kind == "linear" else (spec.in_features, spec.out_features)
     layer.weight = nn.Parameter(VirtualWeight(shape, dtype, device, spec.layer_id), requires_grad=False)
     # The bias is a public fact about the base of [out] values: the client holds a frozen copy (read with its own
@@ -174,6 +175,8 @@ class VirtualLinear(nn.Linear):
         self.in_features, self.out_features = spec.in_features, spec.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.deferred is not None:  # its decoder layer's tail runs it with the MLP (client/blocks.py)
+            return self.deferred(x)
         return base_forward(self, x)
 
     def __deepcopy__(self, memo):

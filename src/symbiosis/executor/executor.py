@@ -6,6 +6,7 @@ client may arrive in any order, and a client that vanishes leaves nothing behind
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import os
@@ -15,19 +16,21 @@ from typing import Callable
 
 import torch
 
-from symbiosis.errors import BadCall, ExecutorOutOfMemory, FingerprintMismatch, UnknownClient, UnknownLayer
+from symbiosis.errors import BadCall, CheckpointError, ExecutorOutOfMemory, FingerprintMismatch, UnknownClient, UnknownLayer
 from symbiosis.executor.batcher import Batcher
 from symbiosis.executor.policy import Policy, make_policy
 from symbiosis.executor.stats import ExecutorStats
 from symbiosis.executor.store import BaseLayer, BaseWeights
 from symbiosis.model.checkpoint import Checkpoint
 from symbiosis.model.partition import (
+    GROUP_SEPARATOR,
     BaseLayerSpec,
     architecture_class,
     build_skeleton,
     check_complete,
     load_config,
     all_base_layers,
+    plan_decoder_tails,
     plan_gated_mlps,
 )
 from symbiosis.model.layout import Layout
@@ -52,6 +55,21 @@ def read_skeleton(path, dtype=None, torch_dtype=None, auto_class=None):
     layout = Layout(skeleton, checkpoint)
     check_complete(skeleton, layout)
     return checkpoint, skeleton, layout, dtype
+
+
+def _base_module(skeleton_module: torch.nn.Module, name: str, layout: Layout, device, dtype) -> torch.nn.Module:
+    """A copy of the skeleton's module `name` (a norm) holding the checkpoint's tensors, frozen, on `device`."""
+    module = copy.deepcopy(skeleton_module).to_empty(device=device).requires_grad_(False)
+    for param_name, param in module.named_parameters():
+        tensor_name = layout.names.get(f"{name}.{param_name}")
+        if tensor_name is None:
+            raise CheckpointError(f"{layout.checkpoint.listing}: no tensor for {name}.{param_name}")
+        tensor = layout.read({tensor_name: dtype}, device)[tensor_name]
+        if tensor.shape != param.shape or not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{layout.checkpoint.listing}: base tensor {tensor_name!r} has shape "
+                                  f"{list(tensor.shape)} (the config implies {list(param.shape)}) or holds NaN or Inf")
+        param.data.copy_(tensor)
+    return module
 
 
 def read_base_plan(path, dtype=None, torch_dtype=None, auto_class=None):
@@ -101,8 +119,16 @@ class Executor:
             device = torch.device("cuda", torch.cuda.current_device())  # compare equal to tensors' devices
         specs = all_base_layers(skeleton, layout)
         weights = BaseWeights(layout, specs, device, dtype)
-        blocks = plan_gated_mlps(skeleton, {spec.layer_id: spec for spec in specs})  # (it skips experts' specs)
-        weights.serve_blocks(blocks, {block_id: skeleton.get_submodule(block_id).act_fn for block_id in blocks})
+        by_id = {spec.layer_id: spec for spec in specs}
+        mlps = plan_gated_mlps(skeleton, by_id)  # (it skips experts' specs)
+        tails = plan_decoder_tails(skeleton, by_id, mlps)
+        modules = {block_id: skeleton.get_submodule(block_id).act_fn for block_id in mlps}
+        for tail_id, spec in tails.items():  # its norm: the last part of its weight_name
+            norm = spec.weight_name.rpartition(GROUP_SEPARATOR)[2]
+            modules[tail_id] = _base_module(skeleton.get_submodule(norm), norm, layout, device, dtype)
+        weights.serve_blocks(mlps | tails, modules)
+        weights.nbytes += sum(p.numel() * p.element_size() for tail_id in tails if tail_id in weights.blocks
+                              for p in modules[tail_id].parameters())
         return cls(checkpoint, weights, fingerprint, device, dtype, max_call_tokens, policy)
 
     @functools.cached_property

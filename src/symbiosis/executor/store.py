@@ -165,15 +165,24 @@ class BaseWeights:
         self.groups: dict[str, BaseLayer | MemberLayers] = {}
         self._fused_in: dict[str, BaseLayer] = {}  # layer id -> the fused group whose weight its weight views
         self._lock = threading.Lock()
-        self.blocks: dict[str, GatedMlp] = {}  # block id -> the block (`serve_blocks`)
+        self.blocks: dict[str, GatedMlp | DecoderTail] = {}  # block id -> the block (`serve_blocks`)
 
-    def serve_blocks(self, blocks: dict[str, BaseLayerSpec], activations: dict[str, torch.nn.Module]) -> None:
-        """Serve these gated MLPs whole (`partition.plan_gated_mlps`; `activations`: each one's activation module)."""
+    def serve_blocks(self, blocks: dict[str, BaseLayerSpec], modules: dict[str, torch.nn.Module]) -> None:
+        """Serve these blocks whole: gated MLPs (`partition.plan_gated_mlps`; `modules`: each one's activation module),
+        then decoder tails (`plan_decoder_tails`; `modules`: each one's post-attention norm, its weight loaded) of the
+        MLPs served."""
         for block_id, spec in blocks.items():
+            if spec.kind != "gated_mlp":
+                continue
             gate, up, down = spec.weight_name.split(GROUP_SEPARATOR)
             gate_up = self.get(GROUP_SEPARATOR.join((gate, up)))
             if gate_up is not None:  # (None: not one group, say one of them has a bias: its layers are called)
-                self.blocks[block_id] = GatedMlp(spec, gate_up, self.layers[down], activations[block_id])
+                self.blocks[block_id] = GatedMlp(spec, gate_up, self.layers[down], modules[block_id])
+        for block_id, spec in blocks.items():
+            if spec.kind == "decoder_tail":
+                o_proj, mlp, _ = spec.weight_name.split(GROUP_SEPARATOR)
+                if mlp in self.blocks:
+                    self.blocks[block_id] = DecoderTail(spec, self.layers[o_proj], modules[block_id], self.blocks[mlp])
 
     def tensor(self, name: str) -> torch.Tensor | None:
         """The weight read as tensor `name`, if a layer holds one (a tied lm_head: the embedding)."""
@@ -263,6 +272,16 @@ class MemberLayers:
         return grad_in
 
 
+def _recomputed_backward(block, x_and_grad: torch.Tensor) -> torch.Tensor:
+    """A block's backward, stateless: [x | g] [T, in + out] -> grad_x [T, in], its forward recomputed under autograd
+    (the weights need no gradient, so only what leads to x is kept)."""
+    x, grad_out = x_and_grad.split([block.spec.in_features, block.spec.out_features], dim=1)
+    with torch.enable_grad():
+        x = x.detach().requires_grad_()
+        (grad_x,) = torch.autograd.grad(block.forward(x), x, grad_out)
+    return grad_x
+
+
 @dataclass
 class GatedMlp:
     """A gated MLP run whole (`partition.plan_gated_mlps`): y = down(act(gate(x)) * up(x)), x [T, hidden] -> y [T,
@@ -279,9 +298,24 @@ class GatedMlp:
         gate, up = self.gate_up.forward(x).chunk(2, dim=1)
         return self.down.forward(self.act(gate) * up)
 
-    def backward(self, x_and_grad: torch.Tensor) -> torch.Tensor:
-        x, grad_out = x_and_grad.split([self.spec.in_features, self.spec.out_features], dim=1)
-        with torch.enable_grad():
-            x = x.detach().requires_grad_()
-            (grad_x,) = torch.autograd.grad(self.forward(x), x, grad_out)
-        return grad_x
+    backward = _recomputed_backward
+
+
+@dataclass
+class DecoderTail:
+    """What a decoder layer adds to the residual stream after its attention, run whole (`partition.
+    plan_decoder_tails`): [h | a] [T, hidden + attention] -> d = o(a) + mlp(norm(h + o(a))) [T, hidden], where h is the
+    residual stream plus the tenant's own o_proj delta and a is o_proj's input. The client adds h + d, as its decoder
+    layer does. One call each way instead of two (o_proj, then the MLP); backward recomputes o, the norm, gate and up."""
+
+    spec: BaseLayerSpec
+    o_proj: BaseLayer
+    norm: torch.nn.Module  # the model's own post-attention norm module, holding the base's weight
+    mlp: GatedMlp
+
+    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        h, a = x.split([self.o_proj.spec.out_features, self.o_proj.spec.in_features], dim=1)
+        o = self.o_proj.forward(a)
+        return o + self.mlp.forward(self.norm(h + o))
+
+    backward = _recomputed_backward

@@ -41,7 +41,10 @@ from symbiosis.model.layout import Layout
 
 log = logging.getLogger("symbiosis")
 
-LayerKind = Literal["linear", "conv1d", "gated_mlp"]  # gated_mlp: a block of three layers (plan_gated_mlps)
+# gated_mlp: a block of three layers (plan_gated_mlps); decoder_tail: o_proj, a residual, a norm and a gated_mlp
+# (plan_decoder_tails)
+LayerKind = Literal["linear", "conv1d", "gated_mlp", "decoder_tail"]
+BLOCK_KINDS = ("gated_mlp", "decoder_tail")  # their backward takes [x | g] (protocol.py)
 GROUP_SEPARATOR = "+"  # "a+b+c": layers a, b, c that take one input, run as one GEMM
 
 
@@ -165,6 +168,34 @@ def plan_gated_mlps(model: PreTrainedModel, plan: dict[str, BaseLayerSpec]) -> d
         blocks[module_name] = BaseLayerSpec(module_name, "gated_mlp", gate.in_features, down.out_features,
                                             GROUP_SEPARATOR.join(p.layer_id for p in parts), None)
     return blocks
+
+
+# transformers' decoder layers whose forward is h = x + self_attn(input_layernorm(x)) (o_proj its last step), then
+# h + mlp(post_attention_layernorm(h)), read in their source (transformers 5): nothing between the attention's
+# o_proj and the residual, nor after the MLP. Gemma's and Olmo2's add norms there, Granite scales the residuals.
+DECODER_TAILS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
+
+
+def plan_decoder_tails(model: PreTrainedModel, plan: dict[str, BaseLayerSpec],
+                       mlps: dict[str, BaseLayerSpec]) -> dict[str, BaseLayerSpec]:
+    """Decoder layer name -> spec of its tail, a block the executor may run whole: the update a layer makes to the
+    residual stream after its attention, d = o(a) + mlp(norm(h + o(a))), of h (the residual plus whatever the
+    tenant's adapter adds to o_proj's output) and a (o_proj's input). Its spec: [h | a] [T, hidden + attention] ->
+    d [T, hidden], kind `decoder_tail`, and in `weight_name` the ids of o_proj, of the MLP's block (`mlps`) and the
+    post-attention norm's module (its weight is the base's). Both sides compute it from the model."""
+    tails = {}
+    for module_name, module in model.named_modules():
+        if type(module).__name__ not in DECODER_TAILS or not isinstance(getattr(module, "post_attention_layernorm",
+                                                                                 None), nn.Module):
+            continue
+        o_proj, mlp = plan.get(f"{module_name}.self_attn.o_proj"), mlps.get(f"{module_name}.mlp")
+        if o_proj is None or o_proj.kind != "linear" or o_proj.expert is not None or mlp is None or \
+                o_proj.out_features != mlp.in_features:
+            continue
+        parts = (o_proj.layer_id, mlp.layer_id, f"{module_name}.post_attention_layernorm")
+        tails[module_name] = BaseLayerSpec(module_name, "decoder_tail", o_proj.out_features + o_proj.in_features,
+                                           o_proj.out_features, GROUP_SEPARATOR.join(parts), None)
+    return tails
 
 
 EXPERT_PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")  # transformers 5's fused expert parameters

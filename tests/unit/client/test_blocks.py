@@ -1,5 +1,6 @@
-"""Gated MLPs run whole (client/blocks.py, executor/store.py `GatedMlp`): where the adapter leaves an MLP frozen it is
-one executor call each way, over every transport, and training equals plain PEFT's in float64; an adapted MLP calls
+"""Blocks run whole (client/blocks.py, executor/store.py `GatedMlp`, `DecoderTail`): where the adapter leaves an MLP
+frozen, the decoder layer's tail (o_proj, the residual, the norm, the MLP) is one executor call each way over tcp://
+and nccl://, or the MLP alone where the tail may not run; training equals plain PEFT's in float64; an adapted MLP calls
 its layers; a block call is checked like a layer call."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from peft import get_peft_model
 import symbiosis
 from helpers import assert_trains_as_plain_peft
 from matrix import make_checkpoint, peft_config
-from symbiosis.errors import BadCall
+from symbiosis.errors import BadCall, SymbiosisError
 from symbiosis.transport.server import ExecutorServer
 
 
@@ -54,24 +55,97 @@ def backends(checkpoints, tmp_path):
 
 
 @pytest.mark.parametrize("transport", ["tcp", "gloo", "ipc", "in_process"])
-def test_a_frozen_mlp_is_one_call_each_way_and_trains_as_plain_peft(transport, backends, checkpoints):
-    """Over tcp:// and nccl:// (gloo:// here) a frozen MLP is one call each way; in process and over ipc:// shared
-    memory its layers are called (bytes cost little there, and a block's backward recomputes gate and up)."""
+def test_a_frozen_tail_is_one_call_each_way_and_trains_as_plain_peft(transport, backends, checkpoints):
+    """Over tcp:// and nccl:// (gloo:// here) a decoder layer's o_proj, norm and frozen MLP are one call each way; in
+    process and over ipc:// shared memory its layers are called (bytes cost little there, and a block's backward
+    recomputes its forward)."""
     path, auto_class = checkpoints("llama")
     executor, backend = backends(transport)
-    assert "model.layers.0.mlp" in executor.block_specs
+    assert {"model.layers.0.mlp", "model.layers.0"} <= executor.block_specs.keys()
     reference, split = _pair(path, auto_class, backend, "lora")  # LoRA on attention only
     assert_trains_as_plain_peft(reference, split, "llama")
     whole = transport in ("tcp", "gloo")
     for layer in range(split.config.num_hidden_layers):  # three training passes
-        block = f"model.layers.{layer}.mlp"
-        assert _calls(executor, f"{block}:forward") == _calls(executor, f"{block}:backward") == (3 if whole else 0)
-        assert (_calls(executor, f"{block}.down_proj:forward") == 0) == whole
+        tail = f"model.layers.{layer}"
+        assert _calls(executor, f"{tail}:forward") == _calls(executor, f"{tail}:backward") == (3 if whole else 0)
+        assert _calls(executor, f"{tail}.mlp:forward") == 0
+        assert (_calls(executor, f"{tail}.self_attn.o_proj:forward") == 0) == whole
+        assert (_calls(executor, f"{tail}.mlp.down_proj:forward") == 0) == whole
+
+
+def _lora(**options):
+    return peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, init_lora_weights=False, **options)
+
+
+def _trains_over_tcp(executor, backend, path, auto_class, config, before_training=lambda model: None) -> None:
+    models = []
+    for model in (auto_class.from_pretrained(path, dtype=torch.float64),
+                  symbiosis.from_pretrained(path, backend, auto_class=auto_class, dtype=torch.float64)):
+        torch.manual_seed(1234)
+        models.append(get_peft_model(model, config))
+        before_training(models[-1])
+    assert_trains_as_plain_peft(*models, "llama")
+
+
+def test_a_lora_on_o_proj_adds_its_delta_to_the_residual_before_the_tail(backends, checkpoints):
+    """The tenant's o_proj LoRA: its delta joins the residual stream the tail takes; numbers as plain PEFT's."""
+    path, auto_class = checkpoints("llama")
+    executor, backend = backends("tcp")
+    _trains_over_tcp(executor, backend, path, auto_class,
+                     _lora(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0))
+    assert _calls(executor, "model.layers.0:backward") == 3
+    assert _calls(executor, "model.layers.0.self_attn.o_proj:forward") == 0
+
+
+@pytest.mark.parametrize("case", ["dora_on_o_proj", "trained_norm", "norm_written"])
+def test_a_tail_that_may_not_run_whole_falls_back_to_its_mlp_block(case, backends, checkpoints):
+    """DoRA rescales o_proj's sum; a trained norm (PEFT's `modules_to_save`) or one whose weight was written after
+    the model was built is not the executor's: o_proj and the MLP block are called instead, numbers as plain PEFT's."""
+    path, auto_class = checkpoints("llama")
+    executor, backend = backends("tcp")
+    config = {"dora_on_o_proj": lambda: _lora(target_modules=["q_proj", "o_proj"], use_dora=True),
+              "trained_norm": lambda: _lora(target_modules=["q_proj", "v_proj"],
+                                            modules_to_save=["post_attention_layernorm"]),
+              "norm_written": lambda: _lora(target_modules=["q_proj", "v_proj"])}[case]()
+
+    def written(model):
+        if case == "norm_written":
+            with torch.no_grad():
+                model.get_submodule("base_model.model.model.layers.1.post_attention_layernorm").weight.mul_(1.5)
+
+    _trains_over_tcp(executor, backend, path, auto_class, config, written)
+    assert _calls(executor, "model.layers.1:forward") == 0
+    assert _calls(executor, "model.layers.1.mlp:forward") == 3
+    assert _calls(executor, "model.layers.1.self_attn.o_proj:forward") == 3
+
+
+def test_a_tail_whose_layer_skips_a_step_raises(backends, checkpoints):
+    """A decoder layer whose forward does not take o_proj, the norm and the MLP in that order (here one that skips the
+    post-attention norm) raises instead of returning a layer served by halves."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from symbiosis.client.blocks import _served_tail
+
+    class Unnormed(LlamaDecoderLayer):
+        def forward(self, hidden_states, **kwargs):
+            attended, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+            hidden_states = hidden_states + attended
+            return hidden_states + self.mlp(hidden_states)
+
+    path, auto_class = checkpoints("llama")
+    executor, backend = backends("tcp")
+    model = symbiosis.from_pretrained(path, backend, auto_class=auto_class, dtype=torch.float64)
+    model.model.layers[1].__class__ = _served_tail(Unnormed)
+    with pytest.raises(SymbiosisError, match="called mlp out of the order"), torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    assert model.model.layers[1].self_attn.o_proj.deferred is None  # nothing left armed
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "granite", "qwen2", "qwen3", "mistral"])
 def test_every_gated_mlp_architecture_trains_as_plain_peft_whole(arch, checkpoints):
-    """The other architectures whose MLP is served whole (their own activations: Gemma's tanh GELU), over tcp://."""
+    """The other architectures whose MLP is served whole (their own activations: Gemma's tanh GELU), over tcp://; with
+    their decoder layers' tails where those are Llama's (Qwen2, Qwen3, Mistral), not where norms or scales sit between
+    (Gemma2, Granite)."""
     path, auto_class = checkpoints(arch)
     executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64)
     server = ExecutorServer(executor, "tcp://127.0.0.1:0").start()
@@ -83,7 +157,11 @@ def test_every_gated_mlp_architecture_trains_as_plain_peft_whole(arch, checkpoin
             torch.manual_seed(1234)
             models.append(get_peft_model(model, peft_config("lora", arch)))
         assert_trains_as_plain_peft(*models, arch)
-        assert executor.block_specs and all(_calls(executor, f"{block}:backward") == 3 for block in executor.block_specs)
+        tails = {b for b, spec in executor.block_specs.items() if spec.kind == "decoder_tail"}
+        assert bool(tails) == (arch in ("qwen2", "qwen3", "mistral"))
+        for block in executor.block_specs:  # an MLP is called alone where its layer's tail is not served
+            called = block in tails or f"{block.rpartition('.')[0]}" not in tails
+            assert _calls(executor, f"{block}:backward") == (3 if called else 0), block
     finally:
         server.stop()
 
@@ -96,7 +174,7 @@ def test_a_checkpointed_client_recomputes_its_blocks(backends, checkpoints):
     reference, split = _pair(path, auto_class, backend, "lora")
     split.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert_trains_as_plain_peft(reference, split, "llama")
-    assert _calls(executor, "model.layers.0.mlp:forward") == 6 and _calls(executor, "model.layers.0.mlp:backward") == 3
+    assert _calls(executor, "model.layers.0:forward") == 6 and _calls(executor, "model.layers.0:backward") == 3
 
 
 def test_a_trained_copy_of_an_mlp_calls_its_own_layers(backends, checkpoints):
@@ -124,7 +202,7 @@ def test_an_mlp_with_biases_is_served_whole_with_them(tmp_path):
     try:
         assert_trains_as_plain_peft(*_pair(tmp_path, auto_class, symbiosis.connect(server.url, timeout=20), "lora"),
                                     "llama")
-        assert _calls(executor, "model.layers.0.mlp:forward") == 3
+        assert _calls(executor, "model.layers.0:forward") == 3  # its tail, the MLP's biases in it
     finally:
         server.stop()
 
@@ -140,21 +218,45 @@ def test_an_adapted_mlp_calls_its_layers(backends, checkpoints):
     assert _calls(executor, "model.layers.0.mlp.down_proj:forward") > 0
 
 
-def test_a_block_call_is_checked_as_a_layer_call(backends):
-    """Its forward takes [T, hidden]; its backward [x | g], [T, 2 * hidden]; it has no bias-free forward. The
-    executor refuses other shapes before anything is queued, and a remote session before anything is sent."""
+@pytest.mark.parametrize("block", ["model.layers.0.mlp", "model.layers.0"])
+def test_a_block_call_is_checked_as_a_layer_call(block, backends):
+    """Its forward takes [T, in] ([x] for an MLP, [h | a] for a tail); its backward [x | g], [T, in + out]; it has no
+    bias-free forward. The executor refuses other shapes before anything is queued, and a remote session before
+    anything is sent."""
     executor, remote = backends("tcp")
-    block = "model.layers.0.mlp"
-    hidden = executor.block_specs[block].in_features
+    spec = executor.block_specs[block]
     session = executor.attach(executor.fingerprint, "probe")
     remote_session = remote.attach(executor.fingerprint, "probe")
-    x = torch.randn(3, hidden, dtype=torch.float64)
+    x = torch.randn(3, spec.in_features, dtype=torch.float64)
+    g = torch.randn(3, spec.out_features, dtype=torch.float64)
     for one in (session, remote_session):
-        assert one.forward(block, x).shape == (3, hidden)
-        assert one.backward(block, torch.cat([x, x], dim=1)).shape == (3, hidden)
-        with pytest.raises(BadCall, match=r"expects \[tokens, %d\]" % (2 * hidden)):
+        assert one.forward(block, x).shape == (3, spec.out_features)
+        assert one.backward(block, torch.cat([x, g], dim=1)).shape == (3, spec.in_features)
+        with pytest.raises(BadCall, match=r"expects \[tokens, %d\]" % (spec.in_features + spec.out_features)):
             one.backward(block, x)
         with pytest.raises(BadCall, match="forward and backward only"):
             one.forward_nobias(block, x)
     remote_session.close()
     session.close()
+
+
+def test_a_tails_backward_is_its_forwards_gradient(backends):
+    """The executor's tail, d = o(a) + mlp(norm(h + o(a))), against torch's autograd of the same composition of its
+    base layers in float64 (the model's own norm and activation)."""
+    executor, _ = backends("tcp")
+    tail = executor.weights.blocks["model.layers.0"]
+    hidden, attention = tail.o_proj.spec.out_features, tail.o_proj.spec.in_features
+    h = torch.randn(5, hidden, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(5, attention, dtype=torch.float64, requires_grad=True)
+    layers = executor.weights.layers
+    o = a @ layers["model.layers.0.self_attn.o_proj"].weight.T
+    normed = tail.norm(h + o)
+    gate = normed @ layers["model.layers.0.mlp.gate_proj"].weight.T
+    up = normed @ layers["model.layers.0.mlp.up_proj"].weight.T
+    d = o + (tail.mlp.act(gate) * up) @ layers["model.layers.0.mlp.down_proj"].weight.T
+    g = torch.randn_like(d)
+    grad_h, grad_a = torch.autograd.grad(d, (h, a), g)
+    x = torch.cat([h, a], dim=1).detach()
+    torch.testing.assert_close(tail.forward(x), d.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(tail.backward(torch.cat([x, g], dim=1)), torch.cat([grad_h, grad_a], dim=1),
+                               rtol=1e-12, atol=1e-12)
