@@ -122,9 +122,9 @@ def _tail_served(layer: nn.Module):
     norm, mlp, o_proj = layer.post_attention_layernorm, layer.mlp, layer.self_attn.o_proj
     if norm.weight is not weight or weight._version != version or (weight.requires_grad and torch.is_grad_enabled()):
         return None
-    if norm._forward_hooks or norm._forward_pre_hooks or mlp._forward_hooks or mlp._forward_pre_hooks or \
-            _WHOLE.get(mlp) is None:  # a hook would see the tail's stand-ins (and a copy of the MLP is the tenant's)
-        return None
+    base = o_proj.base_layer if type(o_proj) is LoraLinear else o_proj
+    if any(m._forward_hooks or m._forward_pre_hooks for m in (norm, mlp, o_proj, base)) or _WHOLE.get(mlp) is None:
+        return None  # a hook would see the tail's stand-ins (and a copy of the MLP is the tenant's)
     if not (_frozen(mlp.gate_proj) and _frozen(mlp.up_proj) and _frozen(mlp.down_proj) and _additive(o_proj)):
         return None
     return served

@@ -97,23 +97,33 @@ def test_a_lora_on_o_proj_adds_its_delta_to_the_residual_before_the_tail(backend
     assert _calls(executor, "model.layers.0.self_attn.o_proj:forward") == 0
 
 
-@pytest.mark.parametrize("case", ["dora_on_o_proj", "trained_norm", "norm_written"])
+@pytest.mark.parametrize("case", ["dora_on_o_proj", "trained_norm", "norm_written", "hooked_o_proj"])
 def test_a_tail_that_may_not_run_whole_falls_back_to_its_mlp_block(case, backends, checkpoints):
     """DoRA rescales o_proj's sum; a trained norm (PEFT's `modules_to_save`) or one whose weight was written after
-    the model was built is not the executor's: o_proj and the MLP block are called instead, numbers as plain PEFT's."""
+    the model was built is not the executor's; a hook on o_proj would see a stand-in: o_proj and the MLP block are
+    called instead, numbers as plain PEFT's (the hook's too)."""
     path, auto_class = checkpoints("llama")
     executor, backend = backends("tcp")
     config = {"dora_on_o_proj": lambda: _lora(target_modules=["q_proj", "o_proj"], use_dora=True),
               "trained_norm": lambda: _lora(target_modules=["q_proj", "v_proj"],
                                             modules_to_save=["post_attention_layernorm"]),
-              "norm_written": lambda: _lora(target_modules=["q_proj", "v_proj"])}[case]()
+              "norm_written": lambda: _lora(target_modules=["q_proj", "v_proj"]),
+              "hooked_o_proj": lambda: _lora(target_modules=["q_proj", "v_proj"])}[case]()
+    seen = []
 
     def written(model):
         if case == "norm_written":
             with torch.no_grad():
                 model.get_submodule("base_model.model.model.layers.1.post_attention_layernorm").weight.mul_(1.5)
+        if case == "hooked_o_proj":
+            model.get_submodule("base_model.model.model.layers.1.self_attn.o_proj").register_forward_hook(
+                lambda module, args, out: seen.append(out.detach().clone()))
 
     _trains_over_tcp(executor, backend, path, auto_class, config, written)
+    if case == "hooked_o_proj":  # the reference's passes and ours, in turn
+        assert len(seen) == 6 and seen[1].abs().max() > 0
+        for theirs, ours in zip(seen[0::2], seen[1::2]):
+            torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
     assert _calls(executor, "model.layers.1:forward") == 0
     assert _calls(executor, "model.layers.1.mlp:forward") == 3
     assert _calls(executor, "model.layers.1.self_attn.o_proj:forward") == 3

@@ -30,14 +30,19 @@ def test_each_side_reads_and_holds_only_its_own_tensors(tmp_path):
         specs = executor.layer_specs.values()
         bias_keys = {s.bias_name for s in specs if s.bias_name}
         base_keys = {s.weight_name for s in specs} | bias_keys
+        # and the post-attention norms of the decoder tails it serves (client/blocks.py): the base's own, which the
+        # executor applies for a tenant whose norm is the base's untouched
+        norm_keys = {spec.weight_name.rpartition("+")[2] + ".weight" for spec in executor.block_specs.values()
+                     if spec.kind == "decoder_tail"}
+        assert bool(norm_keys) == (arch == "llama")
         # Weights only the executor reads; a tied lm_head's weight is the embedding, which the client needs too.
         own_weights = {s.weight_name for s in specs if s.weight_name == s.layer_id + ".weight"}
         assert (len({s.weight_name for s in specs} - own_weights) == 1) is tied
         assert bias_keys or arch == "llama"
         probes = _probe_bytes(path)
         assert probes <= 192 * len(entries)
-        assert executor.checkpoint.bytes_read == _bytes(entries, base_keys) + probes
-        assert executor.weights.nbytes == _bytes(entries, base_keys, torch.float64)
+        assert executor.checkpoint.bytes_read == _bytes(entries, base_keys | norm_keys) + probes
+        assert executor.weights.nbytes == _bytes(entries, base_keys | norm_keys, torch.float64)
 
         model = symbiosis.from_pretrained(path, executor, auto_class=auto_class, dtype=torch.float64)
         # An in-process client takes a tied embedding from the executor instead of reading a copy; it holds a
