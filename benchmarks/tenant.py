@@ -122,8 +122,8 @@ def threads_executor(args):
     `sharded:...`):
     a `symbiosis executor` process serving WHAT, the clients, on --client-device's devices, attached to it over
     that transport (`nccl-layers:` / `gloo-layers:`: the same with every frozen MLP called as its layers, not
-    whole; `nccl-mlps:`: MLPs whole but no decoder tails; `nccl-tails:`: tails that do not compute the next layer's
-    q/k/v: client/blocks.py's savings measured side by side). (An executor process of its own, as the paper's remote clients have: with the executor's
+    whole; `nccl-mlps:` / `gloo-mlps:`: MLPs whole but no decoder tails: client/blocks.py's savings measured side by
+    side). (An executor process of its own, as the paper's remote clients have: with the executor's
     NCCL ranks in this process too, the first call hung on two H100s, 2026-11-26.)"""
     kind, _, where = args.executor.partition(":")
     if kind == "local":
@@ -135,9 +135,8 @@ def threads_executor(args):
 
         executor = _sharded(args, where, launch_sharded if kind == "sharded" else on_devices)
         return executor, [executor.device], [executor.close]
-    # nccl-layers: no block; nccl-mlps: MLP blocks, no decoder tails; nccl-tails: tails, none computing the next q/k/v
-    kind, _, calls = kind.partition("-")
-    if kind in ("nccl", "gloo") and calls in ("", "layers", "mlps", "tails"):
+    kind, _, calls = kind.partition("-")  # nccl-layers: no block; nccl-mlps: MLP blocks, no decoder tails
+    if kind in ("nccl", "gloo") and calls in ("", "layers", "mlps"):
         from common import free_port, start_executor
 
         if where.startswith("sharded:"):  # its calls from the clients batched (the executor's default policy)
@@ -153,8 +152,8 @@ def threads_executor(args):
 
             def attach_fewer(*args, **kwargs):
                 session = attach(*args, **kwargs)
-                kinds = {"layers": (), "mlps": ("gated_mlp",), "tails": ("gated_mlp", "decoder_tail")}[calls]
-                session.block_specs = {block: spec for block, spec in session.block_specs.items() if spec.kind in kinds}
+                session.block_specs = {block: spec for block, spec in session.block_specs.items()
+                                       if calls == "mlps" and spec.kind == "gated_mlp"}
                 return session
             remote.attach = attach_fewer
 
