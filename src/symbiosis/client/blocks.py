@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass
 
 import torch
 from peft.tuners.lora.layer import Linear as LoraLinear
@@ -101,85 +100,44 @@ def _additive(o_proj: nn.Module) -> bool:
     return _frozen(o_proj)
 
 
-@dataclass
-class _Tail:
-    """What `serve_tail` knows of a decoder layer whose tail the executor serves."""
-    block_id: str
-    session: object
-    norm_weight: torch.Tensor  # the post-attention norm's weight as built, and its version then
-    norm_version: int
-    # the block that also computes the next layer's q/k/v (`partition.plan_tails_ahead`), the next layer, its q/k/v
-    # layer ids in call order and its input norm's weight and version as built; None where there is none
-    ahead: tuple[str, nn.Module, tuple[str, ...], torch.Tensor, int] | None = None
+# decoder layer -> (tail id, session, the norm's weight as built and its version), as `_WHOLE`
+_TAILS: "weakref.WeakKeyDictionary[nn.Module, tuple[str, object, torch.Tensor, int]]" = weakref.WeakKeyDictionary()
 
 
-_TAILS: "weakref.WeakKeyDictionary[nn.Module, _Tail]" = weakref.WeakKeyDictionary()  # decoder layer -> its tail
-
-
-def serve_tail(layer: nn.Module, tail_id: str, session, ahead: tuple[str, nn.Module, tuple[str, ...]] | None = None) \
-        -> None:
+def serve_tail(layer: nn.Module, tail_id: str, session) -> None:
     """Run `layer`'s tail (o_proj to the MLP's residual) as the executor's block `tail_id` whenever it may: o_proj
     additive, the post-attention norm the base's untouched (its weight the one built, never written, not trained
-    while gradients are on: the executor normalizes with its own copy), the MLP served whole and frozen; checked at
-    each call. `ahead`: (block id, next decoder layer, its q/k/v layer ids): where the next layer's input norm is
-    the base's untouched too and the client's grouper calls those q/k/v as one group, the tail's block also
-    computes them, and they wait in the grouper for the next layer's q/k/v calls."""
+    while gradients are on: the executor normalizes with its own copy), the MLP served whole and frozen; checked at each call."""
     norm = layer.post_attention_layernorm
-    tail = _Tail(tail_id, session, norm.weight, norm.weight._version)
-    if ahead is not None:
-        block_id, following, qkv = ahead
-        following_norm = following.input_layernorm
-        tail.ahead = (block_id, following, qkv, following_norm.weight, following_norm.weight._version)
-        following_norm.__class__ = _passing_when_tail(type(following_norm))
-    _TAILS[layer] = tail
+    _TAILS[layer] = (tail_id, session, norm.weight, norm.weight._version)
     layer.__class__ = _served_tail(type(layer))
     norm.__class__ = _passing_when_tail(type(norm))
 
 
-def _untouched(norm: nn.Module, weight: torch.Tensor, version: int) -> bool:
-    """The norm still holds the base's weight as built (never written, not trained while gradients are on) and no
-    hook would see a stand-in."""
-    return norm.weight is weight and weight._version == version and not \
-        (weight.requires_grad and torch.is_grad_enabled()) and not (norm._forward_hooks or norm._forward_pre_hooks)
-
-
-def _tail_served(layer: nn.Module) -> _Tail | None:
+def _tail_served(layer: nn.Module):
     served = _TAILS.get(layer)
-    if served is None or not _untouched(layer.post_attention_layernorm, served.norm_weight, served.norm_version):
+    if served is None:
         return None
-    mlp, o_proj = layer.mlp, layer.self_attn.o_proj
+    _, _, weight, version = served
+    norm, mlp, o_proj = layer.post_attention_layernorm, layer.mlp, layer.self_attn.o_proj
+    if norm.weight is not weight or weight._version != version or (weight.requires_grad and torch.is_grad_enabled()):
+        return None
     base = o_proj.base_layer if type(o_proj) is LoraLinear else o_proj
-    if any(m._forward_hooks or m._forward_pre_hooks for m in (mlp, o_proj, base)) or _WHOLE.get(mlp) is None:
+    if any(m._forward_hooks or m._forward_pre_hooks for m in (norm, mlp, o_proj, base)) or _WHOLE.get(mlp) is None:
         return None  # a hook would see the tail's stand-ins (and a copy of the MLP is the tenant's)
     if not (_frozen(mlp.gate_proj) and _frozen(mlp.up_proj) and _frozen(mlp.down_proj) and _additive(o_proj)):
         return None
     return served
 
 
-def _ahead_block(served: _Tail, grouper) -> str | None:
-    """The block that also computes the next layer's q/k/v, where that may serve: its input norm untouched, and
-    the grouper calling those three as one group (learned on a first pass), which is where they will wait."""
-    if served.ahead is None:
-        return None
-    block_id, following, qkv, weight, version = served.ahead
-    if not _untouched(following.input_layernorm, weight, version) or grouper is None or \
-            grouper.groups.get(qkv[0]) != qkv:
-        return None
-    if getattr(following, "gradient_checkpointing", False) and following.training:
-        return None  # its recomputation in backward must take the path its forward took, with no tail before it
-    return block_id
-
-
 class _TailPass:
     """One forward of a decoder layer whose tail runs whole: the three steps it must take, in order."""
 
-    def __init__(self, layer: nn.Module, served: _Tail, grouper):
-        self.layer_name, self.tail_id, self.session = type(layer).__name__, served.block_id, served.session
-        self.ahead_id = _ahead_block(served, grouper)
+    def __init__(self, layer: nn.Module, served):
+        self.layer_name, (self.tail_id, self.session, _, _) = type(layer).__name__, served
         self.attention = None  # o_proj's input a
         self.residual = None  # the norm's input h
         self.result = None  # the MLP's: d
-        self.ahead = None  # the next layer's q/k/v base outputs, [T, q + k + v], where the block computed them
 
     def o_proj(self, a: torch.Tensor) -> torch.Tensor:
         self._expect(self.attention is None and self.residual is None, "o_proj")
@@ -194,11 +152,9 @@ class _TailPass:
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         self._expect(self.residual is not None and x is self.residual and self.result is None, "mlp")
         h, a = self.residual, self.attention
-        out = _BlockCall.apply(self.session, self.ahead_id or self.tail_id, not torch.is_grad_enabled(),
-                               h.reshape(-1, h.shape[-1]), a.reshape(-1, a.shape[-1]))
-        if self.ahead_id is not None:
-            out, self.ahead = out[:, :h.shape[-1]], out[:, h.shape[-1]:]
-        self.result = out.view(*h.shape[:-1], h.shape[-1])
+        d = _BlockCall.apply(self.session, self.tail_id, not torch.is_grad_enabled(), h.reshape(-1, h.shape[-1]),
+                             a.reshape(-1, a.shape[-1]))
+        self.result = d.view(*h.shape[:-1], d.shape[-1])
         return self.result
 
     def _expect(self, ok: bool, step: str) -> None:
@@ -217,18 +173,15 @@ def _served_tail(cls: type) -> type:
         served = _tail_served(self)
         if served is None:
             return layers_forward(self, *args, **kwargs)
+        tail = _TailPass(self, served)
         o_proj = self.self_attn.o_proj
         base = o_proj.base_layer if type(o_proj) is LoraLinear else o_proj
-        tail = _TailPass(self, served, base.grouper)
         base.deferred, self.post_attention_layernorm._tail, self.mlp._tail = tail.o_proj, tail, tail
         try:
             out = layers_forward(self, *args, **kwargs)
         finally:
             base.deferred, self.post_attention_layernorm._tail, self.mlp._tail = None, None, None
         tail._expect(tail.result is not None, "(the MLP not at all)")
-        if tail.ahead is not None:  # for the next layer's input norm, if the next thing it normalizes is `out`
-            _, following, qkv, _, _ = served.ahead
-            following.input_layernorm._ahead = _Ahead(out, tail.ahead, qkv, base.grouper)
         return out
 
     return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
@@ -241,35 +194,7 @@ def _passing_when_tail(cls: type) -> type:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tail = self.__dict__.get("_tail")
-        if tail is not None:
-            return tail.norm(x)
-        ahead = self.__dict__.get("_ahead")
-        if ahead is None:
-            return norm_forward(self, x)
-        self._ahead = None
-        normed = ahead.hand_over(x)
-        return norm_forward(self, x) if normed is None else normed
+        return norm_forward(self, x) if tail is None else tail.norm(x)
 
     return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
-
-
-class _Ahead:
-    """What the tail before a layer computed of that layer from its output `residual`: its input norm's output n and
-    its q/k/v base outputs, [T, q + k + v | hidden]. When the layer's input norm is called on that very tensor it
-    returns n, and the q/k/v outputs wait in the grouper for calls on n; else both are dropped, the layer computes
-    them itself, and their gradient through the tail's block is zero."""
-
-    def __init__(self, residual: torch.Tensor, outputs: torch.Tensor, qkv: tuple[str, ...], grouper):
-        self.residual, self.outputs, self.qkv, self.grouper = residual, outputs, qkv, grouper
-
-    def hand_over(self, x: torch.Tensor) -> torch.Tensor | None:
-        """n for the norm's input `x`, its q/k/v outputs queued in the grouper; None if `x` is not `residual`."""
-        if x is not self.residual:
-            return None
-        widths = [self.grouper.session.layer_specs[member].out_features for member in self.qkv]
-        *pieces, normed = self.outputs.split(widths + [x.shape[-1]], dim=1)
-        normed = normed.view(x.shape)
-        for member, piece in zip(self.qkv, pieces):
-            self.grouper.waiting[member] = (normed, normed._version, piece.contiguous())
-        return normed
 

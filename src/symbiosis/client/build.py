@@ -20,27 +20,17 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from symbiosis.client import peft_support
-from symbiosis.client.adapter_files import check_adapter_directory
 from symbiosis.client.blocks import serve_tail, serve_whole
+from symbiosis.client.adapter_files import check_adapter_directory
 from symbiosis.client.experts import make_virtual_experts
-from symbiosis.client.grouping import CallGrouper
 from symbiosis.client.privacy import MaskedSession, NoiseMasking
+from symbiosis.client.grouping import CallGrouper
 from symbiosis.client.virtual import call_executor, make_virtual
 from symbiosis.errors import CheckpointError, VirtualWeightAccess
 from symbiosis.model.checkpoint import Checkpoint
 from symbiosis.model.layout import Layout
-from symbiosis.model.partition import (
-    AHEAD_SEPARATOR,
-    GROUP_SEPARATOR,
-    build_skeleton,
-    check_complete,
-    load_config,
-    plan_base_layers,
-    plan_decoder_tails,
-    plan_expert_layers,
-    plan_gated_mlps,
-    plan_tails_ahead,
-)
+from symbiosis.model.partition import (build_skeleton, check_complete, load_config, plan_base_layers, plan_expert_layers,
+                                       plan_decoder_tails, plan_gated_mlps)
 from symbiosis.torch_dtypes import resolve_dtype
 
 peft_support.install()  # PEFT's entry points check split models' configs and adapter files
@@ -155,20 +145,13 @@ def from_pretrained(path: str | os.PathLike, executor, auto_class=AutoModelForCa
             serve_whole(model.get_submodule(module_name), module_name, session)
     tails = {name: spec for name, spec in plan_decoder_tails(model, plan, mlps).items()
              if session.block_specs.get(name) == spec}  # served once the norms hold their weights
-    ahead = {spec.weight_name.split(AHEAD_SEPARATOR)[0]: spec for block_id, spec in
-             plan_tails_ahead(model, plan, tails).items() if session.block_specs.get(block_id) == spec}
 
     model.to_empty(device=device)
     _load_client_tensors(model, layout, device, session)
     model.initialize_weights()
     model.tie_weights()
     for module_name in tails:  # (their norms' weights as loaded: a later write declines the tail)
-        following = None
-        if module_name in ahead:  # the tail's block may compute the next layer's q/k/v too
-            block_id, qkv, following_norm = ahead[module_name].weight_name.split(AHEAD_SEPARATOR)
-            following = (ahead[module_name].layer_id, model.get_submodule(following_norm.rpartition(".")[0]),
-                         tuple(qkv.split(GROUP_SEPARATOR)))
-        serve_tail(model.get_submodule(module_name), module_name, session, following)
+        serve_tail(model.get_submodule(module_name), module_name, session)
     if (checkpoint.path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(checkpoint.path)
     model.save_pretrained = _refuse_full_save

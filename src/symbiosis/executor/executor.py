@@ -23,7 +23,6 @@ from symbiosis.executor.stats import ExecutorStats
 from symbiosis.executor.store import BaseLayer, BaseWeights
 from symbiosis.model.checkpoint import Checkpoint
 from symbiosis.model.partition import (
-    AHEAD_SEPARATOR,
     GROUP_SEPARATOR,
     BaseLayerSpec,
     architecture_class,
@@ -33,7 +32,6 @@ from symbiosis.model.partition import (
     all_base_layers,
     plan_decoder_tails,
     plan_gated_mlps,
-    plan_tails_ahead,
 )
 from symbiosis.model.layout import Layout
 from symbiosis.protocol import DEFAULT_MAX_CALL_TOKENS, OPS, check_call, check_counts
@@ -125,14 +123,12 @@ class Executor:
         mlps = plan_gated_mlps(skeleton, by_id)  # (it skips experts' specs)
         tails = plan_decoder_tails(skeleton, by_id, mlps)
         modules = {block_id: skeleton.get_submodule(block_id).act_fn for block_id in mlps}
-        ahead = plan_tails_ahead(skeleton, by_id, tails)
-        for block_id, spec in (tails | ahead).items():  # its norm: the last part of its weight_name
-            norm = spec.weight_name.rpartition(AHEAD_SEPARATOR if spec.kind == "decoder_tail_ahead" else
-                                               GROUP_SEPARATOR)[2]
-            modules[block_id] = _base_module(skeleton.get_submodule(norm), norm, layout, device, dtype)
-        weights.serve_blocks(mlps | tails | ahead, modules)
-        weights.nbytes += sum(p.numel() * p.element_size() for block_id in tails | ahead if block_id in weights.blocks
-                              for p in modules[block_id].parameters())
+        for tail_id, spec in tails.items():  # its norm: the last part of its weight_name
+            norm = spec.weight_name.rpartition(GROUP_SEPARATOR)[2]
+            modules[tail_id] = _base_module(skeleton.get_submodule(norm), norm, layout, device, dtype)
+        weights.serve_blocks(mlps | tails, modules)
+        weights.nbytes += sum(p.numel() * p.element_size() for tail_id in tails if tail_id in weights.blocks
+                              for p in modules[tail_id].parameters())
         return cls(checkpoint, weights, fingerprint, device, dtype, max_call_tokens, policy)
 
     @functools.cached_property

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from symbiosis.errors import CheckpointError
 from symbiosis.model.layout import Layout
-from symbiosis.model.partition import AHEAD_SEPARATOR, GROUP_SEPARATOR, BaseLayerSpec
+from symbiosis.model.partition import GROUP_SEPARATOR, BaseLayerSpec
 
 
 @dataclass
@@ -165,12 +165,12 @@ class BaseWeights:
         self.groups: dict[str, BaseLayer | MemberLayers] = {}
         self._fused_in: dict[str, BaseLayer] = {}  # layer id -> the fused group whose weight its weight views
         self._lock = threading.Lock()
-        self.blocks: dict[str, GatedMlp | DecoderTail | DecoderTailAhead] = {}  # block id -> the block (`serve_blocks`)
+        self.blocks: dict[str, GatedMlp | DecoderTail] = {}  # block id -> the block (`serve_blocks`)
 
     def serve_blocks(self, blocks: dict[str, BaseLayerSpec], modules: dict[str, torch.nn.Module]) -> None:
         """Serve these blocks whole: gated MLPs (`partition.plan_gated_mlps`; `modules`: each one's activation module),
         then decoder tails (`plan_decoder_tails`; `modules`: each one's post-attention norm, its weight loaded) of the
-        MLPs served, then tails ahead (`plan_tails_ahead`; `modules`: the next layer's input norm) of the tails served."""
+        MLPs served."""
         for block_id, spec in blocks.items():
             if spec.kind != "gated_mlp":
                 continue
@@ -183,12 +183,6 @@ class BaseWeights:
                 o_proj, mlp, _ = spec.weight_name.split(GROUP_SEPARATOR)
                 if mlp in self.blocks:
                     self.blocks[block_id] = DecoderTail(spec, self.layers[o_proj], modules[block_id], self.blocks[mlp])
-        for block_id, spec in blocks.items():
-            if spec.kind == "decoder_tail_ahead":
-                tail, qkv, _ = spec.weight_name.split(AHEAD_SEPARATOR)
-                group = self.get(qkv)
-                if tail in self.blocks and group is not None:
-                    self.blocks[block_id] = DecoderTailAhead(spec, self.blocks[tail], modules[block_id], group)
 
     def tensor(self, name: str) -> torch.Tensor | None:
         """The weight read as tensor `name`, if a layer holds one (a tied lm_head: the embedding)."""
@@ -323,27 +317,5 @@ class DecoderTail:
         h, a = x.split([self.o_proj.spec.out_features, self.o_proj.spec.in_features], dim=1)
         o = self.o_proj.forward(a)
         return o + self.mlp.forward(self.norm(h + o))
-
-    backward = _recomputed_backward
-
-
-@dataclass
-class DecoderTailAhead:
-    """A decoder tail and the next layer's q/k/v (`partition.plan_tails_ahead`): [h | a] -> [d | qkv | n], d as the
-    tail's, n = input_layernorm(h + d) (the residual stream the client adds, normalized with the base's next input
-    norm) and qkv = n [W_q; W_k; W_v]^T (+ b), the next layer's fused q/k/v. The client takes n as its next norm's
-    output, so the gradients its adapter sends into n and those of q/k/v meet here before the norm's backward, summed
-    as one model sums them (RMSNorm computes in float32: two backward passes summed after it round apart, ~1e-7). One
-    call where the tail and the next q/k/v were two."""
-
-    spec: BaseLayerSpec
-    tail: DecoderTail
-    norm: torch.nn.Module  # the next decoder layer's input norm module, holding the base's weight
-    qkv: "BaseLayer | MemberLayers"
-
-    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
-        d = self.tail.forward(x)
-        normed = self.norm(x[:, :d.shape[1]] + d)
-        return torch.cat([d, self.qkv.forward(normed), normed], dim=1)
 
     backward = _recomputed_backward

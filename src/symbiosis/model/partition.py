@@ -42,10 +42,9 @@ from symbiosis.model.layout import Layout
 log = logging.getLogger("symbiosis")
 
 # gated_mlp: a block of three layers (plan_gated_mlps); decoder_tail: o_proj, a residual, a norm and a gated_mlp
-# (plan_decoder_tails); decoder_tail_ahead: a decoder_tail and the next layer's q/k/v (plan_tails_ahead)
-LayerKind = Literal["linear", "conv1d", "gated_mlp", "decoder_tail", "decoder_tail_ahead"]
-BLOCK_KINDS = ("gated_mlp", "decoder_tail", "decoder_tail_ahead")  # their backward takes [x | g] (protocol.py)
-AHEAD_SEPARATOR = "|"  # a decoder_tail_ahead's weight_name: tail id | the next q/k/v group's id | the next input norm
+# (plan_decoder_tails)
+LayerKind = Literal["linear", "conv1d", "gated_mlp", "decoder_tail"]
+BLOCK_KINDS = ("gated_mlp", "decoder_tail")  # their backward takes [x | g] (protocol.py)
 GROUP_SEPARATOR = "+"  # "a+b+c": layers a, b, c that take one input, run as one GEMM
 
 
@@ -197,28 +196,6 @@ def plan_decoder_tails(model: PreTrainedModel, plan: dict[str, BaseLayerSpec],
         tails[module_name] = BaseLayerSpec(module_name, "decoder_tail", o_proj.out_features + o_proj.in_features,
                                            o_proj.out_features, GROUP_SEPARATOR.join(parts), None)
     return tails
-
-
-def plan_tails_ahead(model: PreTrainedModel, plan: dict[str, BaseLayerSpec],
-                     tails: dict[str, BaseLayerSpec]) -> dict[str, BaseLayerSpec]:
-    """Block id (`<layer>.ahead`) -> spec of each decoder tail (`tails`) followed in its model by a decoder layer whose
-    q, k and v are base layers of one input: the tail and that next layer's input norm and q/k/v, one block,
-    [h | a] -> [d | q k v of n | n], n = input_layernorm(h + d). Its spec: kind `decoder_tail_ahead`, in as the
-    tail's, out the tail's, the q/k/v outputs and the norm's; `weight_name` the tail's id, the q/k/v group's id and the next input norm's module,
-    joined by AHEAD_SEPARATOR. Both sides compute it from the model."""
-    ahead = {}
-    layers = [name for name, module in model.named_modules() if type(module).__name__ in DECODER_TAILS]
-    for name, following in zip(layers, layers[1:]):
-        tail = tails.get(name)
-        qkv = [plan.get(f"{following}.self_attn.{p}") for p in ("q_proj", "k_proj", "v_proj")]
-        if tail is None or any(p is None or p.kind != "linear" or p.expert is not None or p.in_features !=
-                               tail.out_features for p in qkv) or following.rpartition(".")[0] != name.rpartition(".")[0]:
-            continue
-        parts = (name, GROUP_SEPARATOR.join(p.layer_id for p in qkv), f"{following}.input_layernorm")
-        ahead[f"{name}.ahead"] = BaseLayerSpec(f"{name}.ahead", "decoder_tail_ahead", tail.in_features,
-                                               2 * tail.out_features + sum(p.out_features for p in qkv),
-                                               AHEAD_SEPARATOR.join(parts), None)
-    return ahead
 
 
 EXPERT_PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")  # transformers 5's fused expert parameters

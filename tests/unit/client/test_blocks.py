@@ -65,16 +65,10 @@ def test_a_frozen_tail_is_one_call_each_way_and_trains_as_plain_peft(transport, 
     reference, split = _pair(path, auto_class, backend, "lora")  # LoRA on attention only
     assert_trains_as_plain_peft(reference, split, "llama")
     whole = transport in ("tcp", "gloo")
-    layers = split.config.num_hidden_layers
-    for layer in range(layers):  # three training passes
+    for layer in range(split.config.num_hidden_layers):  # three training passes
         tail = f"model.layers.{layer}"
-        # once the grouper knows the next layer's q/k/v (from the first pass) a tail computes them too
-        ahead = 2 if whole and layer < layers - 1 else 0
-        assert _calls(executor, f"{tail}.ahead:forward") == _calls(executor, f"{tail}.ahead:backward") == ahead
-        assert _calls(executor, f"{tail}:forward") == _calls(executor, f"{tail}:backward") == (3 - ahead if whole else 0)
+        assert _calls(executor, f"{tail}:forward") == _calls(executor, f"{tail}:backward") == (3 if whole else 0)
         assert _calls(executor, f"{tail}.mlp:forward") == 0
-        qkv = "+".join(f"{tail}.self_attn.{p}_proj" for p in "qkv")
-        assert _calls(executor, f"{qkv}:forward") == (0 if whole and layer > 0 else 2)
         assert (_calls(executor, f"{tail}.self_attn.o_proj:forward") == 0) == whole
         assert (_calls(executor, f"{tail}.mlp.down_proj:forward") == 0) == whole
 
@@ -99,8 +93,7 @@ def test_a_lora_on_o_proj_adds_its_delta_to_the_residual_before_the_tail(backend
     executor, backend = backends("tcp")
     _trains_over_tcp(executor, backend, path, auto_class,
                      _lora(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0))
-    assert _calls(executor, "model.layers.0:backward") + _calls(executor, "model.layers.0.ahead:backward") == 3
-    assert _calls(executor, "model.layers.0.ahead:backward") == 2  # (the next layer's q/k/v LoRA'd, over them)
+    assert _calls(executor, "model.layers.0:backward") == 3
     assert _calls(executor, "model.layers.0.self_attn.o_proj:forward") == 0
 
 
@@ -134,33 +127,6 @@ def test_a_tail_that_may_not_run_whole_falls_back_to_its_mlp_block(case, backend
     assert _calls(executor, "model.layers.1:forward") == 0
     assert _calls(executor, "model.layers.1.mlp:forward") == 3
     assert _calls(executor, "model.layers.1.self_attn.o_proj:forward") == 3
-
-
-@pytest.mark.parametrize("case", ["next_norm_written", "next_input_changed"])
-def test_a_tail_computes_the_next_layers_q_k_v_only_for_the_very_input_that_layer_normalizes(case, backends,
-                                                                                             checkpoints):
-    """The next layer's input norm written since the model was built: the tail runs alone, and that layer calls its
-    q/k/v. A hook that hands the next layer another tensor than the tail's output (scaled here): the q/k/v the tail
-    computed are dropped and that layer calls its own. Numbers as plain PEFT's either way."""
-    path, auto_class = checkpoints("llama")
-    executor, backend = backends("tcp")
-
-    def change(model):
-        layer = model.get_submodule("base_model.model.model.layers.1")
-        if case == "next_norm_written":
-            with torch.no_grad():
-                layer.input_layernorm.weight.mul_(1.5)
-        else:
-            layer.register_forward_pre_hook(lambda module, args, kwargs: ((args[0] * 1.5, *args[1:]), kwargs)
-                                            if args else (args, {**kwargs, "hidden_states": kwargs["hidden_states"] * 1.5}),
-                                            with_kwargs=True)
-
-    _trains_over_tcp(executor, backend, path, auto_class, _lora(target_modules=["q_proj", "v_proj"]), change)
-    ahead = _calls(executor, "model.layers.0.ahead:forward")
-    assert ahead == (0 if case == "next_norm_written" else 2)
-    assert _calls(executor, "model.layers.0:forward") == 3 - ahead
-    assert _calls(executor, "model.layers.1.self_attn.q_proj+model.layers.1.self_attn.k_proj+"
-                            "model.layers.1.self_attn.v_proj:forward") == 2  # after the first pass, ungrouped
 
 
 def test_a_tail_whose_layer_skips_a_step_raises(backends, checkpoints):
@@ -203,11 +169,9 @@ def test_every_gated_mlp_architecture_trains_as_plain_peft_whole(arch, checkpoin
         assert_trains_as_plain_peft(*models, arch)
         tails = {b for b, spec in executor.block_specs.items() if spec.kind == "decoder_tail"}
         assert bool(tails) == (arch in ("qwen2", "qwen3", "mistral"))
-        for block, spec in executor.block_specs.items():  # an MLP is called alone where its layer's tail is not
-            if spec.kind == "gated_mlp":
-                assert _calls(executor, f"{block}:backward") == (0 if block.rpartition('.')[0] in tails else 3)
-            elif spec.kind == "decoder_tail":  # (after the first pass, with the next layer's q/k/v where there is one)
-                assert _calls(executor, f"{block}:backward") + _calls(executor, f"{block}.ahead:backward") == 3
+        for block in executor.block_specs:  # an MLP is called alone where its layer's tail is not served
+            called = block in tails or f"{block.rpartition('.')[0]}" not in tails
+            assert _calls(executor, f"{block}:backward") == (3 if called else 0), block
     finally:
         server.stop()
 
@@ -220,7 +184,6 @@ def test_a_checkpointed_client_recomputes_its_blocks(backends, checkpoints):
     reference, split = _pair(path, auto_class, backend, "lora")
     split.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert_trains_as_plain_peft(reference, split, "llama")
-    # (never with the next layer's q/k/v: its recomputation must take the path its forward took)
     assert _calls(executor, "model.layers.0:forward") == 6 and _calls(executor, "model.layers.0:backward") == 3
 
 
@@ -249,7 +212,7 @@ def test_an_mlp_with_biases_is_served_whole_with_them(tmp_path):
     try:
         assert_trains_as_plain_peft(*_pair(tmp_path, auto_class, symbiosis.connect(server.url, timeout=20), "lora"),
                                     "llama")
-        assert _calls(executor, "model.layers.1:forward") == 3  # its tail, the MLP's biases in it
+        assert _calls(executor, "model.layers.0:forward") == 3  # its tail, the MLP's biases in it
     finally:
         server.stop()
 
@@ -288,9 +251,8 @@ def test_a_block_call_is_checked_as_a_layer_call(block, backends):
 
 
 def test_a_tails_backward_is_its_forwards_gradient(backends):
-    """The executor's tail, d = o(a) + mlp(norm(h + o(a))), and the tail with the next layer's input norm and q/k/v,
-    against torch's autograd of the same composition of their base layers in float64 (the model's own norms and
-    activation)."""
+    """The executor's tail, d = o(a) + mlp(norm(h + o(a))), against torch's autograd of the same composition of its
+    base layers in float64 (the model's own norm and activation)."""
     executor, _ = backends("tcp")
     tail = executor.weights.blocks["model.layers.0"]
     hidden, attention = tail.o_proj.spec.out_features, tail.o_proj.spec.in_features
@@ -303,18 +265,8 @@ def test_a_tails_backward_is_its_forwards_gradient(backends):
     up = normed @ layers["model.layers.0.mlp.up_proj"].weight.T
     d = o + (tail.mlp.act(gate) * up) @ layers["model.layers.0.mlp.down_proj"].weight.T
     g = torch.randn_like(d)
-    grad_h, grad_a = torch.autograd.grad(d, (h, a), g, retain_graph=True)
+    grad_h, grad_a = torch.autograd.grad(d, (h, a), g)
     x = torch.cat([h, a], dim=1).detach()
     torch.testing.assert_close(tail.forward(x), d.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(tail.backward(torch.cat([x, g], dim=1)), torch.cat([grad_h, grad_a], dim=1),
-                               rtol=1e-12, atol=1e-12)
-    # and the tail that also computes layer 1's input norm n and its q/k/v: [d | qkv | n]
-    ahead = executor.weights.blocks["model.layers.0.ahead"]
-    n = ahead.norm(h + d)
-    qkv = torch.cat([n @ layers[f"model.layers.1.self_attn.{p}_proj"].weight.T for p in "qkv"], dim=1)
-    out = torch.cat([d, qkv, n], dim=1)
-    g = torch.randn_like(out)
-    grad_h, grad_a = torch.autograd.grad(out, (h, a), g)
-    torch.testing.assert_close(ahead.forward(x), out.detach(), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(ahead.backward(torch.cat([x, g], dim=1)), torch.cat([grad_h, grad_a], dim=1),
                                rtol=1e-12, atol=1e-12)

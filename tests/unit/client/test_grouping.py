@@ -36,11 +36,10 @@ def test_grouped_calls_are_exact_and_fewer(checkpoints):
                     assert_close(p.grad, q.grad, f"{name} {step}")
         per_pass = (executor.stats_snapshot()["overall"]["calls"] - before) / 2
         layers = split.config.num_hidden_layers
-        # Forward: layer 0's q+k+v, each decoder layer's tail (o_proj, its norm and the MLP whole: the adapter
-        # leaves them frozen; with the next layer's q+k+v where there is one: client/blocks.py), and lm_head.
-        # Backward: the same, less layer 0's q+k+v, whose input (the frozen embedding's) needs no gradient.
-        # Ungrouped and layer by layer: 7 per layer each way.
-        assert per_pass == (layers + 2) + (layers + 1)
+        # Forward: q+k+v and the decoder layer's tail (o_proj, its norm and the MLP whole: the adapter leaves
+        # them frozen, client/blocks.py) per layer, and lm_head. Backward: the same, less layer 0's q+k+v, whose
+        # input (the frozen embedding's) needs no gradient. Ungrouped and layer by layer: 7 per layer each way.
+        assert per_pass == (2 * layers + 1) + (2 * layers)
         per_layer = executor.stats_snapshot()["per_layer"]
         qkv = "+".join(f"model.layers.0.self_attn.{n}_proj" for n in "qkv")
         # (the group once learnt, in the last two passes; the tail from the first pass on: nothing to learn)

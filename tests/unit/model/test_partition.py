@@ -33,9 +33,7 @@ def test_each_side_reads_and_holds_only_its_own_tensors(tmp_path):
         # and the post-attention norms of the decoder tails it serves (client/blocks.py): the base's own, which the
         # executor applies for a tenant whose norm is the base's untouched
         norm_keys = {spec.weight_name.rpartition("+")[2] + ".weight" for spec in executor.block_specs.values()
-                     if spec.kind == "decoder_tail"} | \
-            {spec.weight_name.rpartition("|")[2] + ".weight" for spec in executor.block_specs.values()
-             if spec.kind == "decoder_tail_ahead"}  # and the next layer's input norm, for a tail that computes q/k/v
+                     if spec.kind == "decoder_tail"}
         assert bool(norm_keys) == (arch == "llama")
         # Weights only the executor reads; a tied lm_head's weight is the embedding, which the client needs too.
         own_weights = {s.weight_name for s in specs if s.weight_name == s.layer_id + ".weight"}
