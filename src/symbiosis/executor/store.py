@@ -272,13 +272,15 @@ class MemberLayers:
         return grad_in
 
 
-def _recomputed_backward(block, x_and_grad: torch.Tensor) -> torch.Tensor:
-    """A block's backward, stateless: [x | g] [T, in + out] -> grad_x [T, in], its forward recomputed under autograd
-    (the weights need no gradient, so only what leads to x is kept)."""
+def _recomputed_gradient(block, x_and_grad: torch.Tensor, recompute) -> torch.Tensor:
+    """A block's backward, stateless: [x | g] [T, in + out] -> grad_x [T, in]. `recompute(x, g)` runs the block's
+    forward again under autograd, up to what its output is linear in, and returns those tensors with their gradients
+    (the weights need none, so only what leads to x is kept; the last GEMM's forward is not run again)."""
     x, grad_out = x_and_grad.split([block.spec.in_features, block.spec.out_features], dim=1)
     with torch.enable_grad():
         x = x.detach().requires_grad_()
-        (grad_x,) = torch.autograd.grad(block.forward(x), x, grad_out)
+        outputs, grads = recompute(x, grad_out)
+        (grad_x,) = torch.autograd.grad(outputs, x, grads)
     return grad_x
 
 
@@ -294,11 +296,16 @@ class GatedMlp:
     down: BaseLayer
     act: torch.nn.Module  # the model's own activation module (stateless)
 
-    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """act(gate(x)) * up(x): down's input [T, intermediate]."""
         gate, up = self.gate_up.forward(x).chunk(2, dim=1)
-        return self.down.forward(self.act(gate) * up)
+        return self.act(gate) * up
 
-    backward = _recomputed_backward
+    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        return self.down.forward(self.gated(x))
+
+    def backward(self, x_and_grad: torch.Tensor) -> torch.Tensor:
+        return _recomputed_gradient(self, x_and_grad, lambda x, g: ((self.gated(x),), (self.down.backward(g),)))
 
 
 @dataclass
@@ -313,9 +320,15 @@ class DecoderTail:
     norm: torch.nn.Module  # the model's own post-attention norm module, holding the base's weight
     mlp: GatedMlp
 
-    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+    def _attended(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o(a), the MLP's gated input of norm(h + o(a))) of x = [h | a]."""
         h, a = x.split([self.o_proj.spec.out_features, self.o_proj.spec.in_features], dim=1)
         o = self.o_proj.forward(a)
-        return o + self.mlp.forward(self.norm(h + o))
+        return o, self.mlp.gated(self.norm(h + o))
 
-    backward = _recomputed_backward
+    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        o, gated = self._attended(x)
+        return o + self.mlp.down.forward(gated)
+
+    def backward(self, x_and_grad: torch.Tensor) -> torch.Tensor:
+        return _recomputed_gradient(self, x_and_grad, lambda x, g: (self._attended(x), (g, self.mlp.down.backward(g))))
