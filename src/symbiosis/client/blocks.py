@@ -107,7 +107,8 @@ _TAILS: "weakref.WeakKeyDictionary[nn.Module, tuple[str, object, torch.Tensor, i
 def serve_tail(layer: nn.Module, tail_id: str, session) -> None:
     """Run `layer`'s tail (o_proj to the MLP's residual) as the executor's block `tail_id` whenever it may: o_proj
     additive, the post-attention norm the base's untouched (its weight the one built, never written, not trained
-    while gradients are on: the executor normalizes with its own copy), the MLP served whole and frozen; checked at each call."""
+    while gradients are on: the executor normalizes with its own copy), the MLP served whole and frozen, no hook on
+    them, the layer not being compiled; checked at each call."""
     norm = layer.post_attention_layernorm
     _TAILS[layer] = (tail_id, session, norm.weight, norm.weight._version)
     layer.__class__ = _served_tail(type(layer))
@@ -116,8 +117,8 @@ def serve_tail(layer: nn.Module, tail_id: str, session) -> None:
 
 def _tail_served(layer: nn.Module):
     served = _TAILS.get(layer)
-    if served is None:
-        return None
+    if served is None or torch.compiler.is_compiling():  # (a compiled layer calls o_proj and its MLP block: a graph
+        return None  # would keep one check's answer, and the stand-ins' state is no graph's)
     _, _, weight, version = served
     norm, mlp, o_proj = layer.post_attention_layernorm, layer.mlp, layer.self_attn.o_proj
     if norm.weight is not weight or weight._version != version or (weight.requires_grad and torch.is_grad_enabled()):
