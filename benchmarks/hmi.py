@@ -16,7 +16,7 @@ waits for all of its copies before it starts), `copies` (how many whole model co
 from the free memory and the model's bytes, not run), `placement` (the CPU time of issuing one adapter's
 placement: what the step that needs it pays on the engine's thread), `prefetch` (copy time of one adapter alone, against the
 latency a new adapter adds to a prefill step with and without layer-wise waits, on an idle engine and, `loaded_*`, for
-a request that joins 16 decoding requests).
+a request that joins 16 decoding requests; each new adapter paired with a resident one, the pair's order alternating).
 """
 
 from __future__ import annotations
