@@ -5,6 +5,8 @@ its layers; a block call is checked like a layer call."""
 
 from __future__ import annotations
 
+import threading
+
 import peft
 import pytest
 import torch
@@ -270,3 +272,38 @@ def test_a_tails_backward_is_its_forwards_gradient(backends):
     torch.testing.assert_close(tail.forward(x), d.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(tail.backward(torch.cat([x, g], dim=1)), torch.cat([grad_h, grad_a], dim=1),
                                rtol=1e-12, atol=1e-12)
+
+
+def test_two_tenants_tail_calls_batched_get_their_own_results(checkpoints):
+    """Tails of two clients run as one batch (lockstep): the norm and the MLP act row by row, so each client's rows
+    come back as its call alone computes them, forward and backward, and a NaN in one client's rows stays in them."""
+    path, _ = checkpoints("llama")
+    executor = symbiosis.Executor.from_pretrained(path, dtype=torch.float64, policy="lockstep")
+    tail = "model.layers.1"
+    spec = executor.block_specs[tail]
+    sessions = [executor.attach(executor.fingerprint, f"tenant{i}") for i in range(2)]
+    inputs = [torch.randn(rows, spec.in_features, dtype=torch.float64) for rows in (3, 5)]
+    inputs[1][2, 0] = float("nan")
+    grads = [torch.randn(x.shape[0], spec.out_features, dtype=torch.float64) for x in inputs]
+    block = executor.weights.blocks[tail]
+    alone = [(block.forward(x), block.backward(torch.cat([x, g], dim=1))) for x, g in zip(inputs, grads)]
+    results, start = {}, threading.Barrier(2)
+
+    def run(i):
+        start.wait()
+        results[i] = (sessions[i].forward(tail, inputs[i]),
+                      sessions[i].backward(tail, torch.cat([inputs[i], grads[i]], dim=1)))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for i, (forward, backward) in enumerate(alone):
+        torch.testing.assert_close(results[i][0], forward, equal_nan=True)
+        torch.testing.assert_close(results[i][1], backward, equal_nan=True)
+    assert torch.isfinite(results[0][0]).all() and torch.isfinite(results[0][1]).all()  # the NaN stayed in tenant 1's
+    assert not torch.isfinite(results[1][0][2]).all()
+    assert executor.stats_snapshot()["overall"]["max_batch_calls"] >= 2
+    for session in sessions:
+        session.close()
