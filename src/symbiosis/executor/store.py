@@ -272,18 +272,6 @@ class MemberLayers:
         return grad_in
 
 
-def _recomputed_gradient(block, x_and_grad: torch.Tensor, recompute) -> torch.Tensor:
-    """A block's backward, stateless: [x | g] [T, in + out] -> grad_x [T, in]. `recompute(x, g)` runs the block's
-    forward again under autograd, up to what its output is linear in, and returns those tensors with their gradients
-    (the weights need none, so only what leads to x is kept; the last GEMM's forward is not run again)."""
-    x, grad_out = x_and_grad.split([block.spec.in_features, block.spec.out_features], dim=1)
-    with torch.enable_grad():
-        x = x.detach().requires_grad_()
-        outputs, grads = recompute(x, grad_out)
-        (grad_x,) = torch.autograd.grad(outputs, x, grads)
-    return grad_x
-
-
 @dataclass
 class GatedMlp:
     """A gated MLP run whole (`partition.plan_gated_mlps`): y = down(act(gate(x)) * up(x)), x [T, hidden] -> y [T,
@@ -305,7 +293,13 @@ class GatedMlp:
         return self.down.forward(self.gated(x))
 
     def backward(self, x_and_grad: torch.Tensor) -> torch.Tensor:
-        return _recomputed_gradient(self, x_and_grad, lambda x, g: ((self.gated(x),), (self.down.backward(g),)))
+        """[x | g] -> g_x: gate and up recomputed under autograd (the weights need none, so only what leads to x is
+        kept), down's input's gradient g W_down taken straight (its forward is not run again)."""
+        x, grad_out = x_and_grad.split([self.spec.in_features, self.spec.out_features], dim=1)
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            (grad_x,) = torch.autograd.grad(self.gated(x), x, self.down.backward(grad_out))
+        return grad_x
 
 
 @dataclass
@@ -320,15 +314,17 @@ class DecoderTail:
     norm: torch.nn.Module  # the model's own post-attention norm module, holding the base's weight
     mlp: GatedMlp
 
-    def _attended(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(o(a), the MLP's gated input of norm(h + o(a))) of x = [h | a]."""
+    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         h, a = x.split([self.o_proj.spec.out_features, self.o_proj.spec.in_features], dim=1)
         o = self.o_proj.forward(a)
-        return o, self.mlp.gated(self.norm(h + o))
-
-    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
-        o, gated = self._attended(x)
-        return o + self.mlp.down.forward(gated)
+        return o + self.mlp.forward(self.norm(h + o))
 
     def backward(self, x_and_grad: torch.Tensor) -> torch.Tensor:
-        return _recomputed_gradient(self, x_and_grad, lambda x, g: (self._attended(x), (g, self.mlp.down.backward(g))))
+        """[h | a | g] -> [g_h | g_a]: with s = h + o(a), g_s comes from the norm and the MLP (recomputed under autograd,
+        the only part that is not linear), g_h = g_s and g_a = (g + g_s) W_o, as autograd would sum them."""
+        hidden, attention = self.o_proj.spec.out_features, self.o_proj.spec.in_features
+        h, a, g = x_and_grad.split([hidden, attention, hidden], dim=1)
+        with torch.enable_grad():
+            s = (h + self.o_proj.forward(a)).requires_grad_()
+            (grad_s,) = torch.autograd.grad(self.mlp.gated(self.norm(s)), s, self.mlp.down.backward(g))
+        return torch.cat([grad_s, self.o_proj.backward(g + grad_s)], dim=1)
