@@ -91,6 +91,11 @@ def _whole(x: torch.Tensor, block_id: str, session) -> torch.Tensor:
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def _base_of(o_proj: nn.Module) -> nn.Module:
+    """o_proj's virtual base layer: PEFT's LoRA wraps it, a frozen o_proj is it."""
+    return o_proj.base_layer if type(o_proj) is LoraLinear else o_proj
+
+
 def _additive(o_proj: nn.Module) -> bool:
     """o_proj's output is its base layer's plus what the tenant's adapter adds to it (or the base layer's alone): a
     frozen virtual layer, or PEFT's plain LoRA over one (no variant such as DoRA, which rescales the sum)."""
@@ -123,8 +128,8 @@ def _tail_served(layer: nn.Module):
     norm, mlp, o_proj = layer.post_attention_layernorm, layer.mlp, layer.self_attn.o_proj
     if norm.weight is not weight or weight._version != version or (weight.requires_grad and torch.is_grad_enabled()):
         return None
-    base = o_proj.base_layer if type(o_proj) is LoraLinear else o_proj
-    if any(m._forward_hooks or m._forward_pre_hooks for m in (norm, mlp, o_proj, base)) or _WHOLE.get(mlp) is None:
+    if any(m._forward_hooks or m._forward_pre_hooks for m in (norm, mlp, o_proj, _base_of(o_proj))) or \
+            _WHOLE.get(mlp) is None:
         return None  # a hook would see the tail's stand-ins (and a copy of the MLP is the tenant's)
     if not (_frozen(mlp.gate_proj) and _frozen(mlp.up_proj) and _frozen(mlp.down_proj) and _additive(o_proj)):
         return None
@@ -175,8 +180,7 @@ def _served_tail(cls: type) -> type:
         if served is None:
             return layers_forward(self, *args, **kwargs)
         tail = _TailPass(self, served)
-        o_proj = self.self_attn.o_proj
-        base = o_proj.base_layer if type(o_proj) is LoraLinear else o_proj
+        base = _base_of(self.self_attn.o_proj)
         base.deferred, self.post_attention_layernorm._tail, self.mlp._tail = tail.o_proj, tail, tail
         try:
             out = layers_forward(self, *args, **kwargs)

@@ -65,9 +65,12 @@ def _base_module(skeleton_module: torch.nn.Module, name: str, layout: Layout, de
         if tensor_name is None:
             raise CheckpointError(f"{layout.checkpoint.listing}: no tensor for {name}.{param_name}")
         tensor = layout.read({tensor_name: dtype}, device)[tensor_name]
-        if tensor.shape != param.shape or not bool(torch.isfinite(tensor).all()):
-            raise CheckpointError(f"{layout.checkpoint.listing}: base tensor {tensor_name!r} has shape "
-                                  f"{list(tensor.shape)} (the config implies {list(param.shape)}) or holds NaN or Inf")
+        if tensor.shape != param.shape:
+            raise CheckpointError(f"{layout.checkpoint.listing}: {layout.keys(tensor_name)} make {tensor_name!r} of "
+                                  f"shape {list(tensor.shape)}, the config implies {list(param.shape)}")
+        if not bool(torch.isfinite(tensor).all()):  # served to every tenant, as BaseWeights' tensors
+            raise CheckpointError(f"{layout.checkpoint.listing}: base tensor {tensor_name!r} holds NaN or Inf values "
+                                  f"({layout.keys(tensor_name)}); refusing to serve it")
         param.data.copy_(tensor)
     return module
 
@@ -127,8 +130,6 @@ class Executor:
             norm = spec.weight_name.rpartition(GROUP_SEPARATOR)[2]
             modules[tail_id] = _base_module(skeleton.get_submodule(norm), norm, layout, device, dtype)
         weights.serve_blocks(mlps | tails, modules)
-        weights.nbytes += sum(p.numel() * p.element_size() for tail_id in tails if tail_id in weights.blocks
-                              for p in modules[tail_id].parameters())
         return cls(checkpoint, weights, fingerprint, device, dtype, max_call_tokens, policy)
 
     @functools.cached_property

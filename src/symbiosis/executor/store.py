@@ -182,7 +182,9 @@ class BaseWeights:
             if spec.kind == "decoder_tail":
                 o_proj, mlp, _ = spec.weight_name.split(GROUP_SEPARATOR)
                 if mlp in self.blocks:
-                    self.blocks[block_id] = DecoderTail(spec, self.layers[o_proj], modules[block_id], self.blocks[mlp])
+                    norm = modules[block_id]
+                    self.blocks[block_id] = DecoderTail(spec, self.layers[o_proj], norm, self.blocks[mlp])
+                    self.nbytes += sum(p.numel() * p.element_size() for p in norm.parameters())  # it holds them
 
     def tensor(self, name: str) -> torch.Tensor | None:
         """The weight read as tensor `name`, if a layer holds one (a tied lm_head: the embedding)."""

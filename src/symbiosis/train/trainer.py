@@ -129,7 +129,7 @@ class Trainer:
     def launch(self, works: list[Work]) -> "InFlight":
         """`run`'s pass queued on the device, its results read back by the returned `InFlight` (on a CPU, done
         already): the host's work until then overlaps the GPU's."""
-        if torch.device(self.device).type == "cuda":  # its GPU current (a replica's thread: train/replicas.py)
+        if self.overlaps:  # its GPU current (a replica's thread: train/replicas.py)
             with torch.cuda.device(self.device):
                 return self._on_streams(works)
         return self._run(works)
