@@ -20,7 +20,7 @@ from symbiosis.errors import BadCall, CheckpointError, ExecutorOutOfMemory, Fing
 from symbiosis.executor.batcher import Batcher
 from symbiosis.executor.policy import Policy, make_policy
 from symbiosis.executor.stats import ExecutorStats
-from symbiosis.executor.store import BaseLayer, BaseWeights
+from symbiosis.executor.store import BaseLayer, BaseWeights, check_finite
 from symbiosis.model.checkpoint import Checkpoint
 from symbiosis.model.partition import (
     GROUP_SEPARATOR,
@@ -68,9 +68,7 @@ def _base_module(skeleton_module: torch.nn.Module, name: str, layout: Layout, de
         if tensor.shape != param.shape:
             raise CheckpointError(f"{layout.checkpoint.listing}: {layout.keys(tensor_name)} make {tensor_name!r} of "
                                   f"shape {list(tensor.shape)}, the config implies {list(param.shape)}")
-        if not bool(torch.isfinite(tensor).all()):  # served to every tenant, as BaseWeights' tensors
-            raise CheckpointError(f"{layout.checkpoint.listing}: base tensor {tensor_name!r} holds NaN or Inf values "
-                                  f"({layout.keys(tensor_name)}); refusing to serve it")
+        check_finite(layout, tensor_name, tensor)
         param.data.copy_(tensor)
     return module
 

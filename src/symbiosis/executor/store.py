@@ -120,6 +120,13 @@ class ExpertGroup:
         return self._per_expert(grad_out, counts, self.spec.in_features, gemm)
 
 
+def check_finite(layout: Layout, name: str, tensor: torch.Tensor) -> None:
+    """A base tensor is served to every tenant: a NaN or Inf in it would spoil all their results."""
+    if not bool(torch.isfinite(tensor).all()):
+        raise CheckpointError(f"{layout.checkpoint.listing}: base tensor {name!r} holds NaN or Inf values "
+                              f"({layout.keys(name)}); refusing to serve it")
+
+
 class BaseWeights:
     """layer id -> BaseLayer, read from the checkpoint (base tensors only) onto `device` in `dtype`.
 
@@ -137,10 +144,8 @@ class BaseWeights:
         self.layers = {s.layer_id: BaseLayer(s, expert(loaded[s.weight_name], s),
                                              expert(loaded[s.bias_name], s) if s.bias_name else None)
                        for s in specs}
-        for name, tensor in loaded.items():  # served to every tenant: a NaN or Inf would spoil all their results
-            if not bool(torch.isfinite(tensor).all()):
-                raise CheckpointError(f"{layout.checkpoint.listing}: base tensor {name!r} holds NaN or Inf values "
-                                      f"({layout.keys(name)}); refusing to serve it")
+        for name, tensor in loaded.items():
+            check_finite(layout, name, tensor)
         for layer in self.layers.values():  # a converter's output is known only now; a bias is not checked before
             for name, tensor, expected in ((layer.spec.weight_name, layer.weight, layer.expected_shape),
                                            (layer.spec.bias_name, layer.bias, (layer.spec.out_features,))):

@@ -85,14 +85,16 @@ def test_index_shard_names_stay_inside_the_model_directory(shard, tmp_path):
         symbiosis.Executor.from_pretrained(tmp_path / "model")
 
 
-def test_nan_or_inf_in_a_base_weight_is_refused_at_load(llama):
+@pytest.mark.parametrize("tensor", ["model.layers.1.mlp.up_proj.weight",
+                                    "model.layers.1.post_attention_layernorm.weight"])  # (a decoder tail's norm)
+def test_nan_or_inf_in_a_base_weight_is_refused_at_load(tensor, llama):
     from safetensors.torch import load_file, save_file
 
     path, _ = llama
     tensors = load_file(path / "model.safetensors")
-    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    tensors[tensor].view(-1)[5] = float("nan")
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match="'model.layers.1.mlp.up_proj.weight' holds NaN or Inf"):
+    with pytest.raises(CheckpointError, match=f"'{tensor}' holds NaN or Inf"):
         symbiosis.Executor.from_pretrained(path)
 
 
