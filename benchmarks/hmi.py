@@ -191,17 +191,28 @@ def _median_interval(values: np.ndarray, resamples: int = 2000) -> tuple[float, 
     return float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
 
 
-def placement_cpu(engine: Engine, directories: list[Path], samples: int = 200) -> dict:
+def placement_cpu(engine: Engine, directories: list[Path], samples: int = 200, profile: str | None = None) -> dict:
     """Median wall time of `acquire` placing an adapter already in the host tier (the copies issued on the side
-    stream, not waited for): the CPU time of a placement, which the step that needs it pays."""
+    stream, not waited for): the CPU time of a placement, which the step that needs it pays. `profile`: a file for
+    torch.profiler's table of where a further `samples` placements spent their CPU time (operator by operator)."""
     store, times = engine.adapters, []
     adapters = [store.load(f"t{i}", directories[i]) for i in range(min(len(directories), 2 * store.num_slots))]
+
+    def place(i: int) -> None:
+        slot = store.acquire(adapters[i % len(adapters)])
+        store.release(slot)
+
     for i in range(samples):
         started = time.perf_counter()
-        slot = store.acquire(adapters[i % len(adapters)])
+        place(i)
         times.append((time.perf_counter() - started) * 1000)
-        store.release(slot)
     store.wait_all()
+    if profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            for i in range(samples):
+                place(i)
+        store.wait_all()
+        Path(profile).write_text(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
     return {"placement_cpu_ms": float(np.median(times)), "samples": samples}
 
 
@@ -219,6 +230,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=128)
     parser.add_argument("--phases", default="hot,tiered,on_demand,copies,placement,prefetch")
     parser.add_argument("--workdir", default="/tmp/symbiosis-bench-hmi")
+    parser.add_argument("--placement-profile", help="`placement` also writes torch.profiler's table to this file")
     parser.add_argument("--host-gib", type=float, default=256,
                         help="the host tier's budget (large adapters: `prefetch` loads 5 new ones a sample)")
     args = parser.parse_args()
@@ -268,7 +280,7 @@ def main() -> None:
             emit(**common, phase="copies", model_gib=model_bytes / 2**30, gpu_total_gib=total / 2**30,
                  copies_that_fit=int(total * 0.95 // model_bytes), computed=True)
         if "placement" in phases:  # the CPU time a placement takes on the engine's thread (issuing, not copying)
-            emit(**common, phase="placement", **placement_cpu(engine, directories))
+            emit(**common, phase="placement", **placement_cpu(engine, directories, profile=args.placement_profile))
         if "prefetch" in phases:
             samples = min(150, (args.tenants - 2) // 5)  # 5 fresh tenants a sample (`prefetch`)
             emit(**common, phase="prefetch", prompt_tokens=1024, **prefetch(engine, directories, vocab, 1024, samples))
