@@ -17,7 +17,8 @@ read by the SGMV kernels; the layers of a fused group (q/k/v, gate/up: engine/la
 The input embedding, when targeted, has a[S, vocab, R] and b[S, R, dim].
 
 Copies run on a side stream, in up to PLACEMENT_WAVES waves of layers in the model's order (one per WAVE_BYTES of
-the adapter). An adapter's host buffer holds its layers in that order, so a wave is one range of it: one
+the adapter), each as long as all before it (1, 1, 2, 4, .. parts: `wave_bounds`), so a wave's copy has its
+predecessors' layers to compute behind, and the first, the one nothing hides, is short. An adapter's host buffer holds its layers in that order, so a wave is one range of it: one
 host-to-device copy into a staging buffer on the device, then one fused device copy into every pool row of the wave
 (`_Wave`, its views made once per slot and adapter layout): a handful of calls on the engine's thread per
 placement, not one per tensor. Each wave's copies
@@ -58,7 +59,7 @@ PREFIX = "base_model.model."
 SPLIT_CLIENT_HINT = ("the engine runs LoRA adapters; run this one exactly on a split client instead "
                      "(symbiosis.from_pretrained(model_dir, executor) + PeftModel.from_pretrained)")
 # LoraConfig fields whose non-default value changes the math beyond plain LoRA
-PLACEMENT_WAVES = 4  # a placement's LoRA copies go in up to this many waves, in model order, each with its event:
+PLACEMENT_WAVES = 6  # a placement's LoRA copies go in up to this many waves, in model order, each with its event:
 #                     layer i computes while later waves land, for a handful of launches per wave
 WAVE_BYTES = 16 << 20  # at least this much of an adapter a wave (~0.6 ms over PCIe): a smaller adapter's copy is too
 #                        short to overlap layers with, and each wave costs the engine's thread its launches
@@ -635,11 +636,8 @@ class AdapterStore:
             self._fresh_views()
             if adapter.layers:
                 self._stage(adapter)
-                count = len(adapter.layers)
-                size = -(-count // max(1, min(PLACEMENT_WAVES, adapter.buffer.nbytes // WAVE_BYTES)))
-                for index, first in enumerate(range(0, count, size)):
-                    self._place_wave(adapter, self._wave(slot, adapter, index, first, min(first + size, count)),
-                                     members, stream)
+                for index, (first, end) in enumerate(wave_bounds(len(adapter.layers), adapter.buffer.nbytes)):
+                    self._place_wave(adapter, self._wave(slot, adapter, index, first, end), members, stream)
             for layer_id, layer in adapter.bottlenecks.items():
                 pools, r = self._bottleneck_pool(layer_id), layer.down.shape[0]
                 for pool, tensor in ((pools.down[slot], layer.down), (pools.down_bias[slot], layer.down_bias)):
@@ -673,6 +671,20 @@ class AdapterStore:
                     self.embedding_ready.record(stream)
         self._slots[slot] = Slot(adapter, members=members)
         self._by_key[adapter.key] = slot
+
+
+def wave_bounds(count: int, nbytes: int) -> list[tuple[int, int]]:
+    """A placement's waves over its `count` layers (in the model's order) of `nbytes`: (first, end) each. One per
+    WAVE_BYTES, at most PLACEMENT_WAVES, with lengths in parts 1, 1, 2, 4, ..: each wave as long as all before it, so
+    while it copies, the layers before it compute (a copy no slower than the layers it feeds is hidden but for the
+    first wave), and the first is short (at 335 MB over 32 layers: 1, 1, 2, 4, 8, 16 layers)."""
+    waves = max(1, min(PLACEMENT_WAVES, count, nbytes // WAVE_BYTES))
+    ends, parts = [], 1 << (waves - 1)
+    for index in range(1, waves):
+        share = round(count * (1 << (index - 1)) / parts)  # the parts of waves 0..index-1: 1, 2, 4, ..
+        ends.append(min(max(share, (ends[-1] if ends else 0) + 1), count - (waves - index)))
+    bounds = [0] + ends + [count]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _read_config(path: Path) -> dict:

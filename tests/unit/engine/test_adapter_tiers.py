@@ -173,6 +173,22 @@ def test_a_placement_in_one_wave_or_in_several_gives_the_same_tokens(models, mon
     assert outputs[0] == outputs[1]
 
 
+@pytest.mark.parametrize("count", [1, 2, 5, 7, 16, 112, 224])
+@pytest.mark.parametrize("megabytes", [1, 40, 91, 335, 10_000])
+def test_waves_cover_the_layers_in_order_each_as_long_as_those_before_it(count, megabytes):
+    from symbiosis.engine.adapters import PLACEMENT_WAVES, WAVE_BYTES, wave_bounds
+
+    bounds = wave_bounds(count, megabytes << 20)
+    assert len(bounds) == max(1, min(PLACEMENT_WAVES, count, (megabytes << 20) // WAVE_BYTES))
+    assert bounds[0][0] == 0 and bounds[-1][1] == count
+    assert all(first < end for first, end in bounds) and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    lengths = [end - first for first, end in bounds]
+    if count >= 1 << (len(bounds) - 1):  # room for the parts 1, 1, 2, 4, ..: each wave no longer than all before it
+        assert all(length <= sum(lengths[:i]) + 1 for i, length in enumerate(lengths) if i)
+    if (count, megabytes) == (224, 335):  # Llama-3-8B, seven projections a layer: the first wave is layer 0
+        assert lengths == [7, 7, 14, 28, 56, 112]
+
+
 def test_adapters_of_arrived_requests_are_placed_while_the_step_runs_and_nothing_pinned_is_evicted(models):
     """`Engine._prefetch` (after a step's launch): a request that arrived meanwhile has its adapter placed before
     the next step admits it (admission then finds it in its slot), with the same tokens as alone; the store's
