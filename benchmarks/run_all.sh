@@ -84,7 +84,7 @@ declare -A COMMAND=(
   # prefetch of 91 MB adapters (r64 on every projection), the pairs' order alternated
   [hmi_prefetch_large]="$PY benchmarks/hmi.py --model llama-3.2-1b --tenants 1000 --distinct 20 --clients 64 --rank 64 --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --slots 32 --host-gib 24 --phases placement,prefetch --workdir /tmp/symbiosis-bench-hmi-large"
   # the same on Llama-3-8B (335 MB adapters, ~13 ms over PCIe; its 1,024-token prefill has GPU work to hide a copy)
-  [hmi_prefetch_8b]="$PY benchmarks/hmi.py --model llama-3-8b --tenants 400 --distinct 10 --clients 16 --rank 64 --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --slots 16 --host-gib 24 --phases placement,prefetch --workdir /tmp/symbiosis-bench-hmi-8b"
+  [hmi_prefetch_8b]="$PY benchmarks/hmi.py --model llama-3-8b --tenants 200 --distinct 6 --clients 16 --samples 24 --rank 64 --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --slots 16 --host-gib 24 --phases placement,prefetch --workdir /tmp/symbiosis-bench-hmi-8b"
   [hmi_on_demand]="$PY benchmarks/hmi.py --model llama-3.2-1b --tenants 10000 --clients 250 --requests 12500 --phases on_demand,copies,placement,prefetch"
   [plot]="$PY benchmarks/plot.py --device cuda --model-dir .plotcarry/model --fortunes .plotcarry/fortunes"
   # plot: the model and the fortunes files as scripts/prepare-plot-carry leaves them in .plotcarry (carried alone)
