@@ -12,7 +12,8 @@ block (two calls: a decoder layer's tail as the MLP blocks served it); `tail`, t
 ([h | a] -> o(a) + mlp(norm(h + o(a)))). Each line: `per_step_us` (the
 chain's wall time / steps), `issue_us` (the client's CPU time a step, before it waits), for `path` in_process (an
 executor on this process's GPU 0, policy none: the calls run on the caller's thread) and nccl (a `symbiosis
-executor` process on GPU 0, the client on --client-device).
+executor` process on GPU 0, the client on --client-device); `in_process_captured` and `nccl_captured` are the same
+with the executor replaying block calls (the MLP, the tail) from CUDA graphs (`capture_blocks`, executor/captured.py).
 """
 
 from __future__ import annotations
@@ -94,24 +95,26 @@ def main() -> None:
     path = checkpoint(args.model)
     paths = args.paths.split(",")
     home = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    if "in_process" in paths:
-        executor = symbiosis.Executor.from_pretrained(path, device=home, dtype=dtype(), policy="none")
+    for label in [p for p in paths if p.startswith("in_process")]:
+        executor = symbiosis.Executor.from_pretrained(path, device=home, dtype=dtype(), policy="none",
+                                                      capture_blocks=label.endswith("_captured"))
         session = executor.attach(executor.fingerprint)
-        measure(session, "in_process", session.layer_specs[args.layer].in_features, args, home)
+        measure(session, label, session.layer_specs[args.layer].in_features, args, home)
         session.close()
         executor.close()
         del executor, session
         torch.cuda.empty_cache()
-    if "nccl" in paths:  # gloo:// where the client computes on the CPU (a smoke test)
+    for label in [p for p in paths if p.startswith("nccl")]:  # gloo:// where the client computes on the CPU
         port = free_port()
-        process = start_executor(path, f"tcp://127.0.0.1:{port}", where=["--device", str(home)])
+        process = start_executor(path, f"tcp://127.0.0.1:{port}", where=["--device", str(home)],
+                                 extra=["--capture-blocks"] if label.endswith("_captured") else [])
         try:
             client_device = torch.device(args.client_device)
             scheme = "nccl" if client_device.type == "cuda" else "gloo"
             remote = symbiosis.connect(f"{scheme}://127.0.0.1:{port}", timeout=120)
             session = remote.attach(Checkpoint(path).fingerprint(), "chain", client_device)
-            measure(session, scheme, session.layer_specs[args.layer].in_features, args, client_device,
-                    pipelined=session.pipelined)
+            measure(session, scheme + label.removeprefix("nccl"), session.layer_specs[args.layer].in_features, args,
+                    client_device, pipelined=session.pipelined)
             session.close()
         finally:
             process.terminate()
