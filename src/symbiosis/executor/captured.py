@@ -69,6 +69,12 @@ class _Graph:
         self.done.record(stream)
         return y
 
+    def release(self) -> None:
+        """Before the graph goes: its last replay done. Its input and its pool's memory return to the allocator,
+        which knows nothing of the streams that replayed it, and could hand them out while a replay still runs."""
+        if self.done is not None:
+            self.done.synchronize()
+
 
 class CapturedCalls:
     """Calls of blocks replayed from CUDA graphs, one per (key, shape, dtype, device); see the module docstring."""
@@ -119,5 +125,5 @@ class CapturedCalls:
         self.captures += 1
         self._graphs[key] = graph
         while len(self._graphs) > self.max_graphs:
-            self._graphs.popitem(last=False)
+            self._graphs.popitem(last=False)[1].release()
         return graph

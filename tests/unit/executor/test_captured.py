@@ -17,6 +17,7 @@ from symbiosis.executor import captured
 class _StandIn:
     """A graph that records its capture and replays by calling again (the bookkeeping, off the GPU)."""
     made: list = []
+    released: list = []
 
     def __init__(self, call, x):
         _StandIn.made.append(x.shape)
@@ -25,10 +26,13 @@ class _StandIn:
     def replay(self, x):
         return self.call(x) + 1000  # marked: a replay is told from an eager call
 
+    def release(self):
+        _StandIn.released.append(self)
+
 
 @pytest.fixture
 def stand_in(monkeypatch):
-    _StandIn.made = []
+    _StandIn.made, _StandIn.released = [], []
     monkeypatch.setattr(captured, "_Graph", _StandIn)
     monkeypatch.setattr(captured, "_capturable", lambda x: True)
     return _StandIn
@@ -61,7 +65,8 @@ def test_graphs_past_the_limit_go_least_recently_used_first(stand_in):
         for _ in range(2):
             calls(("mlp", "forward"), lambda t: t, x)
     assert calls.captures == 3 and len(calls._graphs) == 2
-    assert [key[2] for key in calls._graphs] == [(2, 2), (3, 2)]  # the first went
+    assert [key[2] for key in calls._graphs] == [(2, 2), (3, 2)]  # the first went, once its last replay was done
+    assert len(stand_in.released) == 1 and stand_in.released[0] not in calls._graphs.values()
 
 
 def test_a_failed_capture_leaves_the_call_eager_for_good(stand_in, monkeypatch):
@@ -140,5 +145,11 @@ def test_on_the_gpu_tails_and_mlps_replayed_from_graphs_equal_their_eager_calls(
     thread.join()
     torch.testing.assert_close(results["other"], executor.weights.blocks["model.layers.0"].forward(x),
                                rtol=1e-5, atol=1e-5)
+    executor.captured = captured.CapturedCalls(max_graphs=1)  # every other call evicts the graph before it
+    for rows in (3, 3, 4, 4, 3, 4, 3, 4):
+        x = torch.randn(rows, spec.in_features, device="cuda", generator=generator)
+        torch.testing.assert_close(session.forward("model.layers.0", x),
+                                   executor.weights.blocks["model.layers.0"].forward(x), rtol=1e-5, atol=1e-5)
+    assert executor.captured.captures >= 4 and len(executor.captured._graphs) == 1
     session.close()
     executor.close()
