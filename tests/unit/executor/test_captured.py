@@ -69,6 +69,14 @@ def test_graphs_past_the_limit_go_least_recently_used_first(stand_in):
     assert len(stand_in.released) == 1 and stand_in.released[0] not in calls._graphs.values()
 
 
+def test_an_evicted_shape_is_seen_again_before_it_is_captured_again(stand_in):
+    calls = captured.CapturedCalls(max_graphs=1)
+    replayed = [calls(("tail", "forward"), lambda t: t, torch.zeros(rows, 2))[0, 0].item() > 0
+                for rows in (3, 3, 4, 4, 3, 4, 3, 4)]
+    assert replayed == [False, True, False, True, False, True, True, False]
+    assert calls.captures == 3 and len(calls._graphs) == 1 and len(stand_in.released) == 2
+
+
 def test_a_failed_capture_leaves_the_call_eager_for_good(stand_in, monkeypatch):
     class Failing:
         def __init__(self, call, x):
@@ -150,6 +158,7 @@ def test_on_the_gpu_tails_and_mlps_replayed_from_graphs_equal_their_eager_calls(
         x = torch.randn(rows, spec.in_features, device="cuda", generator=generator)
         torch.testing.assert_close(session.forward("model.layers.0", x),
                                    executor.weights.blocks["model.layers.0"].forward(x), rtol=1e-5, atol=1e-5)
-    assert executor.captured.captures >= 4 and len(executor.captured._graphs) == 1
+    # captured at the 2nd, 4th and 7th calls; an evicted shape is seen again before it is captured again
+    assert executor.captured.captures == 3 and len(executor.captured._graphs) == 1
     session.close()
     executor.close()
