@@ -220,6 +220,7 @@ class AdapterStore:
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._rows_cache: dict[tuple, object] = {}  # (slot, layer id, rank) -> _rows; ("scale", slot, pool, member)
         self._waves: OrderedDict[tuple, _Wave] = OrderedDict()  # (slot, layout, wave) -> its lists, least recent first
+        self._clears: OrderedDict[tuple, tuple] = OrderedDict()  # (slot, layout, bottlenecks) -> (scales, pools) to zero
         self._rows_version = 0
         # where a placement's tensors land first, on the device: one host-to-device copy a wave, not one a tensor
         self._staging = torch.empty(0, device=device, dtype=dtype)
@@ -483,16 +484,24 @@ class AdapterStore:
     def _clear(self, slot: int, evicted: Slot, stream) -> None:
         """Zero `evicted`'s scales in `slot` (a later adapter may not target these layers: they must add zero); on a
         GPU on the copy stream, the pools zeroed then waiting for it."""
-        scales, cleared = [], []
         self._fresh_views()
-        for pool_id, member in evicted.members:
-            if member == "bottleneck":
-                pools = self.bottleneck_pools[pool_id]
-                scales.append(pools.scales[slot:slot + 1])
-            else:
-                pools = self.pools[pool_id]
-                scales.append(self._scale_view(slot, pool_id, member))
-            cleared.append(pools)
+        key = (slot, evicted.adapter.layout, tuple(evicted.adapter.bottlenecks))  # what its members depend on
+        views = self._clears.get(key)
+        if views is None:  # made once per slot and layout, as the waves' views (~1 us of CPU a member)
+            scales, cleared = [], {}
+            for pool_id, member in evicted.members:
+                if member == "bottleneck":
+                    pools = self.bottleneck_pools[pool_id]
+                    scales.append(pools.scales[slot:slot + 1])
+                else:
+                    pools = self.pools[pool_id]
+                    scales.append(self._scale_view(slot, pool_id, member))
+                cleared[id(pools)] = pools
+            views = self._clears[key] = (scales, list(cleared.values()))
+            while len(self._clears) > WAVE_CACHE:
+                self._clears.popitem(last=False)
+        self._clears.move_to_end(key)
+        scales, cleared = views
         if scales:
             torch._foreach_zero_(scales)
         if evicted.adapter.embedding is not None:
@@ -532,6 +541,7 @@ class AdapterStore:
         if self._rows_version != self.pools_version:
             self._rows_cache.clear()
             self._waves.clear()
+            self._clears.clear()
             self._rows_version = self.pools_version
 
     def _rows(self, slot: int, layer_id: str, r: int) -> tuple:
@@ -631,8 +641,9 @@ class AdapterStore:
             if evicted is not None:
                 self._clear(slot, evicted, stream)
             members = set()
-            for layer_id in adapter.layers:  # every pool made first: making one drops the cached views
-                self._pool(self.placement[layer_id][0])
+            if (slot, adapter.layout, 0) not in self._waves:  # (a cached wave: its pools were there, and still are)
+                for layer_id in adapter.layers:  # every pool made first: making one drops the cached views
+                    self._pool(self.placement[layer_id][0])
             self._fresh_views()
             if adapter.layers:
                 self._stage(adapter)

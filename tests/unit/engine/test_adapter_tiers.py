@@ -39,6 +39,20 @@ def test_output_is_the_same_whichever_tier_the_adapter_came_from(models):
     _tier_walk(engine, adapters)
 
 
+def test_an_adapter_that_replaces_another_in_its_slot_adds_nothing_of_the_old_one(models):
+    """One slot, alternately an adapter on every projection and one on the MLP only: the second and later evictions
+    of the first zero its scales through views made once (`AdapterStore._clears`), so the MLP-only adapter's outputs
+    stay a fresh engine's, and so do the first one's."""
+    checkpoint, adapters = models("llama")
+    fresh = {name: _run(Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4),
+                        adapters, name) for name in ("everything_rs", "attn_r2")}
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, adapter_slots=1)
+    for _ in range(3):
+        for name in ("everything_rs", "attn_r2"):
+            assert _run(engine, adapters, name) == fresh[name]
+    assert engine.adapters.stats.placements == 6 and len(engine.adapters._clears) == 2
+
+
 def test_the_host_tier_keeps_to_its_byte_budget_least_recently_used_first(models):
     checkpoint, adapters = models("llama")
     engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=8, block_size=4)
