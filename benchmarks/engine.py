@@ -40,15 +40,20 @@ from symbiosis.executor.executor import Executor
 PROJECTIONS = {"self_attn": ["q_proj", "k_proj", "v_proj", "o_proj"], "mlp": ["gate_proj", "up_proj", "down_proj"]}
 
 
-def write_adapters(model: str, count: int, rank: int, root: Path, targets: tuple[str, ...] | None = None) -> list[Path]:
-    """`count` random rank-`rank` LoRA adapters on every projection (or on `targets`), as PEFT writes them."""
-    config = CONFIGS[model]
+def projection_shapes(config: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each projection of a Llama-shaped decoder layer of `config`."""
     hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim", hidden // heads)
     kv = config.get("num_key_value_heads", heads) * head_dim
-    shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
-              "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-              "down_proj": (inter, hidden)}
+    return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+            "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+            "down_proj": (inter, hidden)}
+
+
+def write_adapters(model: str, count: int, rank: int, root: Path, targets: tuple[str, ...] | None = None) -> list[Path]:
+    """`count` random rank-`rank` LoRA adapters on every projection (or on `targets`), as PEFT writes them."""
+    config = CONFIGS[model]
+    shapes = projection_shapes(config)
     directories = []
     for i in range(count):
         directory = root / (f"{model}-r{rank}-{i}" if targets is None else f"{model}-r{rank}-{'-'.join(targets)}-{i}")

@@ -22,28 +22,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from engine import write_adapters  # noqa: E402
+from engine import PROJECTIONS, projection_shapes, write_adapters  # noqa: E402
 
 from symbiosis.engine import adapters as adapter_store  # noqa: E402
 from symbiosis.model.partition import BaseLayerSpec  # noqa: E402
 
-PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
-               ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
-
 
 def store_for(config: dict, device: torch.device, slots: int) -> adapter_store.AdapterStore:
     """The engine's store for a Llama-shaped model of `config`, q/k/v and gate/up fused as the engine fuses them."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = config.get("head_dim", hidden // config["num_attention_heads"])
-    q, kv = config["num_attention_heads"] * head_dim, config.get("num_key_value_heads", 1) * head_dim
-    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-              "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    shapes = projection_shapes(config)
     modules, groups = {}, []
     for layer in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer}"
-        for block, name in PROJECTIONS:
-            layer_id = f"{prefix}.{block}.{name}"
-            modules[layer_id] = BaseLayerSpec(layer_id, "linear", *shapes[name], layer_id + ".weight", None)
+        for block, names in PROJECTIONS.items():
+            for name in names:
+                layer_id = f"{prefix}.{block}.{name}"
+                modules[layer_id] = BaseLayerSpec(layer_id, "linear", *shapes[name], layer_id + ".weight", None)
         groups += [tuple(f"{prefix}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj")),
                    tuple(f"{prefix}.mlp.{n}" for n in ("gate_proj", "up_proj"))]
     return adapter_store.AdapterStore(modules, None, "placement-cpu", device, torch.bfloat16, max_rank=16,

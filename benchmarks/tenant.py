@@ -123,8 +123,9 @@ def threads_executor(args):
     a `symbiosis executor` process serving WHAT, the clients, on --client-device's devices, attached to it over
     that transport (`nccl-layers:` / `gloo-layers:`: the same with every frozen MLP called as its layers, not
     whole; `nccl-mlps:` / `gloo-mlps:`: MLPs whole but no decoder tails: client/blocks.py's savings measured side by
-    side; `nccl-captured:`: the executor replays the blocks' calls from CUDA graphs, executor/captured.py). (An executor process of its own, as the paper's remote clients have: with the executor's
-    NCCL ranks in this process too, the first call hung on two H100s, 2026-11-26.)"""
+    side; `nccl-captured:`: the executor replays the blocks' calls from CUDA graphs, executor/captured.py). (An
+    executor process of its own, as the paper's remote clients have: with the executor's NCCL ranks in this process
+    too, the first call hung on two H100s, 2026-11-26.)"""
     kind, _, where = args.executor.partition(":")
     if kind == "local":
         executor = symbiosis.Executor.from_pretrained(args.model_dir, device=device(), dtype=dtype(), policy="none")

@@ -18,10 +18,10 @@ The input embedding, when targeted, has a[S, vocab, R] and b[S, R, dim].
 
 Copies run on a side stream, in up to PLACEMENT_WAVES waves of layers in the model's order (one per WAVE_BYTES of
 the adapter), each as long as all before it (1, 1, 2, 4, .. parts: `wave_bounds`), so a wave's copy has its
-predecessors' layers to compute behind, and the first, the one nothing hides, is short. An adapter's host buffer holds its layers in that order, so a wave is one range of it: one
-host-to-device copy into a staging buffer on the device, then one fused device copy into every pool row of the wave
-(`_Wave`, its views made once per slot and adapter layout): a handful of calls on the engine's thread per
-placement, not one per tensor. Each wave's copies
+predecessors' layers to compute behind, and the first, the one nothing hides, is short. An adapter's host buffer
+holds its layers in that order, so a wave is one range of it: one host-to-device copy into a staging buffer on the
+device, then one fused device copy into every pool row of the wave (`_Wave`, its views made once per slot and
+adapter layout): a handful of calls on the engine's thread per placement, not one per tensor. Each wave's copies
 are followed by an event (`Pools.ready`): an eagerly run step waits, at each layer, only for its own wave's copy,
 so later waves land while earlier layers compute (layer-wise prefetch). A step replayed from a CUDA graph cannot
 wait inside the graph: it waits for every pending copy first (`wait_all`).

@@ -12,11 +12,12 @@ shape met once is not worth a graph's memory), after one more eager run on the c
 initializations, such as cuBLAS's workspace, must not happen inside a capture). Only calls of at most `max_rows`
 rows are captured, and at most `max_graphs` graphs are kept, least recently used out: each holds its own memory
 pool, the intermediates of one call (~80 MB for a Llama-3.2-1B tail's forward at 1,024 rows). A capture that fails
-(out of memory, an operation that cannot be captured) leaves that call eager for good. Not yet run on a GPU: off by
-default until `tests/unit/executor/test_captured.py`'s GPU test and `benchmarks/run_all.sh remote_captured_2gpu`
-have run. Replays are serialized by a lock
-and by an event: a graph's input and output buffers are its own, so a replay on one stream waits for the last
+(out of memory, an operation that cannot be captured) leaves that call eager for good. Replays are serialized by a
+lock and by an event: a graph's input and output buffers are its own, so a replay on one stream waits for the last
 replay's output to have been copied out on another.
+
+Not yet run on a GPU: off by default until `tests/unit/executor/test_captured.py`'s GPU test and
+`benchmarks/run_all.sh remote_captured_2gpu` have run.
 """
 
 from __future__ import annotations
@@ -96,11 +97,11 @@ class CapturedCalls:
         key = (*key, tuple(x.shape), x.dtype, x.device)
         with self._lock:
             graph = self._graphs.get(key)
-            if graph is None:
-                if key in self._eager or key not in self._seen:
-                    self._remember(key)
-                else:
+            if graph is None and key not in self._eager:
+                if key in self._seen:
                     graph = self._capture(key, call, x)
+                else:
+                    self._remember(key)
             if graph is not None:
                 self._graphs.move_to_end(key)
                 self.replays += 1
@@ -108,8 +109,6 @@ class CapturedCalls:
         return call(x)
 
     def _remember(self, key: tuple) -> None:
-        if key in self._eager:
-            return
         self._seen[key] = None
         while len(self._seen) > 4 * self.max_graphs:
             self._seen.popitem(last=False)

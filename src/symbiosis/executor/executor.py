@@ -259,7 +259,7 @@ class Executor:
         try:
             # No autograd graph: the weights never require grad, and neither does what reaches here (a remote
             # call's buffer, or an in-process call made inside an autograd Function); cheaper than no_grad().
-            if self.captured is not None and layer_id in self.weights.blocks and counts is None:
+            if self.captured is not None and layer_id in self.weights.blocks:  # (an expert group is no block)
                 run = layer.backward if op == "backward" else functools.partial(layer.forward, with_bias=op == "forward")
                 return self.captured((layer_id, op), run, tensor)
             if op == "backward":
