@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -108,7 +109,7 @@ def first_token_ms(engine: Engine, directory: Path, name: str, prompt: list[int]
 
 
 def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: int, samples: int,
-             background: int = 16) -> dict:
+             background: int = 16, profile: str | None = None) -> dict:
     """Copy time alone (host tier -> a slot, synchronized) against what a new adapter adds to a prefill: alone on
     an idle engine (prefill_ms), and as the first token of a request that joins `background` decoding requests
     (`loaded_*`: the engine's thread then builds and launches each step while the one before runs on the GPU, where a
@@ -184,7 +185,51 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
                            f"{key}_hidden": 1 - added / result["copy_ms"],
                            f"{key}_hidden_ci95": [1 - high / result["copy_ms"], 1 - low / result["copy_ms"]]})
     store.layerwise = True
+    if profile:
+        profile_pairs(engine, directories, fresh, prompt, profile)
     return result
+
+
+def profile_pairs(engine: Engine, directories: list[Path], fresh, prompt: list[int], path: str, pairs: int = 4) -> None:
+    """torch.profiler over `pairs` idle layer-wise prefills with a resident adapter and as many with a new one:
+    where the time a new adapter adds goes, operator by operator (CPU and device totals of the new prefills minus
+    the resident ones', per prefill), and one chrome trace of each kind (`path`.resident.json, .new.json)."""
+    store, totals = engine.adapters, {}
+    store.layerwise = True
+    for kind in ("resident", "new", "resident", "new"):  # twice each: the second of a kind is the one traced
+        ops: dict[str, list[float]] = {}
+        activities = [torch.profiler.ProfilerActivity.CPU] + \
+            ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        # every thread (the engine's, where the step runs), with Python frames: a placement is mostly Python
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+        with torch.profiler.profile(activities=activities, with_stack=True, experimental_config=config) as profiler:
+            walls = []
+            for _ in range(pairs):
+                if kind == "new":
+                    i = next(fresh)
+                    store.load(f"t{i}", directories[i])
+                    walls.append(prefill_ms(engine, directories[i], f"t{i}", prompt))
+                else:
+                    walls.append(prefill_ms(engine, directories[1], "t1", prompt))
+        for event in profiler.key_averages():
+            key = re.sub(r" at 0x[0-9a-f]+", "", event.key)  # a bound method's object differs between runs
+            counts = ops.setdefault(key, [0.0, 0.0, 0.0])
+            for index, value in enumerate((event.count, event.self_cpu_time_total, event.self_device_time_total)):
+                counts[index] += value / pairs / (1 if index == 0 else 1000)
+        totals[kind] = (ops, float(np.median(walls)))
+        profiler.export_chrome_trace(f"{path}.{kind}.json")
+    (resident, resident_ms), (new, new_ms) = totals["resident"], totals["new"]
+    rows = []
+    for key in set(resident) | set(new):
+        a, b = resident.get(key, [0, 0, 0]), new.get(key, [0, 0, 0])
+        rows.append((b[1] - a[1], b[2] - a[2], b[0] - a[0], a[1], b[1], key))
+    rows.sort(key=lambda row: -abs(row[0]) - abs(row[1]))
+    lines = [f"prefill wall, median of {pairs}: resident {resident_ms:.2f} ms, new {new_ms:.2f} ms",
+             "per prefill: self CPU ms new-resident | self device ms new-resident | calls new-resident | "
+             "CPU resident | CPU new | operator"]
+    lines += [f"{d_cpu:+8.3f} {d_dev:+8.3f} {d_calls:+8.1f} {cpu_a:8.3f} {cpu_b:8.3f}  {key}"
+              for d_cpu, d_dev, d_calls, cpu_a, cpu_b, key in rows[:60]]
+    Path(path).write_text("\n".join(lines) + "\n")
 
 
 def _median_interval(values: np.ndarray, resamples: int = 2000) -> tuple[float, float]:
@@ -241,6 +286,8 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/symbiosis-bench-hmi")
     parser.add_argument("--samples", type=int, default=150, help="`prefetch`: pairs a mode (5 new adapters each)")
     parser.add_argument("--placement-profile", help="`placement` also writes torch.profiler's table to this file")
+    parser.add_argument("--prefetch-profile", help="`prefetch` also profiles idle layer-wise prefills, resident "
+                        "against new, into this file (and chrome traces beside it)")
     parser.add_argument("--host-gib", type=float, default=256,
                         help="the host tier's budget (large adapters: `prefetch` loads 5 new ones a sample)")
     args = parser.parse_args()
@@ -295,8 +342,9 @@ def main() -> None:
         if "placement" in phases:  # the CPU time a placement takes on the engine's thread (issuing, not copying)
             emit(**common, phase="placement", **placement_cpu(engine, directories, profile=args.placement_profile))
         if "prefetch" in phases:
-            samples = min(args.samples, (args.tenants - 2) // 5)  # 5 fresh tenants a sample (`prefetch`)
-            emit(**common, phase="prefetch", prompt_tokens=1024, **prefetch(engine, directories, vocab, 1024, samples))
+            samples = min(args.samples, (args.tenants - 10) // 5)  # 5 fresh tenants a sample, 8 for the profile
+            emit(**common, phase="prefetch", prompt_tokens=1024, **prefetch(engine, directories, vocab, 1024, samples,
+                                                                                  profile=args.prefetch_profile))
     finally:
         engine.close()
 

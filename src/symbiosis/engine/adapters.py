@@ -22,15 +22,17 @@ predecessors' layers to compute behind, and the first, the one nothing hides, is
 holds its layers in that order, so a wave is one range of it: one host-to-device copy into a staging buffer on the
 device, then one fused device copy into every pool row of the wave (`_Wave`, its views made once per slot and
 adapter layout): a handful of calls on the engine's thread per placement, not one per tensor. Each wave's copies
-are followed by an event (`Pools.ready`): an eagerly run step waits, at each layer, only for its own wave's copy,
-so later waves land while earlier layers compute (layer-wise prefetch). A step replayed from a CUDA graph cannot
+are followed by an event (`Pools.ready`, one `_Ready` shared by the wave's pools): an eagerly run step waits, at
+the first layer of each wave, only for that wave's copy, so later waves land while earlier layers compute
+(layer-wise prefetch). A step replayed from a CUDA graph cannot
 wait inside the graph: it waits for every pending copy first (`wait_all`).
 
 A placement waits only for the steps that read its slot (`read_by`: the engine records an event after each step
 for the slots it reads), not for the whole stream of steps: evicting an adapter whose last request has ended
 while the step in flight still runs a row of it is safe, and a new adapter's copies run beside that step. The
-evicted adapter's scales are zeroed on the copy stream too, behind the same wait (a later adapter may not target
-those layers: they must add zero), and the pools they are in wait for that.
+evicted adapter's scales that the new one does not overwrite are zeroed on the copy stream too, behind the same
+wait (they must add zero), and the pools they are in wait for that; an adapter of the evicted one's layout zeroes
+nothing.
 """
 
 from __future__ import annotations
@@ -111,22 +113,41 @@ class _Wave:
     """One wave of placing adapters of one layout into one slot (`AdapterStore._wave`): what to copy where."""
     copies: list[tuple[list, list]]  # (pool views, staging views): the dense ones, then the strided ones
     zeros: list  # pool rows beyond each layer's rank
+    # the first wave's: every layer's scale and its staged value (a few bytes: two calls for all, with the first
+    # wave, whose event and the later ones' all come after them)
     scale_targets: list
-    scale_sources: list  # views of the staged scales
+    scale_sources: list
     members: list  # (pool id, member) of each layer
     pools: list  # the pools written, each once
     span: tuple[int, int]  # where the wave's tensors are in an adapter's buffer (elements)
-    scales: tuple[int, int]  # which of its scales (layers first..end)
+
+
+class _Ready:
+    """An event on the copy stream after a wave's copies (or an eviction's zeroing), shared by every pool they
+    write: a step's stream waits for it once, at the first of those pools' layers, not once per pool (a wave of a
+    Llama adapter on all seven projections is 5-8 pools a decoder layer; each wait costs the engine's thread ~10 us).
+    """
+    __slots__ = ("event", "waited")
+
+    def __init__(self, stream: torch.cuda.Stream):
+        self.event = torch.cuda.Event()
+        self.event.record(stream)
+        self.waited = False
+
+    def wait(self, device: torch.device) -> None:
+        if not self.waited:
+            torch.cuda.current_stream(device).wait_event(self.event)
+            self.waited = True
 
 
 class _Copied:
     """Device pools that adapter copies write on the side stream."""
-    ready: torch.cuda.Event | None = None  # recorded after the latest copy into these pools, until a step waits
+    ready: _Ready | None = None  # after the latest copy into these pools, until a step waits
 
     def wait(self, device: torch.device) -> None:
         """Make `device`'s current stream wait for the latest copy into these pools (once)."""
         if self.ready is not None:
-            torch.cuda.current_stream(device).wait_event(self.ready)
+            self.ready.wait(device)
             self.ready = None
 
 
@@ -137,7 +158,7 @@ class Pools(_Copied):
     a: torch.Tensor | None = None
     b: torch.Tensor | None = None
     scales: torch.Tensor | None = None
-    ready: torch.cuda.Event | None = None
+    ready: _Ready | None = None
 
 
 @dataclass
@@ -150,7 +171,7 @@ class BottleneckPools(_Copied):
     up_bias: torch.Tensor | None = None
     scales: torch.Tensor | None = None
     acts: torch.Tensor | None = None
-    ready: torch.cuda.Event | None = None
+    ready: _Ready | None = None
 
 
 @dataclass
@@ -213,7 +234,7 @@ class AdapterStore:
         self._host_budget, self.host_bytes = host_bytes, 0
         self.stats = TierStats()
         self.layerwise = True  # False: a step waits for every pending copy before it starts (to measure prefetch)
-        self.embedding_ready: torch.cuda.Event | None = None  # as Pools.ready, for the embedding pool
+        self.embedding_ready: _Ready | None = None  # as Pools.ready, for the embedding pool
         self._pending: list[_Copied] = []  # pools with a copy event since the last wait_all
         self._readers: dict[int, torch.cuda.Event] = {}  # slot -> recorded after the latest step queued that reads it
         self._lock = threading.Lock()
@@ -463,7 +484,7 @@ class AdapterStore:
 
     def wait_embedding(self) -> None:
         if self.embedding_ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.embedding_ready)
+            self.embedding_ready.wait(self.device)
             self.embedding_ready = None
 
     @property
@@ -481,15 +502,20 @@ class AdapterStore:
                 return slot, entry
         return None
 
-    def _clear(self, slot: int, evicted: Slot, stream) -> None:
-        """Zero `evicted`'s scales in `slot` (a later adapter may not target these layers: they must add zero); on a
-        GPU on the copy stream, the pools zeroed then waiting for it."""
+    def _clear(self, slot: int, evicted: Slot, adapter: HostAdapter, stream) -> None:
+        """Zero the scales in `slot` of `evicted`'s layers that `adapter`, placed there next, does not write (they
+        must add zero for it); on a GPU on the copy stream, the pools zeroed then waiting for it. An adapter of the
+        evicted one's layout zeroes nothing: its own scales overwrite every one (a step reading the slot waits for
+        them)."""
         self._fresh_views()
-        key = (slot, evicted.adapter.layout, tuple(evicted.adapter.bottlenecks))  # what its members depend on
+        key = (slot, evicted.adapter.layout, tuple(evicted.adapter.bottlenecks), adapter.layout,
+               tuple(adapter.bottlenecks))  # what the members to zero depend on
         views = self._clears.get(key)
-        if views is None:  # made once per slot and layout, as the waves' views (~1 us of CPU a member)
+        if views is None:  # made once per slot and pair of layouts, as the waves' views (~1 us of CPU a member)
+            written = {tuple(self.placement[layer_id][:2]) for layer_id in adapter.layers}
+            written |= {(layer_id, "bottleneck") for layer_id in adapter.bottlenecks}
             scales, cleared = [], {}
-            for pool_id, member in evicted.members:
+            for pool_id, member in evicted.members - written:
                 if member == "bottleneck":
                     pools = self.bottleneck_pools[pool_id]
                     scales.append(pools.scales[slot:slot + 1])
@@ -504,16 +530,16 @@ class AdapterStore:
         scales, cleared = views
         if scales:
             torch._foreach_zero_(scales)
-        if evicted.adapter.embedding is not None:
+        embedding = evicted.adapter.embedding is not None and adapter.embedding is None
+        if embedding:
             self.embedding_pool[2][slot] = 0.0
-        if stream is not None:
-            event = torch.cuda.Event()
-            event.record(stream)
+        if stream is not None and (cleared or embedding):
+            ready = _Ready(stream)
             for pools in cleared:  # a wave of this placement may set a later event (copy-stream order keeps both)
-                pools.ready = event
+                pools.ready = ready
             self._pending += cleared
-            if evicted.adapter.embedding is not None:
-                self.embedding_ready = event
+            if embedding:
+                self.embedding_ready = ready
 
     def _pool(self, pool_id: str) -> Pools:
         pools = self.pools[pool_id]
@@ -546,8 +572,8 @@ class AdapterStore:
 
     def _rows(self, slot: int, layer_id: str, r: int) -> tuple:
         """Where a rank-r LoRA of `layer_id` goes in `slot`: (A rows [r, in], B columns [out, r], the rest of the
-        slot's rows to zero, its scale [1]); views made once (making a view costs microseconds of CPU, and a
-        placement needs hundreds)."""
+        slot's rows to zero); views made once (making a view costs microseconds of CPU, and a placement needs
+        hundreds)."""
         key = (slot, layer_id, r)
         rows = self._rows_cache.get(key)
         if rows is None:
@@ -556,7 +582,7 @@ class AdapterStore:
             a_rows = pools.a[slot, member * self.max_rank:(member + 1) * self.max_rank]     # [R, in]
             b_rows = pools.b[slot, first:first + self.specs[layer_id].out_features]         # [out, R]
             rest = [a_rows[r:], b_rows[:, r:]] if r < self.max_rank else []
-            rows = self._rows_cache[key] = (a_rows[:r], b_rows[:, :r], rest, self._scale_view(slot, pool_id, member))
+            rows = self._rows_cache[key] = (a_rows[:r], b_rows[:, :r], rest)
         return rows
 
     def _scale_view(self, slot: int, pool_id: str, member: int) -> torch.Tensor:
@@ -576,25 +602,28 @@ class AdapterStore:
         if wave is not None:
             self._waves.move_to_end(key)
             return wave
-        dense, strided, zeros, scale_targets, scale_sources, members, pools = ([], []), ([], []), [], [], [], [], {}
+        dense, strided, zeros, members, pools = ([], []), ([], []), [], [], {}
         layers = list(adapter.layers.items())[first:end]
-        for i, (layer_id, lora) in enumerate(layers, start=first):
+        for layer_id, lora in layers:
             pool_id, member, _ = self.placement[layer_id]
-            a_target, b_target, rest, scale = self._rows(slot, layer_id, lora.a.shape[0])
+            a_target, b_target, rest = self._rows(slot, layer_id, lora.a.shape[0])
             for target, source in ((a_target, lora.a), (b_target, lora.b)):  # the staging holds the buffer's layout
                 staged = self._staging[source.storage_offset():source.storage_offset() + source.numel()]
                 group = dense if target.is_contiguous() else strided  # the fused copy takes dense tensors only
                 group[0].append(target)
                 group[1].append(staged.view(source.shape))
             zeros += rest
-            scale_targets.append(scale)
-            scale_sources.append(self._staging_scales[i])
             members.append((pool_id, member))
             pools[pool_id] = self.pools[pool_id]
         a, b = layers[0][1].a, layers[-1][1].b
         span = (a.storage_offset(), b.storage_offset() + b.numel())
+        scale_targets, scale_sources = [], []
+        if index == 0:
+            for i, layer_id in enumerate(adapter.layers):
+                scale_targets.append(self._scale_view(slot, *self.placement[layer_id][:2]))
+                scale_sources.append(self._staging_scales[i])
         wave = self._waves[key] = _Wave([g for g in (dense, strided) if g[0]], zeros, scale_targets, scale_sources,
-                                        members, list(pools.values()), span, (first, end))
+                                        members, list(pools.values()), span)
         while len(self._waves) > WAVE_CACHE:
             self._waves.popitem(last=False)
         return wave
@@ -609,21 +638,22 @@ class AdapterStore:
             self._waves.clear()  # their sources were views of the old buffers
 
     def _place_wave(self, adapter: HostAdapter, wave: "_Wave", members: set, stream) -> None:
-        """One wave of a placement: its range of the adapter's buffer and its scales to the device in one copy
-        each, then each kind of tensor to the pools in one fused call (a copy or a launch per tensor would cost the
-        engine's thread microseconds each, on the step's path), then one event that the wave's pools wait on."""
-        (lo, hi), (first, end) = wave.span, wave.scales
+        """One wave of a placement: its range of the adapter's buffer to the device in one copy (the first wave
+        every scale too), then each kind of tensor to the pools in one fused call (a copy or a launch per tensor would cost the engine's thread
+        microseconds each, on the step's path), then one event that the wave's pools wait on."""
+        lo, hi = wave.span
         self._staging[lo:hi].copy_(adapter.buffer[lo:hi], non_blocking=True)
-        self._staging_scales[first:end].copy_(adapter.scales[first:end], non_blocking=True)
+        if wave.scale_targets:
+            self._staging_scales[:len(wave.scale_sources)].copy_(adapter.scales[:len(wave.scale_sources)],
+                                                                 non_blocking=True)
+            torch._foreach_copy_(wave.scale_targets, wave.scale_sources)
         for targets, sources in wave.copies:
             torch._foreach_copy_(targets, sources)
         if wave.zeros:
             torch._foreach_zero_(wave.zeros)
-        torch._foreach_copy_(wave.scale_targets, wave.scale_sources)
         members.update(wave.members)
         if stream is not None:
-            ready = torch.cuda.Event()
-            ready.record(stream)
+            ready = _Ready(stream)
             for pools in wave.pools:  # a fused group's pool once
                 pools.ready = ready
                 self._pending.append(pools)
@@ -639,7 +669,7 @@ class AdapterStore:
         self._pending = [pools for pools in self._pending if pools.ready is not None]  # eager steps waited on some
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if evicted is not None:
-                self._clear(slot, evicted, stream)
+                self._clear(slot, evicted, adapter, stream)
             members = set()
             if (slot, adapter.layout, 0) not in self._waves:  # (a cached wave: its pools were there, and still are)
                 for layer_id in adapter.layers:  # every pool made first: making one drops the cached views
@@ -660,8 +690,7 @@ class AdapterStore:
                 pools.scales[slot], pools.acts[slot] = layer.scale, layer.act
                 members.add((layer_id, "bottleneck"))
                 if stream is not None:
-                    pools.ready = torch.cuda.Event()
-                    pools.ready.record(stream)
+                    pools.ready = _Ready(stream)
                     self._pending.append(pools)
             if adapter.embedding is not None:
                 if self.embedding_pool is None:
@@ -678,8 +707,7 @@ class AdapterStore:
                 b_pool[slot, r:].zero_()
                 scales[slot] = lora.scale
                 if stream is not None:
-                    self.embedding_ready = torch.cuda.Event()
-                    self.embedding_ready.record(stream)
+                    self.embedding_ready = _Ready(stream)
         self._slots[slot] = Slot(adapter, members=members)
         self._by_key[adapter.key] = slot
 

@@ -5,6 +5,7 @@ least recently used first; on a GPU each layer waits only for its own pool's cop
 from __future__ import annotations
 
 import pytest
+import safetensors.torch
 import torch
 
 from symbiosis.engine import Engine, SamplingParams
@@ -51,6 +52,31 @@ def test_an_adapter_that_replaces_another_in_its_slot_adds_nothing_of_the_old_on
         for name in ("everything_rs", "attn_r2"):
             assert _run(engine, adapters, name) == fresh[name]
     assert engine.adapters.stats.placements == 6 and len(engine.adapters._clears) == 2
+
+
+def test_an_adapter_of_the_evicted_ones_layout_overwrites_its_scales_and_zeroes_nothing(models, tmp_path):
+    """Two adapters of one layout (the same layers and ranks, other weights) take turns in one slot: a placement
+    zeroes none of the evicted one's scales (its own overwrite every one, `AdapterStore._clear`), and each keeps a
+    fresh engine's outputs; an adapter of another layout still zeroes what it does not write."""
+    checkpoint, adapters = models("llama")
+    twin = tmp_path / "attn_r2_twin"  # attn_r2's layout, its weights negated and doubled
+    twin.mkdir()
+    (twin / "adapter_config.json").write_bytes((adapters["attn_r2"] / "adapter_config.json").read_bytes())
+    tensors = safetensors.torch.load_file(adapters["attn_r2"] / "adapter_model.safetensors")
+    safetensors.torch.save_file({k: -2 * v for k, v in tensors.items()}, twin / "adapter_model.safetensors")
+    adapters = {**adapters, "twin": twin}
+    names = ("attn_r2", "twin", "everything_rs")
+    fresh = {name: _run(Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4),
+                        adapters, name) for name in names}
+    assert fresh["attn_r2"] != fresh["twin"]
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, adapter_slots=1)
+    for _ in range(2):
+        for name in ("attn_r2", "twin", "attn_r2", "everything_rs"):
+            assert _run(engine, adapters, name) == fresh[name]
+    store = engine.adapters
+    zeroed = {(key[1] == key[3], len(key[1]) > len(key[3])): len(scales) for key, (scales, _) in store._clears.items()}
+    assert zeroed == {(True, False): 0, (False, False): 0, (False, True): zeroed[False, True]}  # evicted, placed
+    assert zeroed[False, True] > 0  # everything_rs's MLP scales, which attn_r2 does not write
 
 
 def test_the_host_tier_keeps_to_its_byte_budget_least_recently_used_first(models):
