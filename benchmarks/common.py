@@ -313,7 +313,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_executor(model_dir: Path, url: str, policy: str = "opportunistic", extra: list[str] = (),
+def start_executor(model_dir: Path, url: str, policy: str = "opportunistic",
                    where: list[str] | None = None) -> subprocess.Popen:
     """A `symbiosis executor` process, returned once it answers; `where`: its placement arguments (default:
     `--device` this benchmark's device)."""
@@ -322,7 +322,7 @@ def start_executor(model_dir: Path, url: str, policy: str = "opportunistic", ext
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     process = subprocess.Popen([sys.executable, "-m", "symbiosis.cli", "executor", "--model", str(model_dir),
                                 "--listen", url, *(where or ["--device", device()]), "--dtype",
-                                str(dtype()).removeprefix("torch."), "--policy", policy, *extra], env=env,
+                                str(dtype()).removeprefix("torch."), "--policy", policy], env=env,
                                stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while time.time() < deadline:

@@ -12,8 +12,7 @@ block (two calls: a decoder layer's tail as the MLP blocks served it); `tail`, t
 ([h | a] -> o(a) + mlp(norm(h + o(a)))). Each line: `per_step_us` (the
 chain's wall time / steps), `issue_us` (the client's CPU time a step, before it waits), for `path` in_process (an
 executor on this process's GPU 0, policy none: the calls run on the caller's thread) and nccl (a `symbiosis
-executor` process on GPU 0, the client on --client-device); `in_process_captured` and `nccl_captured` are the same
-with the executor replaying block calls (the MLP, the tail) from CUDA graphs (`capture_blocks`, executor/captured.py).
+executor` process on GPU 0, the client on --client-device).
 """
 
 from __future__ import annotations
@@ -95,19 +94,17 @@ def main() -> None:
     path = checkpoint(args.model)
     paths = args.paths.split(",")
     home = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    for label in [p for p in paths if p.startswith("in_process")]:
-        executor = symbiosis.Executor.from_pretrained(path, device=home, dtype=dtype(), policy="none",
-                                                      capture_blocks=label.endswith("_captured"))
+    for label in [p for p in paths if p == "in_process"]:
+        executor = symbiosis.Executor.from_pretrained(path, device=home, dtype=dtype(), policy="none")
         session = executor.attach(executor.fingerprint)
         measure(session, label, session.layer_specs[args.layer].in_features, args, home)
         session.close()
         executor.close()
         del executor, session
         torch.cuda.empty_cache()
-    for label in [p for p in paths if p.startswith("nccl")]:  # gloo:// where the client computes on the CPU
+    for label in [p for p in paths if p == "nccl"]:  # gloo:// where the client computes on the CPU
         port = free_port()
-        process = start_executor(path, f"tcp://127.0.0.1:{port}", where=["--device", str(home)],
-                                 extra=["--capture-blocks"] if label.endswith("_captured") else [])
+        process = start_executor(path, f"tcp://127.0.0.1:{port}", where=["--device", str(home)])
         try:
             client_device = torch.device(args.client_device)
             scheme = "nccl" if client_device.type == "cuda" else "gloo"

@@ -123,7 +123,7 @@ def threads_executor(args):
     a `symbiosis executor` process serving WHAT, the clients, on --client-device's devices, attached to it over
     that transport (`nccl-layers:` / `gloo-layers:`: the same with every frozen MLP called as its layers, not
     whole; `nccl-mlps:` / `gloo-mlps:`: MLPs whole but no decoder tails: client/blocks.py's savings measured side by
-    side; `nccl-captured:`: the executor replays the blocks' calls from CUDA graphs, executor/captured.py). (An
+    side). (An
     executor process of its own, as the paper's remote clients have: with the executor's NCCL ranks in this process
     too, the first call hung on two H100s, 2026-11-26.)"""
     kind, _, where = args.executor.partition(":")
@@ -136,10 +136,9 @@ def threads_executor(args):
 
         executor = _sharded(args, where, launch_sharded if kind == "sharded" else on_devices)
         return executor, [executor.device], [executor.close]
-    # nccl-layers: no block; nccl-mlps: MLP blocks, no decoder tails; nccl-captured: the blocks' calls replayed from
-    # CUDA graphs on the executor (`--capture-blocks`)
+    # nccl-layers: no block; nccl-mlps: MLP blocks, no decoder tails
     kind, _, calls = kind.partition("-")
-    if kind in ("nccl", "gloo") and calls in ("", "layers", "mlps", "captured"):
+    if kind in ("nccl", "gloo") and calls in ("", "layers", "mlps"):
         from common import free_port, start_executor
 
         if where.startswith("sharded:"):  # its calls from the clients batched (the executor's default policy)
@@ -148,8 +147,7 @@ def threads_executor(args):
         else:
             placement = ["--device", where]
         port = free_port()
-        process = start_executor(Path(args.model_dir), f"tcp://127.0.0.1:{port}", where=placement,
-                                 extra=["--capture-blocks"] if calls == "captured" else [])
+        process = start_executor(Path(args.model_dir), f"tcp://127.0.0.1:{port}", where=placement)
         remote = symbiosis.connect(f"{kind}://127.0.0.1:{port}", timeout=300)
         if calls in ("layers", "mlps"):  # sessions that call fewer blocks
             attach = remote.attach

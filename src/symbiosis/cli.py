@@ -55,8 +55,6 @@ def executor_command(args: argparse.Namespace) -> int:
 
         serve_shard(int(os.environ["RANK"]), args.model, args.devices.split(","), args.dtype, split=args.split)
         return 0
-    if args.capture_blocks and args.devices:
-        raise SystemExit("symbiosis executor: --capture-blocks serves one device (--device), not --devices")
     try:
         if args.devices:  # under torchrun this is rank 0; GPUs alone: this process drives them all; else it
             # launches a shard process per device after the first
@@ -72,8 +70,7 @@ def executor_command(args: argparse.Namespace) -> int:
                 executor = launch_sharded(args.model, devices, args.dtype, split=args.split, **options)
         else:
             device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
-            executor = symbiosis.Executor.from_pretrained(args.model, device=device, dtype=args.dtype,
-                                                          capture_blocks=args.capture_blocks, **options)
+            executor = symbiosis.Executor.from_pretrained(args.model, device=device, dtype=args.dtype, **options)
         server = ExecutorServer(executor, args.listen, tenants, client_timeout=args.client_timeout,
                                 max_attaches=args.max_attaches, max_attaches_per_tenant=args.max_attaches_per_tenant)
     except (symbiosis.SymbiosisError, ValueError) as e:
@@ -346,9 +343,6 @@ def main(argv: list[str] | None = None) -> int:
     executor.add_argument("--policy", default="opportunistic", choices=["opportunistic", "lockstep", "none"])
     executor.add_argument("--max-wait-ms", type=float, default=None, help="batching wait budget per call")
     executor.add_argument("--max-call-tokens", type=int, default=1 << 20, help="largest call accepted")
-    executor.add_argument("--capture-blocks", action="store_true",
-                          help="on a GPU, replay the calls of whole MLPs and decoder tails (remote clients') from CUDA "
-                               "graphs, one per shape: fewer launches a call (one device only)")
     executor.add_argument("--client-timeout", type=float, default=30.0,
                           help="seconds without a call or heartbeat before a client is detached")
     executor.add_argument("--token-file", help="`NAME TOKEN` lines, one per tenant (or one bare token): clients must "

@@ -57,9 +57,3 @@ def test_executor_command_names_a_bad_model_directory(tmp_path):
     with pytest.raises(SystemExit, match=f"symbiosis executor: {tmp_path}/missing: not a directory"):
         main(["executor", "--model", str(tmp_path / "missing"), "--listen", f"ipc://{tmp_path}/x.sock",
               "--device", "cpu"])
-
-
-def test_capture_blocks_serves_one_device(tmp_path):
-    with pytest.raises(SystemExit, match="--capture-blocks serves one device"):
-        main(["executor", "--model", str(tmp_path), "--listen", f"ipc://{tmp_path}/x.sock", "--devices", "cpu,cpu",
-              "--capture-blocks"])

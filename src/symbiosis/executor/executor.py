@@ -18,7 +18,6 @@ import torch
 
 from symbiosis.errors import BadCall, CheckpointError, ExecutorOutOfMemory, FingerprintMismatch, UnknownClient, UnknownLayer
 from symbiosis.executor.batcher import Batcher
-from symbiosis.executor.captured import CapturedCalls
 from symbiosis.executor.policy import Policy, make_policy
 from symbiosis.executor.stats import ExecutorStats
 from symbiosis.executor.store import BaseLayer, BaseWeights, check_finite
@@ -88,7 +87,7 @@ class Executor:
 
     def __init__(self, checkpoint: Checkpoint, weights: BaseWeights, fingerprint: str,
                  device: torch.device, dtype: torch.dtype, max_call_tokens: int = DEFAULT_MAX_CALL_TOKENS,
-                 policy: Policy | str = "opportunistic", capture_blocks: bool = False):
+                 policy: Policy | str = "opportunistic"):
         self.checkpoint = checkpoint
         self.weights = weights
         self.fingerprint = fingerprint
@@ -102,21 +101,17 @@ class Executor:
         self.stats = ExecutorStats(device)
         self.batcher = Batcher(self._run_batch, self.policy, lambda: len(self.clients), self.stats,
                                getattr(weights, "home_stream", None))  # layers on other GPUs (executor/peers.py)
-        # blocks' calls (an MLP, a decoder layer's tail) replayed from CUDA graphs: executor/captured.py
-        self.captured = CapturedCalls() if capture_blocks else None
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device: str | torch.device = "cpu",
                         dtype: torch.dtype | str | None = None, *, torch_dtype=None, auto_class=None,
                         max_call_tokens: int = DEFAULT_MAX_CALL_TOKENS,
-                        policy: Policy | str = "opportunistic", capture_blocks: bool = False) -> "Executor":
+                        policy: Policy | str = "opportunistic") -> "Executor":
         """Read only the base tensors of the model in `path` onto `device`.
 
         `auto_class` defaults to the class named in config.json's `architectures`, which covers every
         tensor of the checkpoint; `dtype` defaults to the config's dtype (`torch_dtype` is its deprecated alias).
         `policy`: how calls of different clients are batched (`opportunistic`, `lockstep`, `none`, or a Policy).
-        `capture_blocks`: on a GPU, replay the calls of whole blocks (the MLPs and decoder tails that remote clients
-        call) from CUDA graphs, one per shape (executor/captured.py): fewer launches on the executor's thread.
         """
         checkpoint, skeleton, layout, dtype = read_skeleton(path, dtype, torch_dtype, auto_class)
         fingerprint = checkpoint.fingerprint()
@@ -133,7 +128,7 @@ class Executor:
             norm = spec.weight_name.rpartition(GROUP_SEPARATOR)[2]
             modules[tail_id] = _base_module(skeleton.get_submodule(norm), norm, layout, device, dtype)
         weights.serve_blocks(mlps | tails, modules)
-        return cls(checkpoint, weights, fingerprint, device, dtype, max_call_tokens, policy, capture_blocks)
+        return cls(checkpoint, weights, fingerprint, device, dtype, max_call_tokens, policy)
 
     @functools.cached_property
     def widest(self) -> int:
@@ -259,9 +254,6 @@ class Executor:
         try:
             # No autograd graph: the weights never require grad, and neither does what reaches here (a remote
             # call's buffer, or an in-process call made inside an autograd Function); cheaper than no_grad().
-            if self.captured is not None and layer_id in self.weights.blocks:  # (an expert group is no block)
-                run = layer.backward if op == "backward" else functools.partial(layer.forward, with_bias=op == "forward")
-                return self.captured((layer_id, op), run, tensor)
             if op == "backward":
                 return layer.backward(tensor, *extra)
             return layer.forward(tensor, *extra, op == "forward")
