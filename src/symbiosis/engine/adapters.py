@@ -637,10 +637,11 @@ class AdapterStore:
                                                device=self.device, dtype=torch.float32)
             self._waves.clear()  # their sources were views of the old buffers
 
-    def _place_wave(self, adapter: HostAdapter, wave: "_Wave", members: set, stream) -> None:
+    def _place_wave(self, adapter: HostAdapter, wave: "_Wave", members: set, stream, zeroed: bool) -> None:
         """One wave of a placement: its range of the adapter's buffer to the device in one copy (the first wave
-        every scale too), then each kind of tensor to the pools in one fused call (a copy or a launch per tensor would cost the engine's thread
-        microseconds each, on the step's path), then one event that the wave's pools wait on."""
+        every scale too), then each kind of tensor to the pools in one fused call (a copy or a launch per tensor
+        would cost the engine's thread microseconds each, on the step's path), the rows beyond each layer's rank
+        zeroed unless `zeroed`, then one event that the wave's pools wait on."""
         lo, hi = wave.span
         self._staging[lo:hi].copy_(adapter.buffer[lo:hi], non_blocking=True)
         if wave.scale_targets:
@@ -649,7 +650,7 @@ class AdapterStore:
             torch._foreach_copy_(wave.scale_targets, wave.scale_sources)
         for targets, sources in wave.copies:
             torch._foreach_copy_(targets, sources)
-        if wave.zeros:
+        if wave.zeros and not zeroed:
             torch._foreach_zero_(wave.zeros)
         members.update(wave.members)
         if stream is not None:
@@ -677,8 +678,11 @@ class AdapterStore:
             self._fresh_views()
             if adapter.layers:
                 self._stage(adapter)
+                # the rows beyond each layer's rank are zero already where the evicted adapter had this layout: its
+                # own placement left them so (as every placement does), and nothing else writes a slot's rows
+                zeroed = evicted is not None and evicted.adapter.layout == adapter.layout
                 for index, (first, end) in enumerate(wave_bounds(len(adapter.layers), adapter.buffer.nbytes)):
-                    self._place_wave(adapter, self._wave(slot, adapter, index, first, end), members, stream)
+                    self._place_wave(adapter, self._wave(slot, adapter, index, first, end), members, stream, zeroed)
             for layer_id, layer in adapter.bottlenecks.items():
                 pools, r = self._bottleneck_pool(layer_id), layer.down.shape[0]
                 for pool, tensor in ((pools.down[slot], layer.down), (pools.down_bias[slot], layer.down_bias)):

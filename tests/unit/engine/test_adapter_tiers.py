@@ -54,10 +54,11 @@ def test_an_adapter_that_replaces_another_in_its_slot_adds_nothing_of_the_old_on
     assert engine.adapters.stats.placements == 6 and len(engine.adapters._clears) == 2
 
 
-def test_an_adapter_of_the_evicted_ones_layout_overwrites_its_scales_and_zeroes_nothing(models, tmp_path):
+def test_an_adapter_of_the_evicted_ones_layout_overwrites_its_scales_and_zeroes_nothing(models, tmp_path, monkeypatch):
     """Two adapters of one layout (the same layers and ranks, other weights) take turns in one slot: a placement
-    zeroes none of the evicted one's scales (its own overwrite every one, `AdapterStore._clear`), and each keeps a
-    fresh engine's outputs; an adapter of another layout still zeroes what it does not write."""
+    zeroes none of the evicted one's scales (its own overwrite every one, `AdapterStore._clear`) nor the rows beyond
+    its rank (the evicted one's placement left them zero), and each keeps a fresh engine's outputs; an adapter of
+    another layout still zeroes what it does not write."""
     checkpoint, adapters = models("llama")
     twin = tmp_path / "attn_r2_twin"  # attn_r2's layout, its weights negated and doubled
     twin.mkdir()
@@ -70,9 +71,15 @@ def test_an_adapter_of_the_evicted_ones_layout_overwrites_its_scales_and_zeroes_
                         adapters, name) for name in names}
     assert fresh["attn_r2"] != fresh["twin"]
     engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, adapter_slots=1)
+    zero_calls = []
+    zero = torch._foreach_zero_
+    monkeypatch.setattr(torch, "_foreach_zero_", lambda tensors: (zero_calls.append(len(tensors)), zero(tensors)))
     for _ in range(2):
-        for name in ("attn_r2", "twin", "attn_r2", "everything_rs"):
+        # ranks 2 and 4 in pools of rank 64: the rows beyond them are zeroed after another layout (or none) only
+        for name, zeroes in (("attn_r2", True), ("twin", False), ("attn_r2", False), ("everything_rs", True)):
+            zero_calls.clear()
             assert _run(engine, adapters, name) == fresh[name]
+            assert bool(zero_calls) == zeroes, (name, zero_calls)
     store = engine.adapters
     zeroed = {(key[1] == key[3], len(key[1]) > len(key[3])): len(scales) for key, (scales, _) in store._clears.items()}
     assert zeroed == {(True, False): 0, (False, False): 0, (False, True): zeroed[False, True]}  # evicted, placed
