@@ -4,8 +4,8 @@ Each front runs uvicorn on the service's listening socket (inherited: the kernel
 front), reads a request's body (bounded), forwards it to the service over ZeroMQ, and writes the response's
 messages as they come back: the per-connection work of HTTP (parsing, each streamed chunk's write) runs on the
 front's own interpreter, not beside the engine's thread. The service answers everything (keys, limits, errors):
-a front holds no state but its requests in flight. It ends when the service does (Linux: the parent's death
-signals it).
+a front holds no state but its requests in flight. The service stops its fronts when it stops (SIGTERM: uvicorn's
+graceful shutdown); a service that dies otherwise takes them with it (Linux: the parent's death kills them).
 
     python -m symbiosis.serve.front --fd FD --service ipc://PATH [--max-body-bytes N]
 """
@@ -162,9 +162,12 @@ def stop_fronts(fronts: list[subprocess.Popen], timeout: float = 10.0) -> None:
 
 
 def _end_with_parent() -> None:
-    """SIGTERM this process when its parent (the service) dies, however it dies (Linux's PR_SET_PDEATHSIG)."""
+    """Kill this process when its parent (the service) dies without stopping it (Linux's PR_SET_PDEATHSIG). SIGKILL,
+    not SIGTERM: the requests in flight cannot be answered by a dead service anyway, and the end then does not hang on
+    uvicorn's graceful shutdown (with SIGTERM, a front once outlived its SIGKILLed service by over 30 s in the full
+    test suite on a loaded 2-core machine)."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):  # not Linux: the service terminates its fronts when it stops
         pass
 

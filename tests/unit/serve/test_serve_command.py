@@ -86,5 +86,6 @@ def test_front_processes_end_with_the_service_even_when_it_is_killed(served_file
         process.wait(60)
         deadline = time.monotonic() + 30
         while any(_alive(pid) for pid in fronts):
-            assert time.monotonic() < deadline, f"a front outlived the service ({stop.name})"
+            assert time.monotonic() < deadline, f"a front outlived the service ({stop.name}): " + ", ".join(
+                Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for pid in fronts if _alive(pid))
             time.sleep(0.1)
