@@ -196,12 +196,12 @@ def profile_pairs(engine: Engine, directories: list[Path], fresh, prompt: list[i
     the resident ones', per prefill), and one chrome trace of each kind (`path`.resident.json, .new.json)."""
     store, totals = engine.adapters, {}
     store.layerwise = True
+    activities = [torch.profiler.ProfilerActivity.CPU] + \
+        ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    # every thread (the engine's, where the step runs), with Python frames: a placement is mostly Python
+    config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     for kind in ("resident", "new", "resident", "new"):  # twice each: the second of a kind is the one traced
         ops: dict[str, list[float]] = {}
-        activities = [torch.profiler.ProfilerActivity.CPU] + \
-            ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        # every thread (the engine's, where the step runs), with Python frames: a placement is mostly Python
-        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
         with torch.profiler.profile(activities=activities, with_stack=True, experimental_config=config) as profiler:
             walls = []
             for _ in range(pairs):

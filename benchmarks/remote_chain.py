@@ -94,15 +94,15 @@ def main() -> None:
     path = checkpoint(args.model)
     paths = args.paths.split(",")
     home = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    for label in [p for p in paths if p == "in_process"]:
+    if "in_process" in paths:
         executor = symbiosis.Executor.from_pretrained(path, device=home, dtype=dtype(), policy="none")
         session = executor.attach(executor.fingerprint)
-        measure(session, label, session.layer_specs[args.layer].in_features, args, home)
+        measure(session, "in_process", session.layer_specs[args.layer].in_features, args, home)
         session.close()
         executor.close()
         del executor, session
         torch.cuda.empty_cache()
-    for label in [p for p in paths if p == "nccl"]:  # gloo:// where the client computes on the CPU
+    if "nccl" in paths:  # gloo:// where the client computes on the CPU (a smoke test)
         port = free_port()
         process = start_executor(path, f"tcp://127.0.0.1:{port}", where=["--device", str(home)])
         try:
@@ -110,8 +110,8 @@ def main() -> None:
             scheme = "nccl" if client_device.type == "cuda" else "gloo"
             remote = symbiosis.connect(f"{scheme}://127.0.0.1:{port}", timeout=120)
             session = remote.attach(Checkpoint(path).fingerprint(), "chain", client_device)
-            measure(session, scheme + label.removeprefix("nccl"), session.layer_specs[args.layer].in_features, args,
-                    client_device, pipelined=session.pipelined)
+            measure(session, scheme, session.layer_specs[args.layer].in_features, args, client_device,
+                    pipelined=session.pipelined)
             session.close()
         finally:
             process.terminate()

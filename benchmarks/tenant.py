@@ -123,9 +123,8 @@ def threads_executor(args):
     a `symbiosis executor` process serving WHAT, the clients, on --client-device's devices, attached to it over
     that transport (`nccl-layers:` / `gloo-layers:`: the same with every frozen MLP called as its layers, not
     whole; `nccl-mlps:` / `gloo-mlps:`: MLPs whole but no decoder tails: client/blocks.py's savings measured side by
-    side). (An
-    executor process of its own, as the paper's remote clients have: with the executor's NCCL ranks in this process
-    too, the first call hung on two H100s, 2026-11-26.)"""
+    side). (An executor process of its own, as the paper's remote clients have: with the executor's
+    NCCL ranks in this process too, the first call hung on two H100s, 2026-11-26.)"""
     kind, _, where = args.executor.partition(":")
     if kind == "local":
         executor = symbiosis.Executor.from_pretrained(args.model_dir, device=device(), dtype=dtype(), policy="none")
@@ -136,8 +135,7 @@ def threads_executor(args):
 
         executor = _sharded(args, where, launch_sharded if kind == "sharded" else on_devices)
         return executor, [executor.device], [executor.close]
-    # nccl-layers: no block; nccl-mlps: MLP blocks, no decoder tails
-    kind, _, calls = kind.partition("-")
+    kind, _, calls = kind.partition("-")  # nccl-layers: no block; nccl-mlps: MLP blocks, no decoder tails
     if kind in ("nccl", "gloo") and calls in ("", "layers", "mlps"):
         from common import free_port, start_executor
 
@@ -149,7 +147,7 @@ def threads_executor(args):
         port = free_port()
         process = start_executor(Path(args.model_dir), f"tcp://127.0.0.1:{port}", where=placement)
         remote = symbiosis.connect(f"{kind}://127.0.0.1:{port}", timeout=300)
-        if calls in ("layers", "mlps"):  # sessions that call fewer blocks
+        if calls:  # sessions that call fewer blocks
             attach = remote.attach
 
             def attach_fewer(*args, **kwargs):
