@@ -7,7 +7,7 @@ front's own interpreter, not beside the engine's thread. The service answers eve
 a front holds no state but its requests in flight. The service stops its fronts when it stops (SIGTERM: uvicorn's
 graceful shutdown); a service that dies otherwise takes them with it (Linux: the parent's death kills them).
 
-    python -m symbiosis.serve.front --fd FD --service ipc://PATH [--max-body-bytes N]
+    python -m symbiosis.serve.front --fd FD --service ipc://PATH --max-body-bytes N --parent PID
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import asyncio
 import ctypes
 import itertools
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -147,7 +148,8 @@ class Front:
 def start_fronts(listener: socket.socket, service_url: str, count: int, max_body_bytes: int) -> list[subprocess.Popen]:
     """`count` front processes accepting on `listener` (inherited) and forwarding to the bridge at `service_url`."""
     return [subprocess.Popen([sys.executable, "-m", "symbiosis.serve.front", "--fd", str(listener.fileno()),
-                              "--service", service_url, "--max-body-bytes", str(max_body_bytes)],
+                              "--service", service_url, "--max-body-bytes", str(max_body_bytes),
+                              "--parent", str(os.getpid())],
                              pass_fds=[listener.fileno()]) for _ in range(count)]
 
 
@@ -161,15 +163,20 @@ def stop_fronts(fronts: list[subprocess.Popen], timeout: float = 10.0) -> None:
             front.kill()
 
 
-def _end_with_parent() -> None:
-    """Kill this process when its parent (the service) dies without stopping it (Linux's PR_SET_PDEATHSIG). SIGKILL,
-    not SIGTERM: the requests in flight cannot be answered by a dead service anyway, and the end then does not hang on
-    uvicorn's graceful shutdown (with SIGTERM, a front once outlived its SIGKILLed service by over 30 s in the full
-    test suite on a loaded 2-core machine)."""
+def _end_with_parent(parent: int) -> None:
+    """Kill this process when its parent (the service, pid `parent`) dies without stopping it (Linux's
+    PR_SET_PDEATHSIG). SIGKILL, not SIGTERM: the requests in flight cannot be answered by a dead service anyway, and
+    the end then does not hang on uvicorn's graceful shutdown.
+
+    The kernel only signals a death that comes after the request: a service killed while this front was still
+    importing (seconds on a loaded machine) has already left it to init, so the parent is checked once more after
+    asking, and a front that finds itself orphaned ends at once (a front once outlived its SIGKILLed service so)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):  # not Linux: the service terminates its fronts when it stops
         pass
+    if os.getppid() != parent:
+        raise SystemExit(f"symbiosis.serve.front: the service (pid {parent}) ended before this front started")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True, help="the service's listening socket, inherited")
     parser.add_argument("--service", required=True, help="the service's bridge (ipc://...)")
     parser.add_argument("--max-body-bytes", type=int, required=True)
+    parser.add_argument("--parent", type=int, required=True, help="the service's pid: this front ends with it")
     args = parser.parse_args(argv)
-    _end_with_parent()
+    _end_with_parent(args.parent)
     listener = socket.socket(fileno=args.fd)  # (its family and type read from the socket itself)
     config = uvicorn.Config(Front(args.service, args.max_body_bytes), log_level="warning", access_log=False,
                             lifespan="on")

@@ -89,3 +89,19 @@ def test_front_processes_end_with_the_service_even_when_it_is_killed(served_file
             assert time.monotonic() < deadline, f"a front outlived the service ({stop.name}): " + ", ".join(
                 Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for pid in fronts if _alive(pid))
             time.sleep(0.1)
+
+
+def test_a_front_whose_service_ended_before_it_started_ends_at_once():
+    """A service killed while its front was still importing has left that front to init before it could ask to die
+    with its parent: the front finds it has another parent than the service it was started for, and ends."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        ended = subprocess.run([sys.executable, "-m", "symbiosis.serve.front", "--fd", str(listener.fileno()),
+                                "--service", "ipc:///nonexistent/bridge", "--max-body-bytes", "1024",
+                                "--parent", str(os.getppid())], pass_fds=[listener.fileno()], capture_output=True, timeout=60)
+    assert ended.returncode != 0
+    assert b"ended before this front started" in ended.stderr
