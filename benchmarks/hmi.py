@@ -182,6 +182,9 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
             key = load + ("layerwise" if layerwise else "whole_step")
             result.update({f"{key}_resident_ms": float(np.median(resident)), f"{key}_new_ms": float(np.median(new)),
                            f"{key}_added_ms": added, f"{key}_added_ci95_ms": [low, high],
+                           # the pairs' spread: how far one step's jitter reaches against what an adapter adds
+                           f"{key}_added_quartiles_ms": np.percentile(differences, [25, 75]).tolist(),
+                           f"{key}_resident_quartiles_ms": np.percentile(resident, [25, 75]).tolist(),
                            f"{key}_hidden": 1 - added / result["copy_ms"],
                            f"{key}_hidden_ci95": [1 - high / result["copy_ms"], 1 - low / result["copy_ms"]]})
     store.layerwise = True
@@ -285,6 +288,8 @@ def main() -> None:
     parser.add_argument("--phases", default="hot,tiered,on_demand,copies,placement,prefetch")
     parser.add_argument("--workdir", default="/tmp/symbiosis-bench-hmi")
     parser.add_argument("--samples", type=int, default=150, help="`prefetch`: pairs a mode (5 new adapters each)")
+    parser.add_argument("--prefetch-prompt", type=int, default=1024,
+                        help="`prefetch`: the timed prefill's tokens (longer: more layers' work to hide a copy behind)")
     parser.add_argument("--placement-profile", help="`placement` also writes torch.profiler's table to this file")
     parser.add_argument("--prefetch-profile", help="`prefetch` also profiles idle layer-wise prefills, resident "
                         "against new, into this file (and chrome traces beside it)")
@@ -299,7 +304,7 @@ def main() -> None:
     vocab = CONFIGS[args.model]["vocab_size"]
     engine = Engine.from_pretrained(model_dir, device=device(), dtype=dtype(), kv_blocks=args.clients * 2 + 64,
                                     block_size=64, max_running=args.clients, max_lora_rank=args.rank,
-                                    adapter_slots=args.slots, max_batch_tokens=4096,
+                                    adapter_slots=args.slots, max_batch_tokens=max(4096, args.prefetch_prompt + 64),
                                     adapter_host_bytes=int(args.host_gib * 2**30))
     engine.start()
     common = dict(bench="hmi", model=args.model, tenants=args.tenants, distinct=args.distinct, rank=args.rank,
@@ -343,8 +348,8 @@ def main() -> None:
             emit(**common, phase="placement", **placement_cpu(engine, directories, profile=args.placement_profile))
         if "prefetch" in phases:
             samples = min(args.samples, (args.tenants - 10) // 5)  # 5 fresh tenants a sample, 8 for the profile
-            emit(**common, phase="prefetch", prompt_tokens=1024, **prefetch(engine, directories, vocab, 1024, samples,
-                                                                                  profile=args.prefetch_profile))
+            emit(**common, phase="prefetch", prompt_tokens=args.prefetch_prompt,
+                 **prefetch(engine, directories, vocab, args.prefetch_prompt, samples, profile=args.prefetch_profile))
     finally:
         engine.close()
 
