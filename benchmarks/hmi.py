@@ -22,6 +22,7 @@ a request that joins 16 decoding requests; each new adapter paired with a reside
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import re
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CONFIGS, checkpoint, device, dtype, emit  # noqa: E402
+from common import CONFIGS, GcPauses, checkpoint, device, dtype, emit  # noqa: E402
 from engine import write_adapters  # noqa: E402
 
 from symbiosis.engine import Engine, SamplingParams  # noqa: E402
@@ -154,21 +155,27 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
                 next(iter(handle))
         for _ in range(2):  # warm: the step's shapes compiled (and, loaded, captured) before anything is timed
             measure(engine, directories[1], "t1", prompt)
+        # what lives on (the model, compiled code, the tiers' adapters) out of the collector's sight, as `symbiosis
+        # serve` freezes its heap after warm-up: a full collection of it stops every thread for up to hundreds of ms
+        gc.collect()
+        gc.freeze()
         times = {(layerwise, kind): [] for layerwise in (True, False) for kind in ("resident", "new")}
-        for sample in range(samples):
-            if sample % 10 == 0:  # progress, for a run cut short by its time limit
-                print(f"prefetch {load or 'idle'}: sample {sample} of {samples}", file=sys.stderr, flush=True)
-            for layerwise in (True, False):
-                store.layerwise = layerwise
-                i = next(fresh)
-                store.load(f"t{i}", directories[i])
-                # t1 stays put; not t0, the background's: a new adapter's step holds two adapters' segments, and so
-                # must the resident one's (with t0 the loaded figures measured a second adapter's SGMV work too)
-                pair = [("resident", directories[1], "t1"), ("new", directories[i], f"t{i}")]
-                # Which goes first alternates: the first of a pair follows the host's reading of the new adapter
-                # (tens of ms for a large one, the GPU idle meanwhile) and ran 1.3-2.4 ms slower on the H100
-                for kind, directory, name in pair if sample % 2 == 0 else pair[::-1]:
-                    times[layerwise, kind].append(measure(engine, directory, name, prompt))
+        with GcPauses() as pauses:  # the collections that remain, during the timed samples
+            for sample in range(samples):
+                if sample % 10 == 0:  # progress, for a run cut short by its time limit
+                    print(f"prefetch {load or 'idle'}: sample {sample} of {samples}", file=sys.stderr, flush=True)
+                for layerwise in (True, False):
+                    store.layerwise = layerwise
+                    i = next(fresh)
+                    store.load(f"t{i}", directories[i])
+                    # t1 stays put; not t0, the background's: a new adapter's step holds two adapters' segments, and so
+                    # must the resident one's (with t0 the loaded figures measured a second adapter's SGMV work too)
+                    pair = [("resident", directories[1], "t1"), ("new", directories[i], f"t{i}")]
+                    # Which goes first alternates: the first of a pair follows the host's reading of the new adapter
+                    # (tens of ms for a large one, the GPU idle meanwhile) and ran 1.3-2.4 ms slower on the H100
+                    for kind, directory, name in pair if sample % 2 == 0 else pair[::-1]:
+                        times[layerwise, kind].append(measure(engine, directory, name, prompt))
+        result[f"{load}gc_pauses"] = pauses.by_generation  # generation -> [collections, ms], every thread's
         for handle in running:
             handle.cancel()
         for handle in running:

