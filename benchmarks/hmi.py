@@ -171,8 +171,12 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
                     # t1 stays put; not t0, the background's: a new adapter's step holds two adapters' segments, and so
                     # must the resident one's (with t0 the loaded figures measured a second adapter's SGMV work too)
                     pair = [("resident", directories[1], "t1"), ("new", directories[i], f"t{i}")]
-                    # Which goes first alternates: the first of a pair follows the host's reading of the new adapter
-                    # (tens of ms for a large one, the GPU idle meanwhile) and ran 1.3-2.4 ms slower on the H100
+                    # A step right after the host's reading of the new adapter (tens of ms for a large one: the GPU
+                    # idle, the host's caches swept by the copy into its buffer) ran 1.3-2.4 ms slower on the H100,
+                    # whichever adapter it had: that step is not timed. (With the first of each pair paying it, and
+                    # the order alternating to even it out, the differences split in two clusters about 2 x that
+                    # apart, which is what the medians' intervals measured.) Which goes first still alternates.
+                    measure(engine, directories[1], "t1", prompt)
                     for kind, directory, name in pair if sample % 2 == 0 else pair[::-1]:
                         times[layerwise, kind].append(measure(engine, directory, name, prompt))
         result[f"{load}gc_pauses"] = pauses.by_generation  # generation -> [collections, ms], every thread's
@@ -192,6 +196,9 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
                            # the pairs' spread: how far one step's jitter reaches against what an adapter adds
                            f"{key}_added_quartiles_ms": np.percentile(differences, [25, 75]).tolist(),
                            f"{key}_resident_quartiles_ms": np.percentile(resident, [25, 75]).tolist(),
+                           # resident first, new first: equal unless the pair's order still matters
+                           f"{key}_added_by_order_ms": [float(np.median(differences[0::2])),
+                                                        float(np.median(differences[1::2]))],
                            f"{key}_hidden": 1 - added / result["copy_ms"],
                            f"{key}_hidden_ci95": [1 - high / result["copy_ms"], 1 - low / result["copy_ms"]]})
     store.layerwise = True
