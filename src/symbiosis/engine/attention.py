@@ -160,7 +160,7 @@ def _attend_layout(layout, query, keys, values, scale, sliding_window, score_mod
     q = q.contiguous()
     rows, queries = q.shape[0], q.shape[2]
     if reads_in_place(q):  # the kernels read each row's pages of the pool
-        kernel = _kernel(queries == 1, layout.step.block_size) if q.is_cuda else _unfused
+        kernel = _kernel(queries == 1, layout.block_size) if q.is_cuda else _unfused
         out = kernel(q, keys[None], values[None], layout.block_mask(sliding_window), score_mod, scale)
     else:  # unfused flex_attention evaluates every key it is given: each row's own context, gathered
         context, block_mask = layout.gathered(sliding_window)  # [R, L], made once a step

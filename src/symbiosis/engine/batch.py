@@ -145,10 +145,13 @@ class AttentionLayout:
     TENSORS = ("query_index", "query_positions", "tokens", "query_rows", "row_chunk", "kv_num_blocks", "kv_indices")
 
     def __init__(self, name: str, tensors: dict[str, torch.Tensor], longest_pages: int, one_token_rows: bool,
-                 whole: bool, step: "StepBatch"):
+                 whole: bool, block_size: int):
         for field in self.TENSORS:
             setattr(self, field, tensors[f"{name}_{field}"])
-        self.longest_pages, self.one_token_rows, self.step = longest_pages, one_token_rows, step
+        # the step's page tables (its tensors, updated in place by StepBatch.copy_from), not the step itself: a
+        # layout held by its step and holding it back would leave every step's tensors to the cyclic collector
+        self.page_owner, self.page_index, self.block_size = tensors["page_owner"], tensors["page_index"], block_size
+        self.longest_pages, self.one_token_rows = longest_pages, one_token_rows
         self.whole = whole  # it computes every flat token, in flat order: its output needs no scatter
         self._block_masks: dict[int | None, object] = {}
         self._gathered: dict[int | None, tuple[torch.Tensor, object]] = {}  # the CPU's (context_slots, its mask)
@@ -194,8 +197,8 @@ class AttentionLayout:
         if sliding_window not in self._block_masks:
             from torch.nn.attention.flex_attention import BlockMask
 
-            step, row_chunk, query_positions = self.step, self.row_chunk, self.query_positions
-            owner, index, size = step.page_owner, step.page_index, step.block_size
+            row_chunk, query_positions = self.row_chunk, self.query_positions
+            owner, index, size = self.page_owner, self.page_index, self.block_size
 
             def visible(b, h, q, k):
                 page = k // size
@@ -222,7 +225,7 @@ class AttentionLayout:
     def context_slots(self) -> torch.Tensor:
         """[R, longest_pages * block_size]: the pool slot of each row's context position (the positions of pages
         it does not read: slots of the trash page), for attention over gathered contexts (the CPU's)."""
-        size = self.step.block_size
+        size = self.block_size
         pages = self.kv_indices[:, 0, 0, :self.longest_pages].long()
         return (pages[:, :, None] * size + torch.arange(size, device=pages.device)).flatten(1)
 
@@ -313,7 +316,7 @@ class StepBatch:
         for name in self.TENSORS:
             setattr(self, name, tensors[name])
         self.layouts = [AttentionLayout(name, tensors, longest[name], one_token_rows=padded_rows is not None,
-                                        whole=len(specs) == 1, step=self) for name, _, _, _ in specs]
+                                        whole=len(specs) == 1, block_size=block_size) for name, _, _, _ in specs]
         segments = {name: None if arrays is None else Segments(tensors[f"{name}_starts"], tensors[f"{name}_slots"],
                                                                arrays[2]) for name, arrays in segment_arrays.items()}
         self.token_segments = segments["token"]

@@ -87,3 +87,22 @@ def test_on_the_gpu_staged_uploads_stay_right_as_the_ring_wraps_and_grows():
     for arrays, tensors in sent:
         for name, array in arrays.items():
             assert torch.equal(tensors[name].cpu(), torch.from_numpy(array))
+
+
+def test_a_step_and_its_tensors_are_freed_when_dropped_not_left_to_the_cyclic_collector():
+    """A step's layouts read its page tables, not the step: no reference cycle, so its tensors (device memory on a
+    GPU) go when the engine drops the step, not at some later collection that stops every thread."""
+    import gc
+    import weakref
+
+    long = list(range(3, 3 + QUERY_BLOCK + 40))
+    batch = _batch([_chunk([0, 1], 0, list(range(5, 10))), _chunk(list(range(2, 25)), 4, long, slot=1)])
+    for layout in batch.layouts:  # what a step's attention makes from them (the CPU's masks)
+        layout.gathered(None)
+    step, page_owner = weakref.ref(batch), weakref.ref(batch.page_owner)
+    gc.disable()
+    try:
+        del batch, layout
+        assert step() is None and page_owner() is None
+    finally:
+        gc.enable()
