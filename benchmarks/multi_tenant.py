@@ -24,7 +24,7 @@ import statistics
 
 import torch
 
-from common import checkpoint, emit, start_executor
+from common import checkpoint, emit, free_port, start_executor
 from fleet import ExecutorWindow, FleetGpu, gpu_memory_mib, run_fleet
 
 
@@ -52,8 +52,9 @@ def main() -> None:
                              "peers:cuda:0,cuda:1[/columns] (executor/peers.py: every GPU driven by this process), "
                              "nccl:cuda:0 with --client-device "
                              "cuda:1 (clients on another GPU). --clients processes: local (an executor process on "
-                             "this benchmark's device) or devices:cuda:0,cuda:1[/columns] (an executor process over "
-                             "them, symbiosis executor --devices). Given several times: each fleet in turn, each line with "
+                             "this benchmark's device), devices:cuda:0,cuda:1[/columns] (an executor process over "
+                             "them, symbiosis executor --devices) or nccl:cuda:0 / gloo:cpu (an executor process "
+                             "there, the client processes attached over that transport from --client-device). Given several times: each fleet in turn, each line with "
                              "its iteration time against the first's")
     parser.add_argument("--client-device", help="--executor nccl:... or --clients processes: where the clients "
                         "compute (comma-separated: round robin)")
@@ -62,8 +63,10 @@ def main() -> None:
                         help="no plain PEFT fleets (their baseline is another benchmark's: fsdp_fleet.py)")
     args = parser.parse_args()
     args.executor = args.executor or ["local"]
-    if args.clients == "processes" and any(e != "local" and not e.startswith("devices:") for e in args.executor):
-        parser.error("client processes attach to an executor process: --executor local or devices:DEV,DEV[/columns]")
+    if args.clients == "processes" and any(e != "local" and not e.startswith(("devices:", "nccl:", "gloo:"))
+                                           for e in args.executor):
+        parser.error("client processes attach to an executor process: --executor local, devices:DEV,DEV[/columns], "
+                     "nccl:DEV or gloo:DEV")
     if args.clients == "processes" and args.capture != "none":
         parser.error("--capture applies to symbiosis clients on threads (--clients threads)")
     path = checkpoint(args.model)
@@ -170,15 +173,25 @@ def capacity(args, memory: dict, total_gib: float) -> None:
 
 def symbiosis_processes(args, common: dict, n: int, path, url: str, executor: str = "local"
                         ) -> tuple[list[dict], FleetGpu, dict]:
-    """N client processes on an executor process; with where the fleet's time went."""
+    """N client processes on an executor process; with where the fleet's time went. `nccl:DEVICE` / `gloo:DEVICE`:
+    the executor process on DEVICE, each client process attached over that transport (a tenant's own process and
+    interpreter, as a remote tenant has; --client-device: where they compute)."""
     before_executor = gpu_memory_mib()  # the executor's weights and context count as the fleet's memory
-    devices, _, split = executor.removeprefix("devices:").partition("/")
-    executor = start_executor(path, url, args.policy, where=None if devices == "local" else
-                              ["--devices", devices, "--split", split or "layers"])
+    scheme, _, where = executor.partition(":")
+    if scheme in ("nccl", "gloo"):
+        port = free_port()
+        url, client_url = f"tcp://127.0.0.1:{port}", f"{scheme}://127.0.0.1:{port}"
+        executor = start_executor(path, url, args.policy, where=["--device", where])
+    else:
+        devices, _, split = executor.removeprefix("devices:").partition("/")
+        client_url = url
+        executor = start_executor(path, url, args.policy, where=None if devices == "local" else
+                                  ["--devices", devices, "--split", split or "layers"])
     try:
         window = ExecutorWindow(url)
         on = args.client_device.split(",") if args.client_device else [None]
-        ours, ours_gpu = run_fleet([dict(common, mode="symbiosis", url=url, name=f"t{i}", client_device=on[i % len(on)],
+        ours, ours_gpu = run_fleet([dict(common, mode="symbiosis", url=client_url, name=f"t{i}",
+                                         client_device=on[i % len(on)],
                                      compile=args.compile != "none", compile_mode=args.compile_mode,
                                      chunked_loss=args.chunked_loss != "none") for i in range(n)],
                                    args.duration, on_go=window.start, baseline_mib=before_executor)
