@@ -186,6 +186,10 @@ def test_malformed_messages_get_an_error_and_the_executor_keeps_serving(served, 
         ((b"[1, 2]",), "BadCall", "JSON object"),
         ((json.dumps({"op": "teleport", "client": client}).encode(),), "UnknownClient", "not attached"),
         ((json.dumps({"op": "forward", "client": "ghost", "layer": "lm_head"}).encode(),), "UnknownClient", "ghost"),
+        ((json.dumps({"op": "forward", "client": [client], "layer": "lm_head"}).encode(),), "UnknownClient",
+         "not attached"),  # an id that is no string (unhashable), not a server error
+        ((b"[" * 100_000 + b"]" * 100_000,), "BadCall", "not JSON that can be read"),  # nested past the parser
+        ((b'{"op": "ping", "id": ' + b"7" * 5000 + b"}",), "BadCall", "not JSON that can be read"),  # an int too long
         ((json.dumps({"op": "attach", "token": TOKEN, "fingerprint": "0" * 64}).encode(),), "FingerprintMismatch",
          "different checkpoint"),
         ((json.dumps({"op": "attach", "token": TOKEN, "fingerprint": executor.fingerprint,
@@ -216,6 +220,13 @@ def test_frames_that_do_not_match_their_description(served, checkpoints):
     session.channel.socket.send_multipart([json.dumps(header).encode(), b"\0" * 10])
     assert session.channel.socket.poll(5000)
     assert "unsupported tensor dtype" in json.loads(session.channel.socket.recv_multipart()[0])["message"]
+    # shapes that int() would round or coerce to ones the bytes fit, and negatives whose product does: refused
+    for number, shape in enumerate(([2.9, 64], [True, 64], ["2", "64"], [-2, -64], [float("inf"), 64], [0] * 9)):
+        header.update(id=1001 + number, tensor={"dtype": "float64", "shape": shape})
+        session.channel.socket.send_multipart([json.dumps(header).encode(), b"\0" * (2 * 64 * 8)])
+        assert session.channel.socket.poll(5000)
+        reply = json.loads(session.channel.socket.recv_multipart()[0])
+        assert reply["error"] == "BadCall" and "non-negative integers" in reply["message"], (shape, reply)
     session._request({"op": "detach"})  # e.g. the executor reaped it
     with pytest.raises(symbiosis.ExecutorUnavailable, match="no longer knows this client|closed this client's"):
         session.forward("model.layers.0.self_attn.q_proj", torch.zeros(2, 64))

@@ -108,10 +108,10 @@ class ClientTable(dict):
     def owned(self, client_id, tenant: str, identity: bytes, op: str) -> RemoteClient:
         """The client a message names, if its tenant sent it (and, but for heartbeats and pings, over the
         connection that attached it)."""
-        client = self.get(client_id)
+        client = self.get(client_id) if isinstance(client_id, str) else None  # (a list or object: no client's id)
         if client is None or client.tenant != tenant or \
                 (client.identity != identity and op not in ("heartbeat", "ping")):
-            raise UnknownClient(f"client {client_id!r} is not attached to this executor (restarted, or timed out "
+            raise UnknownClient(f"client {str(client_id)[:80]!r} is not attached to this executor (restarted, or timed out "
                                 "without heartbeats); attach again")
         return client
 

@@ -414,7 +414,7 @@ class DataPlanes:
         rows, cols = header.get("rows"), header.get("cols")
         op, layer_id = header.get("op"), str(header.get("layer"))
         try:
-            if not isinstance(rows, int) or not isinstance(cols, int) or rows < 0 or cols < 1:
+            if type(rows) is not int or type(cols) is not int or rows < 0 or cols < 1:  # noqa: E721 -- not bools
                 raise BadCall(f"a call over the data plane needs integer rows and cols, got {rows!r} and {cols!r}")
             if header.get("dtype") != wire.dtype_name(self.executor.dtype):
                 raise BadCall(f"calls over the data plane are in {self.executor.dtype}, not {header.get('dtype')!r}")

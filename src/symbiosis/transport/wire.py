@@ -26,9 +26,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def parse_dtype(name) -> torch.dtype:
-    dtype = DTYPES.get(name)
+    dtype = DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
-        raise errors.BadCall(f"unsupported tensor dtype {name!r}")
+        raise errors.BadCall(f"unsupported tensor dtype {str(name)[:80]!r}")
     return dtype
 
 
@@ -42,17 +42,23 @@ def describe(tensor: torch.Tensor) -> dict:
     return {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
 
 
+MAX_DIMS = 8
+
+
 def frame_tensor(frame, spec: dict) -> torch.Tensor:
-    """A tensor over a received frame's bytes (no copy); checks that the bytes fit the declared shape."""
-    try:
-        dtype, shape = parse_dtype(spec["dtype"]), [int(n) for n in spec["shape"]]
-    except (KeyError, TypeError, ValueError) as e:
-        raise errors.BadCall(f"malformed tensor description {spec!r}") from e
+    """A tensor over a received frame's bytes (no copy); checks that the bytes fit the declared shape, a list of at
+    most MAX_DIMS non-negative JSON integers (not floats, strings or booleans, which int() would round or coerce)."""
+    shape = spec.get("shape") if isinstance(spec, dict) else None
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or \
+            not all(type(n) is int and n >= 0 for n in shape):  # noqa: E721 -- bool is an int subclass
+        raise errors.BadCall(f"malformed tensor description {str(spec)[:200]}: its shape must be a list of at most "
+                             f"{MAX_DIMS} non-negative integers")
+    dtype = parse_dtype(spec.get("dtype"))
     buffer = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
     numel = 1
     for n in shape:
         numel *= n
-    if buffer.nbytes != numel * dtype.itemsize or any(n < 0 for n in shape):
+    if buffer.nbytes != numel * dtype.itemsize:
         raise errors.BadCall(f"tensor frame has {buffer.nbytes} bytes, but {spec} needs {numel * dtype.itemsize}")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
@@ -77,8 +83,8 @@ def send(socket, frames: list) -> None:
 def decode_header(frame) -> dict:
     try:
         header = json.loads(bytes(frame.buffer if hasattr(frame, "buffer") else frame))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise errors.BadCall(f"malformed message: header is not JSON ({e})") from e
+    except (ValueError, RecursionError) as e:  # not UTF-8 or not JSON, nested too deep, a number too long
+        raise errors.BadCall(f"malformed message: header is not JSON that can be read ({str(e)[:200]})") from e
     if not isinstance(header, dict):
         raise errors.BadCall("malformed message: header must be a JSON object")
     return header
