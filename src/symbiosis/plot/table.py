@@ -148,13 +148,17 @@ def _read_meta(directory: Path) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise PlotTableError(f"{path}: not a {FORMAT} table")
     try:
-        n, vocab, hidden, lower = (int(meta[key]) for key in ("n", "vocab", "hidden", "lower_layers"))
+        for key in ("n", "vocab", "hidden", "lower_layers"):  # JSON integers: a float or a string would reach
+            if type(meta[key]) is not int:  # noqa: E721 -- (nor a boolean) the keys' packing and the shapes
+                raise ValueError(f"{key} is not an integer")
+        n, vocab, hidden, lower = (meta[key] for key in ("n", "vocab", "hidden", "lower_layers"))
         if meta["kind"] not in KINDS or meta["dtype"] not in DTYPES or hidden < 1 or lower < 1:
             raise ValueError("kind, dtype, hidden or lower_layers")
         check_packable(n, vocab)
         for length in range(1, n + 1):
             entry = meta["levels"][str(length)]
-            if int(entry["entries"]) < 0 or not all(isinstance(entry["sha256"][f], str) for f in ("keys", "values")):
+            if type(entry["entries"]) is not int or entry["entries"] < 0 or \
+                    not all(isinstance(entry["sha256"][f], str) for f in ("keys", "values")):  # noqa: E721
                 raise ValueError(f"level {length}")
     except (KeyError, TypeError, ValueError, PlotTableError) as e:
         raise PlotTableError(f"{path}: a field is missing or out of range ({e})") from None

@@ -258,8 +258,12 @@ def test_damaged_tables_and_bad_input_are_refused_with_the_reason(checkpoint, ro
     with pytest.raises(PlotTableError, match="plot.json: not readable JSON"):
         PlotTable.open(garbled)
     meta = json.loads((source / "plot.json").read_text())
-    for field, value in (("n", 40), ("kind", "pickle"), ("levels", {})):
-        bad = copy(f"bad-{field}")
+    # a fractional vocabulary packed keys that matched another fragment's (a wrong row, no error); a string or
+    # float n raised TypeError
+    bad_fields = (("n", 40), ("kind", "pickle"), ("levels", {}), ("vocab", meta["vocab"] + 0.5), ("n", str(meta["n"])),
+                  ("n", float(meta["n"])), ("hidden", True), ("kind", ["encoder"]), ("dtype", ["float64"]))
+    for number, (field, value) in enumerate(bad_fields):
+        bad = copy(f"bad-{field}-{number}")
         (bad / "plot.json").write_text(json.dumps({**meta, field: value}))
         with pytest.raises(PlotTableError, match="plot.json"):
             PlotTable.open(bad)
