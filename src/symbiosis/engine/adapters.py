@@ -69,6 +69,7 @@ WAVE_CACHE = 4096  # waves whose views are kept: (slot, adapter layout, wave) tr
 REFUSED_OPTIONS = ("use_dora", "lora_bias", "modules_to_save", "trainable_token_indices", "target_parameters",
                    "layer_replication", "use_qalora", "bias")
 PLAIN = (None, False, "none", [], {})  # what those fields hold in a plain LoRA config
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what an adapter's tensors may hold
 
 
 @dataclass
@@ -326,6 +327,7 @@ class AdapterStore:
             a, b = (parts.get("embedding_A"), parts.get("embedding_B")) if embedded else (parts.get("A.weight"), parts.get("B.weight"))
             if a is None or b is None or len(parts) != 2:
                 raise AdapterError(f"adapter {name!r}: {module!r} lacks its LoRA A or B matrix")
+            _check_dtypes(name, module, a, b)
             if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
                 raise AdapterError(f"adapter {name!r}: {module!r} has LoRA matrices of shapes {list(a.shape)} and "
                                    f"{list(b.shape)}, which are not a rank-r pair")
@@ -405,6 +407,7 @@ class AdapterStore:
                                    "attention's output projection, the MLP's)")
             if set(found) != set(PARTS):
                 raise AdapterError(f"adapter {name!r}: {module!r} lacks its bottleneck's {sorted(set(PARTS) - set(found))}")
+            _check_dtypes(name, module, *found.values())
             r, out = found["down.weight"].shape[0], spec.out_features
             shapes = {"down.weight": [r, out], "down.bias": [r], "up.weight": [out, r], "up.bias": [out]}
             if any(list(found[p].shape) != shapes[p] for p in PARTS):
@@ -730,6 +733,15 @@ def wave_bounds(count: int, nbytes: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+def _check_dtypes(name: str, module: str, *tensors: torch.Tensor) -> None:
+    """Floating-point tensors of the widths PEFT saves: integers or booleans would be cast into weights silently,
+    and float8 has no finiteness check."""
+    for tensor in tensors:
+        if tensor.dtype not in FLOAT_DTYPES:
+            raise AdapterError(f"adapter {name!r}: {module!r} holds {str(tensor.dtype).removeprefix('torch.')} "
+                               "values; an adapter's tensors are float16, bfloat16, float32 or float64")
+
+
 def _read_config(path: Path) -> dict:
     try:
         config = json.loads(path.read_text())
@@ -753,6 +765,8 @@ def _read_config(path: Path) -> dict:
         alpha_pattern = {str(k): float(v) for k, v in patterns.items()}
     except (TypeError, ValueError) as e:
         raise AdapterError(f"{path}: lora_alpha / alpha_pattern are not numbers ({e})") from e
+    if not all(math.isfinite(value) for value in (alpha, *alpha_pattern.values())):  # (JSON as Python writes it
+        raise AdapterError(f"{path}: lora_alpha / alpha_pattern must be finite")  # holds NaN and Infinity)
     return {"peft_type": "LORA", "lora_alpha": alpha, "alpha_pattern": alpha_pattern,
             "use_rslora": bool(config.get("use_rslora", False))}
 

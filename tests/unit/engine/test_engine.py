@@ -358,6 +358,10 @@ def test_bad_requests_fail_alone(models, tmp_path):
         "ia3": (None, UnsupportedAdapter, "a IA3 adapter; the engine runs LoRA adapters"),
         "dora": (None, UnsupportedAdapter, "use_dora=True"),
         "pickle": (None, AdapterError, "a pickle"),
+        "nan_alpha": (None, AdapterError, "must be finite"),  # loaded, then every request's logits were NaN
+        "inf_alpha_pattern": (None, AdapterError, "must be finite"),
+        "integers": (None, AdapterError, "holds int64 values"),  # cast into weights silently
+        "float8": (None, AdapterError, "holds float8_e4m3fn values"),  # a server error: no isfinite for float8
     }
     _write_lora(tmp_path / "shapes", {key + "A.weight": torch.zeros(2, 32), key + "B.weight": torch.zeros(64, 2)}, {})
     _write_lora(tmp_path / "fingerprint", {key + "A.weight": torch.zeros(2, 64), key + "B.weight": torch.zeros(64, 2)}, {})
@@ -368,6 +372,11 @@ def test_bad_requests_fail_alone(models, tmp_path):
                 {"use_dora": True})
     _write_lora(tmp_path / "pickle", {key + "A.weight": torch.zeros(2, 64), key + "B.weight": torch.zeros(64, 2)}, {})
     (tmp_path / "pickle" / "adapter_model.bin").write_bytes(b"\x80\x04K\x01.")
+    pair = {key + "A.weight": torch.zeros(2, 64), key + "B.weight": torch.zeros(64, 2)}
+    _write_lora(tmp_path / "nan_alpha", pair, {"lora_alpha": float("nan")})
+    _write_lora(tmp_path / "inf_alpha_pattern", pair, {"alpha_pattern": {"q_proj": float("inf")}})
+    _write_lora(tmp_path / "integers", {name: t.long() for name, t in pair.items()}, {})
+    _write_lora(tmp_path / "float8", {name: t.to(torch.float8_e4m3fn) for name, t in pair.items()}, {})
     for name, (directory, error, message) in cases.items():
         with pytest.raises(error, match=message):
             engine.submit(PROMPTS[1], SamplingParams(max_tokens=4), (name, directory or tmp_path / name))
