@@ -367,3 +367,96 @@ def test_spinning_waits_give_the_same_results(served, checkpoints, monkeypatch):
     for name, grad in local_grads.items():
         assert_close(remote_grads[name], grad, f"grad of {name}")
     models[1].base_model.model.symbiosis_session.close()
+
+
+def test_a_client_that_takes_no_handoffs_is_detached_and_holds_no_one_up(served, checkpoints):
+    """ipc://: a client asking for buffer after buffer and never taking their descriptors from its handoff
+    connection filled it, and the executor's one I/O thread then blocked on the next, for every client."""
+    executor, url = served("llama", "ipc")
+    good = symbiosis.connect(url, token=TOKEN, timeout=5).attach(executor.fingerprint, "good")
+    bad = symbiosis.connect(url, token=TOKEN, timeout=5).attach(executor.fingerprint, "bad")
+    layer, x = "model.layers.0.self_attn.q_proj", torch.randn(2, 64, dtype=torch.float64)
+    errors = []
+    for number in range(2000):  # ~200 fit a connection's buffer on Linux
+        bad.channel.socket.send_multipart([json.dumps({"op": "buffer", "id": 10_000 + number,
+                                                       "client": bad.client_id, "nbytes": 4096}).encode()])
+        assert bad.channel.socket.poll(5000), f"no reply to buffer request {number}: the I/O thread is stuck"
+        reply = json.loads(bad.channel.socket.recv_multipart()[0])
+        if not reply["ok"]:
+            errors.append(reply)
+            break
+    assert errors and "does not take what the executor hands it" in errors[0]["message"], errors
+    assert bad.client_id not in executor.clients
+    assert_close(good.forward(layer, x), executor.weights.layers[layer].forward(x, True), "beside it")
+    good.close()
+
+
+def test_a_client_that_writes_over_unanswered_doorbell_calls_is_detached(served, checkpoints):
+    """ipc://: the ring holds SLOTS calls; a client that wrote more without waiting for answers had every one of
+    them queued in the executor, without bound."""
+    from symbiosis.protocol import CALL_DTYPES, OPS
+    from symbiosis.transport.ipc.doorbell import REQUEST, SLOTS, U64, _slot
+
+    executor, url = served("llama", "ipc", policy="lockstep")  # (answers wait for the other client's calls)
+    idle = symbiosis.connect(url, token=TOKEN, timeout=30).attach(executor.fingerprint, "idle")
+    bad = symbiosis.connect(url, token=TOKEN, timeout=30).attach(executor.fingerprint, "bad")
+    bell, layer, seq = bad.doorbell, b"model.layers.0.self_attn.q_proj", bad.doorbell.seq
+    deadline = time.monotonic() + 30
+    while bad.client_id in executor.clients:
+        assert time.monotonic() < deadline, "the executor took call after call over unanswered ones"
+        for _ in range(SLOTS):
+            seq += 1
+            at = _slot(seq)
+            bell.control[at + REQUEST.size:at + REQUEST.size + len(layer)] = layer
+            REQUEST.pack_into(bell.control, at, 0, OPS.index("forward"), 0, CALL_DTYPES.index(torch.float64), 2, 64,
+                              len(layer))
+            U64.pack_into(bell.control, at, seq)
+        os.write(bell.request_fd, b"\0")
+        while U64.unpack_from(bell.control, 0)[0] < seq and bad.client_id in executor.clients:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)  # until the executor has taken them (not answered them)
+    x = torch.randn(2, 64, dtype=torch.float64)
+    assert_close(idle.forward(layer.decode(), x), executor.weights.layers[layer.decode()].forward(x, True), "beside it")
+    idle.close()
+
+
+def test_a_tenant_flooding_the_socket_does_not_keep_the_executor_from_others_calls(served, checkpoints):
+    """Another process sends cheap requests as fast as it can on four connections and reads no reply: the
+    executor's I/O thread read the socket until it was empty, which it never was, so no doorbell call was
+    answered while the flood lasted."""
+    import subprocess
+    import sys
+
+    executor, url = served("llama", "ipc", client_timeout=30)
+    victim = symbiosis.connect(url, token=TOKEN, timeout=10).attach(executor.fingerprint, "victim")
+    layer, x = "model.layers.0.self_attn.q_proj", torch.randn(2, 64, dtype=torch.float64)
+    flood = f"""
+import json, sys, time
+import zmq
+sys.path.insert(0, {str(Path(symbiosis.__file__).parents[1])!r})
+from symbiosis.transport import auth
+context, sockets = zmq.Context(), []
+for _ in range(4):
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    auth.secure_client(socket, {TOKEN!r})
+    socket.connect({url!r})
+    sockets.append(socket)
+message, end = json.dumps({{"op": "describe", "id": 1}}).encode(), time.monotonic() + 8
+print("flooding", flush=True)
+while time.monotonic() < end:
+    for socket in sockets:
+        socket.send(message)
+"""
+    flooder = subprocess.Popen([sys.executable, "-c", flood], stdout=subprocess.PIPE, text=True)
+    try:
+        assert flooder.stdout.readline().strip() == "flooding"
+        time.sleep(1)
+        for _ in range(3):
+            started = time.monotonic()
+            assert_close(victim.forward(layer, x), executor.weights.layers[layer].forward(x, True), "in the flood")
+            assert time.monotonic() - started < 5, "a call waited out the flood"
+    finally:
+        flooder.kill()
+        flooder.wait()
+    victim.close()

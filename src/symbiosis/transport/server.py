@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 import torch
 import zmq
 
-from symbiosis.errors import BadCall, SymbiosisError
+from symbiosis.errors import BadCall, ExecutorUnavailable, SymbiosisError
 from symbiosis.executor.executor import Executor
 from symbiosis.protocol import OPS
 from symbiosis.transport import auth, wire
@@ -42,6 +42,9 @@ from symbiosis.transport.ipc.streams import StreamRules
 log = logging.getLogger("symbiosis.executor")
 # For this long after a doorbell call the I/O thread polls without sleeping (the next call comes soon).
 HOT_S = 2e-3 if SPARE_CORES else 0.0
+DRAIN_AT_ONCE = 64  # socket messages read before the loop turns to its other inputs
+
+
 def _router(context: zmq.Context, url: str, authenticated: bool, max_message: int) -> zmq.Socket:
     """The service's socket. ZeroMQ checks, before a message is read, the token (in the handshake: a
     connection that does not authenticate within 5 s is closed) and then the message's size."""
@@ -171,8 +174,11 @@ class ExecutorServer:
                 claimed = self._desk.on_readable(fd, lambda client_id: client_id in self.clients)
                 if claimed is not None:
                     self._start_calls(*claimed)
-        except Exception:
-            log.exception("handling %s failed: detaching it", owner or "a handoff connection")
+        except Exception as error:
+            if isinstance(error, SymbiosisError):  # the client broke the protocol: said why, no traceback
+                log.warning("client %s: %s: detaching it", owner or "on a handoff connection", error)
+            else:
+                log.exception("handling %s failed: detaching it", owner or "a handoff connection")
             if owner is not None:
                 self._drop(owner)
 
@@ -188,7 +194,9 @@ class ExecutorServer:
     # --- requests ------------------------------------------------------------------------------------
 
     def _drain_requests(self) -> None:
-        while True:
+        """Up to DRAIN_AT_ONCE messages: a tenant flooding the socket must not keep the loop from the doorbells,
+        finished calls and the reaper (the socket stays readable; the next poll comes back at once)."""
+        for _ in range(DRAIN_AT_ONCE):
             try:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -239,7 +247,11 @@ class ExecutorServer:
             return self._reply(identity, {"id": header.get("id"), "ok": True,
                                           "tensors": [wire.describe(t) for t in tensors]}, *tensors)
         if op == "buffer":  # a larger shared buffer
-            nbytes = self._provision.grow(client, header)
+            try:
+                nbytes = self._provision.grow(client, header)
+            except ExecutorUnavailable:  # it does not read its handoff connection: it would block this thread
+                self._drop(client_id)
+                raise
             return self._reply(identity, {"id": header.get("id"), "ok": True, "nbytes": nbytes})
         if op == "detach":
             self._drop(client_id)

@@ -96,6 +96,7 @@ class Doorbell:
         self._reply_poll.register(self.reply_fd, select.POLLIN)
         # Client: the last call made. Executor: the last call taken (it takes only the calls after this).
         self.seq = U64.unpack_from(self.control, TAKEN_AT)[0]
+        self.last_answer = self.seq  # executor: the last call it answered (its own count: the block is shared)
 
     @classmethod
     def pair(cls) -> tuple["Doorbell", list[int]]:
@@ -184,6 +185,9 @@ class Doorbell:
             seq, at = self.seq + 1, _slot(self.seq + 1)
             if U64.unpack_from(self.control, at)[0] != seq:
                 break
+            if seq - self.last_answer > SLOTS:  # its slot held a call not yet answered: the client did not wait
+                raise BadCall(f"the client wrote call {seq} over unanswered ones (at most {SLOTS} may be "
+                              "outstanding)")
             _, op, inference, dtype, rows, cols, layer_len = REQUEST.unpack_from(self.control, at)
             if op >= len(OPS) or dtype >= len(DTYPES) or layer_len > MAX_LAYER_ID:
                 requests.append(Request(seq, malformed=f"malformed doorbell request (op {op}, dtype {dtype}, "
@@ -210,6 +214,7 @@ class Doorbell:
         # visible in program order, and only there do clients spin; elsewhere they wait for the FIFO byte,
         # whose syscall orders them).
         U64.pack_into(self.control, ANSWERED_AT, seq)
+        self.last_answer = seq
         _ring(self.reply_fd)
 
     def close(self) -> None:

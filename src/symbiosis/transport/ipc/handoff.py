@@ -84,12 +84,14 @@ def read_ticket(connection: socket.socket, partial: bytes) -> tuple[bytes, bool]
 
 
 def send(connection: socket.socket, fds: list[int]) -> None:
-    """Hand descriptors to the client (they stay open here: the caller closes its copies)."""
-    connection.setblocking(True)
+    """Hand descriptors to the client (they stay open here: the caller closes its copies). Never waits: a client
+    takes each handoff before its request's reply, so a connection with no room holds earlier ones it never
+    read, and waiting for room would stop the executor's I/O thread for every client."""
     try:
-        socket.send_fds(connection, [b"F"], fds)
-    finally:
-        connection.setblocking(False)
+        socket.send_fds(connection, [b"F"], fds)  # (the connection is non-blocking)
+    except BlockingIOError:
+        raise ExecutorUnavailable("this client does not take what the executor hands it over its handoff "
+                                  "connection: it is detached") from None
 
 
 def peer_gone(connection: socket.socket) -> bool:
