@@ -164,7 +164,18 @@ def test_bad_jobs_are_refused_or_fail_with_the_reason(jobs_server):
              ({"method": {"type": "dpo", "dpo": {}}}, "supervised fine-tuning only"),
              ({"method": {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 0}}}}, "n_epochs"),
              ({"extra_body": {"peft": {"method": "glora"}}}, "not one this service trains"),
-             ({"extra_body": {"peft": {"method": "lora", "config": {"rank": 4}}}}, "peft.config for lora")]
+             ({"extra_body": {"peft": {"method": "lora", "config": {"rank": 4}}}}, "peft.config for lora"),
+             # accepted once, and the job's thread then died on them: "running" for ever, with no error
+             ({"extra_body": {"peft": {"method": "lora", "config": {"lora_alpha": [1]}}}}, "peft.config"),
+             ({"extra_body": {"peft": {"method": "lora", "config": {"target_modules": 5}}}}, "peft.config"),
+             # ranks past the service's bound, on either path (dropout sends LoRA to a split client)
+             ({"extra_body": {"peft": {"method": "lora", "config": {"r": 10_000, "lora_dropout": 0.1}}}}, "0..256"),
+             ({"extra_body": {"peft": {"method": "loha", "config": {"r": 10_000}}}}, "0..256"),
+             ({"extra_body": {"peft": {"method": "lora", "config": {"r": 300}}}}, "0..256"),
+             # fields that are no objects were a server error
+             ({"extra_body": {"hyperparameters": [1]}}, "must be JSON objects"),
+             ({"method": {"type": "supervised", "supervised": [1]}}, "must be JSON objects"),
+             ({"method": {"type": "supervised", "supervised": {"hyperparameters": "x"}}}, "must be JSON objects")]
     for changes, message in cases:
         arguments = {"model": "tiny-llama", "training_file": training.id, **changes}
         with pytest.raises(openai.BadRequestError, match=message):

@@ -26,12 +26,11 @@ from pathlib import Path
 
 import torch
 
-from symbiosis.errors import SymbiosisError
 from symbiosis.serve.errors import ApiError, not_found
 from symbiosis.serve.jobs.store import JobStore
 from symbiosis.train.data import DataError, check_lines, parse_line, parse_text_line, tokenize
 from symbiosis.train.job import BASE_LEARNING_RATE, HostedBackend, Hyperparameters, JobFailed, JobRunner, SplitBackend
-from symbiosis.train.lora import LoraSpec
+from symbiosis.train.lora import MAX_RANK, LoraSpec
 
 log = logging.getLogger("symbiosis.serve.jobs")
 SUFFIX = re.compile(r"[A-Za-z0-9._-]{1,40}")
@@ -59,9 +58,17 @@ def _peft_config(method: str, options: dict):
     config_class = peft.PEFT_TYPE_TO_CONFIG_MAPPING[kind]
     defaults = {"LORA": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}}.get(kind, {})
     try:
-        return config_class(**{**defaults, **options, **extra, "task_type": "CAUSAL_LM"})
+        config = config_class(**{**defaults, **options, **extra, "task_type": "CAUSAL_LM"})
     except (TypeError, ValueError) as e:
         raise ApiError(400, f"peft.config for {method}: {e}", "peft.config") from None
+    # a rank's memory is the service's: bounded whichever path trains it (VeRA's r is its shared projections',
+    # usually 256-1024; OFT's r 0 means "by block size")
+    most = 4 * MAX_RANK if kind in ("VERA", "PVERA") else MAX_RANK
+    for field in ("r", "init_r", "target_r"):
+        rank = getattr(config, field, None)
+        if rank is not None and (type(rank) is not int or not 0 <= rank <= most):  # noqa: E721 -- not bools
+            raise ApiError(400, f"peft.config.{field} must be an integer in 0..{most}", f"peft.config.{field}")
+    return config
 
 
 def _hosted_spec(config, seed: int) -> LoraSpec | None:
@@ -170,7 +177,10 @@ class JobService:
             "hyperparameters": body.get("hyperparameters") or {}}}
         if not isinstance(method, dict) or method.get("type") != "supervised":
             raise ApiError(400, "method.type: this service runs supervised fine-tuning only", "method")
-        requested = ((method.get("supervised") or {}).get("hyperparameters")) or {}
+        supervised = method.get("supervised") or {}
+        requested = (supervised.get("hyperparameters") if isinstance(supervised, dict) else None) or {}
+        if not isinstance(supervised, dict) or not isinstance(requested, dict):
+            raise ApiError(400, "method.supervised and its hyperparameters must be JSON objects", "hyperparameters")
         for name, check in (("n_epochs", lambda v: isinstance(v, int) and 1 <= v <= 50),
                             ("batch_size", lambda v: isinstance(v, int) and 1 <= v <= 256),
                             ("learning_rate_multiplier", lambda v: isinstance(v, (int, float)) and 0 < v <= 100)):
@@ -181,7 +191,11 @@ class JobService:
         peft_request = body.get("peft") or {"method": "lora", "config": {}}
         if not isinstance(peft_request, dict) or not isinstance(peft_request.get("config", {}), dict):
             raise ApiError(400, 'peft must be {"method": NAME, "config": {...}}', "peft")
-        _peft_config(str(peft_request.get("method", "lora")), peft_request.get("config", {}))  # checked now
+        config = _peft_config(str(peft_request.get("method", "lora")), peft_request.get("config", {}))  # checked now
+        try:  # what the job's thread will make of it, so that it fails here and not there
+            _hosted_spec(config, seed)
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, f"peft.config: {e}", "peft.config") from None
         job = self.store.add_job(tenant, model=base, training_file=training["file_id"], validation_file=validation,
                                  suffix=suffix, seed=seed, method={"type": "supervised"},
                                  peft={"method": str(peft_request.get("method", "lora")),
@@ -293,7 +307,7 @@ class JobService:
             self._fail(job, "invalid_training_file", str(e), "training_file")
         except torch.OutOfMemoryError as e:
             self._fail(job, "out_of_memory", f"the job ran out of GPU memory ({e}); try a smaller batch_size")
-        except (SymbiosisError, ValueError, RuntimeError) as e:
+        except Exception as e:  # whatever it is, the job ends failed: a thread that died left it "running" for ever
             log.exception("job %s failed", job_id)
             self._fail(job, "training_failed", f"{type(e).__name__}: {e}")
         else:
