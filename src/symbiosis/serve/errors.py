@@ -44,8 +44,8 @@ def json_fields(body: bytes, error=ApiError) -> dict:
     """A request body's bytes as a JSON object, or `error(400, why)` (for routes that read the body themselves)."""
     try:
         fields = json.loads(body)
-    except ValueError:
-        raise error(400, "the body is not JSON") from None
+    except (ValueError, RecursionError):  # (nested past the parser's depth: a server error otherwise)
+        raise error(400, "the body is not JSON that can be read (malformed, or nested too deep)") from None
     if not isinstance(fields, dict):
         raise error(400, "the body is not a JSON object")
     return fields

@@ -223,6 +223,12 @@ def test_a_resubmitted_request_gets_the_first_ones_answer_and_runs_once(training
                         headers=headers, timeout=60).json()
     assert "metrics" in answer
     assert training_server.service.tinker.loras[training.model_id].steps == 1, "the step ran once"
+    # a request of another kind under a seq_id used already is refused: it got the first one's answer (an
+    # optim_step at seq_id 0 the model's create_model; a save_weights an optim_step's metrics, nothing saved)
+    for route, reused in (("optim_step", {**body, "seq_id": 0}),
+                          ("save_weights", {"model_id": training.model_id, "seq_id": 2, "path": "mine"})):
+        refused = httpx.post(training_server.url + "/api/v1/" + route, json=reused, headers=headers)
+        assert refused.status_code == 400 and "needs a seq_id of its own" in refused.json()["error"], refused.text
     # another tenant's request id is not found
     other = httpx.post(training_server.url + "/api/v1/retrieve_future", json={"request_id": first["request_id"]},
                        headers={"X-API-Key": TINKER_KEYS["bob"]})
@@ -259,6 +265,14 @@ def test_the_training_loops_plain_routes_refuse_bad_requests_as_the_other_routes
              ("retrieve_future", alice, b'{"request_id": "nobody-s"}', 404, "no request"),
              ("optim_step", alice, b'{"model_id": "m", "seq_id": 1}', 400, "adam_params"),
              ("optim_step", alice, b'{"model_id": "m", "seq_id": "1", "adam_params": {}}', 400, "seq_id must be"),
+             # (these were server errors, which the SDK retries)
+             ("optim_step", alice, b'{"model_id": "m", "seq_id": ' + str(2**70).encode() + b', "adam_params": {}}',
+              400, "seq_id must be"),
+             ("retrieve_future", alice, b"[" * 100_000 + b"]" * 100_000, 400, "nested too deep"),
+             ("create_model", alice, b'{"session_id": "s", "model_seq_id": 0, "lora_config": [1]}', 400,
+              "lora_config must be a JSON object"),
+             ("create_model", alice, b'{"session_id": "s", "model_seq_id": 0, "optimizer_config": "adamw"}', 400,
+              "optimizer_config must be a JSON object"),
              ("forward_backward", alice, b"\xff\x00 not a protobuf", 400, ""),
              ("forward_backward", {**alice, "Content-Encoding": "zstd"}, b"", 400, "uncompressed")]
     with caplog.at_level("INFO", logger="symbiosis.serve.access"):
@@ -268,6 +282,8 @@ def test_the_training_loops_plain_routes_refuse_bad_requests_as_the_other_routes
             assert message in response.json()["error"] and response.headers["x-request-id"]
         too_big = httpx.post(url + "optim_step", content=b"{" + b" " * (9 << 20) + b"}", headers=alice)
         assert too_big.status_code == 413
+        for listing in ("training_runs", "checkpoints"):  # an offset past SQLite's integers was a server error
+            assert httpx.get(url + f"{listing}?offset={2**70}", headers=alice).status_code == 200
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "symbiosis.serve.access"]
     assert {(line["path"], line["tenant"]) for line in lines if line["status"] == 404} == \
         {("/api/v1/retrieve_future", "alice")}

@@ -230,7 +230,7 @@ def routes(service, tinker: TinkerService) -> tuple[APIRouter, dict]:
         tenant, fields = await body(request)
         request_id = await off_loop(lambda: tinker.create_model(
             tenant, fields.get("session_id"), _int(fields, "model_seq_id"), fields.get("base_model"),
-            fields.get("lora_config") or {}, (fields.get("optimizer_config") or {}).get("type")))
+            _object(fields, "lora_config"), _object(fields, "optimizer_config").get("type")))
         return {"request_id": request_id}
 
     @api.post("/get_info")
@@ -342,7 +342,7 @@ def routes(service, tinker: TinkerService) -> tuple[APIRouter, dict]:
     @api.get("/training_runs")
     async def list_runs(request: Request, limit: int = 20, offset: int = 0):
         tenant = tenant_of(request)
-        rows, total = tinker.store.models(tenant, max(0, offset), min(max(1, limit), 1000))
+        rows, total = tinker.store.models(tenant, _page(offset), min(max(1, limit), 1000))
         return {"training_runs": [training_run(tenant, row) for row in rows],
                 "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
@@ -375,7 +375,7 @@ def routes(service, tinker: TinkerService) -> tuple[APIRouter, dict]:
     @api.get("/checkpoints")
     async def user_checkpoints(request: Request, limit: int = 100, offset: int = 0):
         tenant = tenant_of(request)
-        rows, total = tinker.store.checkpoints(tenant, None, max(0, offset), min(max(1, limit), 1000))
+        rows, total = tinker.store.checkpoints(tenant, None, _page(offset), min(max(1, limit), 1000))
         return {"checkpoints": [checkpoint(row) for row in rows],
                 "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
@@ -392,9 +392,20 @@ def routes(service, tinker: TinkerService) -> tuple[APIRouter, dict]:
 
 def _int(fields: dict, name: str) -> int:
     value = fields.get(name)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise Refused(400, f"{name} must be an integer")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:  # (what SQLite holds)
+        raise Refused(400, f"{name} must be an integer in [0, 2^63)")
     return value
+
+
+def _object(fields: dict, name: str) -> dict:
+    value = fields.get(name) or {}
+    if not isinstance(value, dict):
+        raise Refused(400, f"{name} must be a JSON object")
+    return value
+
+
+def _page(offset: int) -> int:
+    return min(max(0, offset), 2**62)  # (a larger one overflowed SQLite's integers: a server error)
 
 
 class Refused(Exception):

@@ -120,10 +120,13 @@ class TinkerStore(Tables):
                         "VALUES (?, ?, ?, ?, ?, 'pending', ?) ON CONFLICT (owner, seq_id) DO NOTHING",
                         (request_id, tenant, owner, seq_id, kind, time.time())):
             return request_id, True
-        found = self._one("SELECT request_id FROM tinker_requests WHERE tenant = ? AND owner = ? AND seq_id = ?",
+        found = self._one("SELECT request_id, kind FROM tinker_requests WHERE tenant = ? AND owner = ? AND seq_id = ?",
                           (tenant, owner, seq_id))
         if found is None:
             raise LookupError(f"request {seq_id} of {owner!r} belongs to another tenant")
+        if found["kind"] != kind:  # a resubmission is the same request; another one would get this one's answer
+            raise ValueError(f"seq_id {seq_id} of {owner} was a {found['kind']} request; this {kind} request needs "
+                             "a seq_id of its own")
         return found["request_id"], False
 
     def answer(self, request_id: str, content_type: str, result: bytes) -> None:
