@@ -546,3 +546,18 @@ def test_each_request_is_logged_once_without_its_prompt_or_key(loaded, caplog):
     assert len(denied) == 1 and denied[0]["status"] == 401 and denied[0]["tenant"] is None
     text = caplog.text
     assert prompt not in text and KEYS["alice"] not in text and "not-a-key" not in text
+
+
+def test_long_prompts_are_tokenized_off_the_event_loop():
+    """The tokenizer holds the event loop, every tenant's, while it runs (a 7.8 MB prompt stalled another
+    tenant's GET /v1/models for 7 s): long prompts go to a worker thread, short ones stay (no hand-off)."""
+    import asyncio
+    import threading
+
+    from symbiosis.serve.openai_api import OFF_LOOP_CHARS, _tokenized
+
+    async def threads():
+        return (threading.get_ident(), await _tokenized(threading.get_ident, [10, 20]),
+                await _tokenized(threading.get_ident, [OFF_LOOP_CHARS, 1]))
+    loop, short, long = asyncio.run(threads())
+    assert short == loop != long
