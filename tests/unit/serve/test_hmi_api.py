@@ -152,6 +152,27 @@ def test_domains_and_models_through_the_cli_and_the_api(hmi_server, hmi_files, t
         sizes['symbiosis:hmi_generation_batch_size_bucket{le="4.0"}'] == 1  # the 8 waiting ones, one batch
     assert _api(hmi_server, "bob", "POST", "/models/triage/generate", {"prompt": "x"}).status_code == 404
 
+    # waiting generations hold no worker thread: more of them than the pool has threads (40), and another tenant's
+    # plain route (one that runs on that pool) still answers at once
+    hmi._generator.work = lambda: (gate.wait(60), run_batch())
+    gate.clear()
+    try:
+        with ThreadPoolExecutor(48) as pool:
+            answers = [pool.submit(_api, hmi_server, "alice", "POST", "/models/triage/generate",
+                                   {"prompt": "cells", "max_tokens": 1}) for _ in range(48)]
+            deadline = time.monotonic() + 60
+            while len(hmi._waiting) < len(answers) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(hmi._waiting) == len(answers)
+            models = httpx.get(hmi_server.url + "/v1/models", headers={"Authorization": f"Bearer {KEYS['bob']}"},
+                               timeout=10)
+            assert models.status_code == 200
+            gate.set()
+            assert all(a.result().status_code == 200 for a in answers)
+    finally:
+        gate.set()
+        hmi._generator.work = run_batch
+
     assert _cli(hmi_server, "alice", "domain", "delete", "bio", tmp_path=tmp_path).returncode == 0
     orphan = _api(hmi_server, "alice", "POST", "/models/triage/generate", {"prompt": "the cell"})
     assert orphan.status_code == 400 and "deleted" in orphan.json()["error"]["message"]

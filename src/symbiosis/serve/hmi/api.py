@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 
@@ -53,6 +55,8 @@ def router(hmi, tenant_dependency) -> APIRouter:
 
     @api.post("/models/{name}/generate")
     async def generate(name: str, request: Request, tenant: str = caller):
-        return await run_in_threadpool(hmi.generate, tenant, name, await json_object(request))
+        # the prompt's lookups on a worker thread; the wait for the generator's batch on the loop, holding no thread
+        tokens, answer = await run_in_threadpool(hmi.generate, tenant, name, await json_object(request))
+        return answer(await asyncio.wrap_future(tokens))
 
     return api

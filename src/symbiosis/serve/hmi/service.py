@@ -22,6 +22,7 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ LIMITS = {"steps": (1, 100_000), "batch_size": (1, 256), "window": (8, 8192), "r
 
 
 MAX_BATCH = 32  # generations in one batch
+MAX_WAITING_PER_TENANT = 256  # a tenant's generations waiting at once: past it a 429 (each holds its lookups)
 
 
 @dataclass(eq=False)
@@ -232,8 +234,10 @@ class HmiService:
                 shutil.rmtree(self._dir(table, row_id), ignore_errors=True)
         return {"name": name, "deleted": True, "versions": len(rows)}
 
-    def generate(self, tenant: str, name: str, body: dict) -> dict:
-        """Greedy tokens after `prompt` from the newest ready version of the tenant's model `name`."""
+    def generate(self, tenant: str, name: str, body: dict) -> tuple[Future, Callable[[list[int]], dict]]:
+        """Greedy tokens after `prompt` from the newest ready version of the tenant's model `name`: (the tokens'
+        future, what makes the answer of them). The caller waits for the future without holding a thread (a
+        worker thread each waiting generation held was every sync route's pool)."""
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise ApiError(400, "prompt must be a non-empty string", "prompt")
@@ -254,11 +258,13 @@ class HmiService:
         with self._generator.lock:
             if not self._generator.running:
                 raise ApiError(503, "the service is shutting down", None, "unavailable")
+            if sum(w.row["tenant"] == tenant for w in self._waiting) >= MAX_WAITING_PER_TENANT:
+                raise ApiError(429, f"you have {MAX_WAITING_PER_TENANT} generations waiting, the limit; retry when "
+                                    "some are answered", None, "rate_limit_exceeded")
             self._waiting.append(waiting)
             self._generator.lock.notify()
-        tokens = waiting.answer.result()
-        return {"object": "hmi.generation", "model": name, "version": row["version"], "tokens": tokens,
-                "text": self.service.tokenizer.decode(tokens)}
+        return waiting.answer, lambda tokens: {"object": "hmi.generation", "model": name, "version": row["version"],
+                                               "tokens": tokens, "text": self.service.tokenizer.decode(tokens)}
 
     def _generate_batch(self) -> None:
         """The generator thread: the generations waiting, as one batch (at most MAX_BATCH, and no more models than
