@@ -87,7 +87,9 @@ def _loop(step_fn, parameters: dict[str, torch.Tensor], schedule: Schedule, stat
         first = json.loads((state_dir / "state.json").read_text())["step"]
     for step in range(first, schedule.steps):
         if stop is not None and stop():
-            raise Stopped(f"stopped at step {step} of {schedule.steps}; it resumes from step {first}")
+            if step > first:  # the steps since the last checkpoint are kept: a training stopped for another's
+                _checkpoint(optimizer, parameters, state_dir, step, plan)  # turn goes on from here
+            raise Stopped(f"stopped at step {step} of {schedule.steps}; it resumes from there")
         generator = torch.Generator().manual_seed(schedule.seed * 1_000_003 + step)
         loss = step_fn(generator)
         if not torch.isfinite(loss):

@@ -305,6 +305,14 @@ def test_further_pretraining_trains_only_the_lower_layers_and_resumes_exactly(ch
                          stop=lambda: (tmp_path / "b" / "state" / "state.json").exists())  # after the first save
     resumed = further_pretrain(path, 2, corpus, tmp_path / "b", schedule, dtype=torch.float64)
     assert all(torch.equal(resumed[n], whole[n]) for n in whole)
+    # stopped between checkpoints (as the service stops a step whose turn is over): the steps since the last
+    # checkpoint are saved first, and it goes on from there to the same weights
+    asked = iter(range(10))
+    with pytest.raises(Stopped, match="stopped at step 3"):
+        further_pretrain(path, 2, corpus, tmp_path / "d", schedule, dtype=torch.float64, stop=lambda: next(asked) == 3)
+    assert json.loads((tmp_path / "d" / "state" / "state.json").read_text())["step"] == 3
+    resumed = further_pretrain(path, 2, corpus, tmp_path / "d", schedule, dtype=torch.float64)
+    assert all(torch.equal(resumed[n], whole[n]) for n in whole)
     other = [list(range(70, 120))] * 3  # another corpus in the same directory: no resuming the old checkpoint
     assert all(torch.equal(a, b) for a, b in zip(
         further_pretrain(path, 2, other, tmp_path / "b", schedule, dtype=torch.float64).values(),

@@ -181,6 +181,32 @@ def test_domains_and_models_through_the_cli_and_the_api(hmi_server, hmi_files, t
     assert not (state / "models" / model["id"]).exists()
 
 
+def test_tenants_take_turns_at_the_long_steps(hmi_server, monkeypatch):
+    """One worker runs the long steps: a tenant's model of 100,000 steps held another's one-step model queued until
+    it ended. Now a step that has had its turn (SLICE_S, short here) while another tenant's waits saves a checkpoint
+    and queues again behind it."""
+    import symbiosis.serve.hmi.service as hmi_service
+
+    monkeypatch.setattr(hmi_service, "SLICE_S", 0.2)
+    texts = [{"text": t} for t in TASK_TEXTS]
+    options = {"rank": 2, "learning_rate": 1e-3, "batch_size": 1}
+    made = _api(hmi_server, "alice", "POST", "/models", {"name": "endless", "training_file": _upload(
+        hmi_server, "alice", texts), "steps": 100_000, **options})
+    assert made.status_code == 200, made.text
+    deadline = time.monotonic() + 60
+    while _api(hmi_server, "alice", "GET", "/models/endless").json()["status"] != "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    made = _api(hmi_server, "bob", "POST", "/models", {"name": "quick", "training_file": _upload(
+        hmi_server, "bob", texts), "steps": 1, **options})
+    assert made.status_code == 200, made.text
+    assert _wait(hmi_server, "bob", "/models/quick", timeout=60)["status"] == "ready"
+    endless = _api(hmi_server, "alice", "GET", "/models/endless").json()
+    assert endless["status"] in ("running", "queued") and endless["progress"]["done"] > 0, endless
+    assert _api(hmi_server, "alice", "DELETE", "/models/endless").status_code == 200
+    assert _api(hmi_server, "bob", "DELETE", "/models/quick").status_code == 200
+
+
 def test_bad_input_is_refused_with_its_reason(hmi_server):
     small = _upload(hmi_server, "bob", [{"text": "too few words"}])
     answer = _api(hmi_server, "bob", "POST", "/domains", {"name": "tiny", "corpus_file": small})

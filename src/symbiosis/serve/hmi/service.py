@@ -15,6 +15,7 @@ tenant's alone.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import re
@@ -44,6 +45,7 @@ LIMITS = {"steps": (1, 100_000), "batch_size": (1, 256), "window": (8, 8192), "r
 
 
 MAX_BATCH = 32  # generations in one batch
+SLICE_S = 30.0  # a long step's turn while another tenant's waits (pre-training, a table's build, training)
 MAX_WAITING_PER_TENANT = 256  # a tenant's generations waiting at once: past it a 429 (each holds its lookups)
 
 
@@ -93,12 +95,14 @@ class HmiService:
         self._generator = Worker("symbiosis-hmi-generate", lambda: bool(self._waiting), self._generate_batch)
         self._tasks: queue.Queue = queue.Queue()
         self._stopping: set[str] = set()  # ids whose step should stop (deleted, or the service closing)
+        self._backlog: list[tuple[str, str, str]] = []  # the worker's: (table, id, tenant) taken from _tasks, queued
+        self._slice_ends = float("inf")  # the worker's: when the step running yields to another tenant's waiting
         self._closing = False
         self._thread = threading.Thread(target=self._work, name="symbiosis-hmi", daemon=True)
         for table in (DOMAINS_TABLE, MODELS_TABLE):
             for row in self.store.unfinished(table):  # under way when the service stopped: goes on
                 self.store.update(table, self._id(table, row), status="queued")
-                self._tasks.put((table, self._id(table, row)))
+                self._tasks.put((table, self._id(table, row), row["tenant"]))
 
     @property
     def _config(self):
@@ -168,7 +172,7 @@ class HmiService:
                    "steps": _number(body, "steps", 100), "batch_size": _number(body, "batch_size", 8),
                    "window": _number(body, "window", 128)}
         row = self.store.add(DOMAINS_TABLE, tenant, name, corpus_file=body["corpus_file"], options=options)
-        self._tasks.put((DOMAINS_TABLE, row["domain_id"]))
+        self._tasks.put((DOMAINS_TABLE, row["domain_id"], tenant))
         return self.domain_object(row)
 
     def _domain_version(self, tenant: str, name: str, version=None) -> dict:
@@ -205,7 +209,7 @@ class HmiService:
         self._texts(tenant, body.get("training_file"), "training_file")
         row = self.store.add(MODELS_TABLE, tenant, name, domain_id=domain_id, training_file=body["training_file"],
                              options=options)
-        self._tasks.put((MODELS_TABLE, row["model_id"]))
+        self._tasks.put((MODELS_TABLE, row["model_id"], tenant))
         return self.model_object(row)
 
     def listing(self, table: str, tenant: str) -> list[dict]:
@@ -332,19 +336,50 @@ class HmiService:
     def _dir(self, table: str, row_id: str) -> Path:
         return self.directory / ("domains" if table == DOMAINS_TABLE else "models") / row_id
 
-    def _work(self) -> None:
+    def _take_tasks(self, block: bool) -> bool:
+        """Move what was queued into the backlog (waiting for one if `block` and there is none); False once the
+        service is closing."""
         while True:
-            task = self._tasks.get()
+            try:
+                task = self._tasks.get(block=block and not self._backlog)
+            except queue.Empty:
+                return True
             if task is None or self._closing:
+                return False
+            self._backlog.append(task)
+
+    def _next_task(self, turns: dict[str, int]) -> tuple[str, str, str]:
+        """The backlog's next step: of the tenant whose last turn is oldest (none yet: first), each tenant's in the
+        order queued."""
+        task = min(self._backlog, key=lambda t: turns.get(t[2], -1))
+        self._backlog.remove(task)
+        return task
+
+    def _others_waiting(self, tenant: str) -> bool:
+        self._take_tasks(block=False)
+        return any(other != tenant for _, _, other in self._backlog)
+
+    def _work(self) -> None:
+        """The long steps, one at a time, tenants taking turns: a step that has run SLICE_S while another tenant's
+        waits stops at its next checkpoint (it saves one there) and is queued again behind it, so one tenant's
+        100,000-step model does not hold every other tenant's one-step model for half an hour."""
+        turns: dict[str, int] = {}  # tenant -> the number of its last turn
+        for turn in itertools.count():
+            if not self._take_tasks(block=True):
                 return
-            table, row_id = task
+            table, row_id, tenant = task = self._next_task(turns)
+            turns[tenant] = turn
             row = self.store.get(table, row_id)
             if row is None or row["status"] != "queued":
                 continue
             self.store.update(table, row_id, status="running")
+            self._slice_ends = time.monotonic() + SLICE_S
             try:
                 (self._build_domain if table == DOMAINS_TABLE else self._train_model)(row)
             except Stopped:
+                if not self._closing and row_id not in self._stopping and self.store.get(table, row_id) is not None:
+                    self.store.update(table, row_id, status="queued")  # its turn is over: behind the others
+                    self._backlog.append(task)
                 continue  # deleted (cleaned up below), or closing: queued again at the next start
             except Exception as e:  # noqa: BLE001 -- this step fails alone; the others go on
                 log.exception("HMI %s %s failed", table, row_id)
@@ -363,8 +398,10 @@ class HmiService:
             self.store.update(table, row_id, done=done, total=total)
         return report
 
-    def _stop(self, row_id: str):
-        return lambda: self._closing or row_id in self._stopping
+    def _stop(self, row_id: str, tenant: str):
+        """Whether the step running should stop now: deleted, the service closing, or its turn over."""
+        return lambda: self._closing or row_id in self._stopping or \
+            (time.monotonic() > self._slice_ends and self._others_waiting(tenant))
 
     def _build_domain(self, row: dict) -> None:
         row_id, options = row["domain_id"], row["options"]
@@ -383,14 +420,14 @@ class HmiService:
                                      start=start, mask_token_id=self.service.tokenizer.mask_token_id,
                                      device=executor.device, dtype=executor.dtype,
                                      progress=self._reporter(DOMAINS_TABLE, row_id, "pretraining"),
-                                     stop=self._stop(row_id))
+                                     stop=self._stop(row_id, row["tenant"]))
             save_file(lower, directory / "lower.tmp")
             (directory / "lower.tmp").replace(lower_file)
         lower = LowerLayers(self.service.model_path, self.lower_layers, executor.device, executor.dtype,
                             state_dict=load_file(lower_file))
         table = build_table(lower, corpus, directory / "table", n=self.root.n, alpha=options["alpha"], root=self.root,
                             dtype=self.root.meta["dtype"], progress=self._reporter(DOMAINS_TABLE, row_id, "building"),
-                            stop=self._stop(row_id))
+                            stop=self._stop(row_id, row["tenant"]))
         shutil.rmtree(directory / "state", ignore_errors=True)
         self.store.update(DOMAINS_TABLE, row_id, status="ready", stage=None, finished_at=int(time.time()),
                           entries={str(k): v for k, v in table.entries().items()}, table_bytes=table.nbytes)
@@ -412,7 +449,8 @@ class HmiService:
         schedule = Schedule(steps=options["steps"], learning_rate=options["learning_rate"],
                             batch_size=options["batch_size"])
         train_adapter(self._new_upper(), plot, examples, self._dir(MODELS_TABLE, row_id), schedule, config, start=start,
-                      progress=self._reporter(MODELS_TABLE, row_id, "training"), stop=self._stop(row_id))
+                      progress=self._reporter(MODELS_TABLE, row_id, "training"),
+                      stop=self._stop(row_id, row["tenant"]))
         shutil.rmtree(self._dir(MODELS_TABLE, row_id) / "state", ignore_errors=True)
         self.store.update(MODELS_TABLE, row_id, status="ready", stage=None, finished_at=int(time.time()))
 
