@@ -222,10 +222,11 @@ class Engine:
     # -- submitting (any thread) --
 
     def submit(self, prompt: list[int], params: SamplingParams | None = None, adapter: tuple[str, str] | None = None,
-               request_id: str | None = None, events=None) -> RequestHandle:
+               request_id: str | None = None, events=None, owner: str | None = None) -> RequestHandle:
         """Queue one request. `adapter`: (name, PEFT directory), read and checked now (an error here is this
         request's alone); None: the base model. `events`: where the engine's thread puts the request's `Token`s
-        and then one `Finished` (any object with `put`; default a queue.Queue that the handle reads)."""
+        and then one `Finished` (any object with `put`; default a queue.Queue that the handle reads). `owner`:
+        whose it is (the service's tenant): waiting requests of several owners are admitted in turns."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt]
         vocab = self.model.get_input_embeddings().weight.shape[0]
@@ -248,7 +249,7 @@ class Engine:
         if params.temperature > 0 and params.seed is not None:  # (without a seed: the device's default generator)
             generator = torch.Generator(self.device)
             generator.manual_seed(params.seed)
-        request = Request(request_id or uuid.uuid4().hex, prompt, params, host_adapter, generator)
+        request = Request(request_id or uuid.uuid4().hex, prompt, params, host_adapter, generator, owner=owner)
         if events is not None:
             request.events = events
         with self._lock:

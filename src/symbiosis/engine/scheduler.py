@@ -3,7 +3,8 @@
 Each step has a token budget (`max_batch_tokens`). Running requests that are decoding go first, one token each,
 oldest first; then prefills (running ones that are part way, then waiting ones, oldest first) take what is left
 of the budget, cut into chunks, so a long prompt never holds up the decodes. A request joins when its first chunk
-and its adapter fit; it leaves the moment it finishes.
+and its adapter fit; it leaves the moment it finishes. Waiting requests of several owners (the service's tenants)
+join in turns: the owner with the fewest running first, then the one served longest ago (`_admission_order`).
 
 `admit_batch`: while requests are running, waiting ones join only once that many slots of `max_running` are free
 (or as many as are waiting). A step with a prefill chunk runs eagerly; a step of decodes alone replays its CUDA
@@ -28,6 +29,8 @@ all known) and not scheduled once the tokens it has and has in flight reach its 
 
 from __future__ import annotations
 
+import collections
+import heapq
 import itertools
 import queue
 from dataclasses import dataclass, field
@@ -64,6 +67,7 @@ class Request:
     in_flight_row: int | None = None  # a token sampled by the running step, not read yet: its row there
     in_flight_step: int | None = None  # that step's number
     finished: bool = False
+    owner: str | None = None  # whose it is (a tenant): waiting requests are admitted owners in turn
 
     @property
     def tokens(self) -> list[int]:
@@ -92,6 +96,8 @@ class Scheduler:
         self.max_batch_tokens, self.max_running, self.admit_batch = max_batch_tokens, max_running, admit_batch
         self.waiting: list[Request] = []  # by arrival
         self.running: list[Request] = []  # by arrival
+        self._admitted = itertools.count()
+        self._last_turn: dict[str | None, int] = {}  # owner -> when one of its requests was last admitted
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -115,8 +121,9 @@ class Scheduler:
         free = self.max_running - len(self.running)
         if self.running and free < min(self.admit_batch, len(self.waiting)):
             return chunks  # (see admit_batch above)
-        while budget and self.waiting and len(self.running) < self.max_running:
-            request = self.waiting[0]
+        for request in self._admission_order():
+            if not budget or len(self.running) >= self.max_running:
+                break
             count = min(request.length, budget)
             if self.pool.blocks_for(count) > self.pool.free:
                 break  # joins when blocks free up; admission never preempts
@@ -124,13 +131,28 @@ class Scheduler:
                 request.slot = self.adapters.acquire(request.adapter)
                 if request.slot is None:
                     break  # every adapter slot is in use by running requests
-            self.waiting.pop(0)
+            self.waiting.remove(request)
+            self._last_turn[request.owner] = next(self._admitted)
             request.blocks = self.pool.allocate(self.pool.blocks_for(count))
             self.running.append(request)
             chunks.append(self._chunk(request, count))
             scheduled.add(request.id)
             budget -= count
         return chunks
+
+    def _admission_order(self) -> list[Request]:
+        """The waiting requests in the order they may join: with one owner (or none named), by arrival; with
+        several, owners take turns: the fewest running first, then the one whose last admission is oldest, each
+        owner's own by arrival. (By arrival alone, one tenant's thousand queued sequences held another's one request
+        for a minute.)"""
+        if len(self.waiting) < 2 or all(r.owner == self.waiting[0].owner for r in self.waiting):
+            return list(self.waiting)
+        load = collections.Counter(r.owner for r in self.running)  # then each one taken counts as running
+        keyed = []
+        for request in self.waiting:
+            keyed.append((load[request.owner], self._last_turn.get(request.owner, -1), request.arrival, request))
+            load[request.owner] += 1
+        return [request for *_, request in heapq.nsmallest(self.max_running, keyed, key=lambda k: k[:3])]
 
     def _chunk(self, request: Request, count: int) -> Chunk:
         start = request.computed

@@ -156,10 +156,12 @@ class Generation:
     whose end cancels whatever still runs (the HTTP client went, or an error), which frees its KV blocks in the
     engine's next step."""
 
-    def __init__(self, generator_for, prompts: list[list[int]], params: list[SamplingParams], adapter):
+    def __init__(self, generator_for, prompts: list[list[int]], params: list[SamplingParams], adapter,
+                 owner: str | None = None):
         """`generator_for()`: what generates these requests (the engine, or a split generator), asked at `start`
-        off the loop (it may read the adapter from disk)."""
+        off the loop (it may read the adapter from disk); `owner`: the tenant (the engine admits tenants in turns)."""
         self.generator_for, self.prompts, self.params, self.adapter = generator_for, prompts, params, adapter
+        self.owner = owner
         self.queue: asyncio.Queue = asyncio.Queue()
         self.handles = []
         self.choices = [Choice(i, len(p)) for i, p in enumerate(prompts)]
@@ -177,7 +179,7 @@ class Generation:
             generator = self.generator_for()
             for i, (prompt, params) in enumerate(zip(self.prompts, self.params)):
                 self.handles.append(generator.submit(prompt, params, self.adapter,
-                                                     events=_EventSink(loop, self, i)))
+                                                     events=_EventSink(loop, self, i), owner=self.owner))
         try:
             await asyncio.to_thread(submit_all)
         except BaseException:

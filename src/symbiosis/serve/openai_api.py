@@ -150,7 +150,8 @@ async def _run(service, tenant: str, body, request: Request, adapter, prompts: l
     admitted = True
     try:
         adapter = None if adapter is None else (adapter[0], str(adapter[1]))
-        generation = Generation(lambda: service.generator_for(adapter), [p for p, _ in expanded], params, adapter)
+        generation = Generation(lambda: service.generator_for(adapter), [p for p, _ in expanded], params, adapter,
+                                owner=tenant)
         try:
             await generation.start()
         except BadCall as e:  # the prompt does not fit, or bad ids: this request's alone

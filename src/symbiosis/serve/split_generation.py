@@ -70,7 +70,8 @@ class SplitGenerator:
                 threading.Thread(target=_close, args=old, daemon=True).start()
             return self._models[name]
 
-    def submit(self, prompt: list[int], params, adapter: tuple[str, str], request_id: str | None = None, events=None):
+    def submit(self, prompt: list[int], params, adapter: tuple[str, str], request_id: str | None = None, events=None,
+               owner: str | None = None):  # (one request at a time per model: no queue to take turns in)
         vocab = self.service.engine.model.get_input_embeddings().weight.shape[0]
         if not prompt or any(not 0 <= t < vocab for t in prompt):
             raise BadCall(f"the prompt is empty or holds token ids outside the vocabulary (0..{vocab - 1})")

@@ -225,6 +225,37 @@ def test_admitting_requests_together_keeps_steps_decode_only_and_changes_no_toke
                                       max_running=max_running).scheduler.admit_batch == default
 
 
+def test_waiting_requests_of_several_owners_are_admitted_in_turns(models):
+    """By arrival alone, one tenant's queued sequences held another's one request until every one of them had run.
+    Now owners take turns: the fewest running first, then the one served longest ago; each owner's by arrival."""
+    checkpoint, _ = models("llama")
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, max_running=1)
+    params = SamplingParams(max_tokens=2, ignore_eos=True, logprobs=3)
+    handles = [(f"alice-{i}", engine.submit(PROMPTS[0], params, owner="alice")) for i in range(4)]
+    handles += [("bob-0", engine.submit(PROMPTS[1], params, owner="bob")),
+                ("carol-0", engine.submit(PROMPTS[1], params, owner="carol"))]
+    handles.append(("alice-4", engine.submit(PROMPTS[0], params, owner="alice")))
+    admitted = []
+    while engine.has_work():
+        engine.step()
+        for request in engine.scheduler.running:
+            name = next(name for name, handle in handles if handle.request is request)
+            if name not in admitted:
+                admitted.append(name)
+    assert admitted == ["alice-0", "bob-0", "carol-0", "alice-1", "alice-2", "alice-3", "alice-4"]
+    for name, handle in handles:  # each its own tokens, whatever the order
+        _check(handle.result(), _alone(checkpoint, None, PROMPTS[0] if name.startswith("alice") else PROMPTS[1], 2),
+               PROMPTS[0] if name.startswith("alice") else PROMPTS[1])
+    # without owners (or with one), by arrival
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, max_running=1)
+    order = [engine.submit(PROMPTS[i % 2], params) for i in range(3)]
+    seen = []
+    while engine.has_work():
+        engine.step()
+        seen += [r for r in engine.scheduler.running if r not in seen]
+    assert seen == [handle.request for handle in order]
+
+
 def test_head_lora_in_replayed_decode_steps_follows_the_batch_as_it_changes(models, tmp_path):
     """Graph-replayed decode steps (their padded layout, eagerly on the CPU) with an adapter on the output head:
     requests end at different steps, so the same row bucket runs different batches, and the head's segments

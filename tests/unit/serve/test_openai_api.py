@@ -173,7 +173,7 @@ def test_a_generation_that_fails_midway_ends_its_stream_with_an_error_event(load
     from symbiosis.engine import Finished, GenerationError, Token
 
     class Failing:  # three tokens, then the failure the engine reports for NaN logits
-        def submit(self, prompt, params, adapter=None, events=None):
+        def submit(self, prompt, params, adapter=None, events=None, owner=None):
             for i in range(3):
                 events.put(Token(id=5, text=f" t{i}"))
             events.put(Finished(None, GenerationError("the model's logits are NaN", retryable=False)))
@@ -201,7 +201,7 @@ def test_a_relay_that_fails_ends_its_stream_with_a_server_error_and_no_other(loa
         pytest.skip("relaying is the front's")
 
     class AtOnce:  # every request's tokens at its submission: several requests' events in one bunch
-        def submit(self, prompt, params, adapter=None, events=None):
+        def submit(self, prompt, params, adapter=None, events=None, owner=None):
             for i in range(4):
                 events.put(Token(id=5, text=" boom" if prompt[0] == 13 and i == 2 else f" t{i}"))
             events.put(Finished("length"))
