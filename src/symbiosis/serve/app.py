@@ -45,17 +45,28 @@ class BodyLimit:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             return await ApiError(413, f"the request body is over {limit} bytes").response()(scope, receive, send)
-        seen = 0
+        seen, over, replaced = 0, None, False
 
         async def limited():
-            nonlocal seen
+            nonlocal seen, over
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    raise ApiError(413, f"the request body is over {limit} bytes")
+                    over = ApiError(413, f"the request body is over {limit} bytes")
+                    raise over
             return message
-        await self.app(scope, limited, send)
+
+        async def answered(message):
+            # A body without its length that runs over is found while a route parses it, and FastAPI answers what
+            # its parser raised with a 400 ("error parsing the body"): the 413 goes out in place of that answer.
+            nonlocal replaced
+            if over is None:
+                return await send(message)
+            if not replaced:
+                replaced = True
+                await over.response()(scope, receive, send)
+        await self.app(scope, limited, answered)
 
 
 class AccessLog:

@@ -277,6 +277,10 @@ def test_errors_come_as_the_clients_exception_classes(loaded):
     huge = httpx.post(loaded.url + "/v1/completions", content=b"x" * (9 << 20),
                       headers={"Authorization": f"Bearer {KEYS['alice']}", "content-type": "application/json"})
     assert huge.status_code == 413
+    # without its length (chunked): found while the route parses it, and answered 413 too, not 400
+    chunked = httpx.post(loaded.url + "/v1/completions", content=iter([b"x" * (1 << 20)] * 9),
+                         headers={"Authorization": f"Bearer {KEYS['alice']}", "content-type": "application/json"})
+    assert chunked.status_code == 413 and "over" in chunked.json()["error"]["message"], chunked.text
     assert httpx.get(loaded.url + "/v1/nothing-here", headers={"Authorization": f"Bearer {KEYS['alice']}"}).status_code == 404
 
 
