@@ -45,7 +45,7 @@ class BodyLimit:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             return await ApiError(413, f"the request body is over {limit} bytes").response()(scope, receive, send)
-        seen, over, replaced = 0, None, False
+        seen, over, replacing = 0, None, None
 
         async def limited():
             nonlocal seen, over
@@ -59,13 +59,15 @@ class BodyLimit:
 
         async def answered(message):
             # A body without its length that runs over is found while a route parses it, and FastAPI answers what
-            # its parser raised with a 400 ("error parsing the body"): the 413 goes out in place of that answer.
-            nonlocal replaced
-            if over is None:
-                return await send(message)
-            if not replaced:
-                replaced = True
-                await over.response()(scope, receive, send)
+            # its parser raised with a 400 ("error parsing the body"): the 413 goes out in place of that answer (a
+            # route that answers the 413 itself, as the Tinker API's do in their own envelope, is left alone).
+            nonlocal replacing
+            if replacing is None and message["type"] == "http.response.start":
+                replacing = over is not None and message["status"] == 400
+                if replacing:
+                    return await over.response()(scope, receive, send)
+            if not replacing:
+                await send(message)
         await self.app(scope, limited, answered)
 
 
