@@ -67,6 +67,26 @@ def test_a_file_is_checked_line_by_line(jobs_server):
         client.files.retrieve(uploaded.id)
 
 
+def test_a_tenant_keeps_a_bounded_number_of_files_and_bytes(jobs_server, monkeypatch):
+    """Uploads had no quota: the service's disk is every tenant's."""
+    jobs = jobs_server.service.jobs
+    alice, bob = jobs_server.client("alice"), jobs_server.client("bob")
+    held, _ = jobs.store.file_usage("alice")  # (what earlier tests left)
+    monkeypatch.setattr(jobs, "max_files", held + 2)
+    kept = [alice.files.create(file=_jsonl(LINES), purpose="fine-tune") for _ in range(2)]
+    with pytest.raises(openai.BadRequestError, match=f"at most {held + 2} files") as refused:
+        alice.files.create(file=_jsonl(LINES), purpose="fine-tune")
+    assert refused.value.body["code"] == "quota_exceeded"
+    assert bob.files.create(file=_jsonl(LINES), purpose="fine-tune").bytes > 0  # another tenant's own quota
+    alice.files.delete(kept[0].id)  # room again
+    assert alice.files.create(file=_jsonl(LINES), purpose="fine-tune").bytes > 0
+    _, held_bytes = jobs.store.file_usage("alice")
+    monkeypatch.setattr(jobs, "max_files", 10_000)
+    monkeypatch.setattr(jobs, "max_file_bytes", held_bytes + kept[1].bytes - 1)
+    with pytest.raises(openai.BadRequestError, match="bytes may be kept"):
+        alice.files.create(file=_jsonl(LINES), purpose="fine-tune")
+
+
 def test_a_job_trains_reports_and_serves_its_model_and_checkpoints(jobs_server, served_files):
     client = jobs_server.client("alice")
     training = client.files.create(file=_jsonl(LINES), purpose="fine-tune")

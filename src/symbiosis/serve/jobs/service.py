@@ -40,6 +40,8 @@ ACTIVE = ("validating_files", "queued", "running")
 PURPOSES = {"fine-tune": parse_line, "hmi": parse_text_line}
 # the keys a LoRA config may hold for the batched trainer; any other (dropout, DoRA, biases, ...) runs on a split client
 HOSTED_LORA_KEYS = {"r", "lora_alpha", "target_modules", "use_rslora", "lora_dropout", "task_type"}
+MAX_FILES_PER_TENANT = 1000  # what one tenant may keep uploaded (files and bytes): the service's disk is shared
+MAX_FILE_BYTES_PER_TENANT = 16 << 30
 
 
 def _peft_config(method: str, options: dict):
@@ -94,6 +96,7 @@ class JobService:
         self.jobs_root = service.state.directory / "jobs"
         self.max_running, self.max_per_tenant = max_running_jobs, max_running_jobs_per_tenant
         self.checkpoint_every = checkpoint_every
+        self.max_files, self.max_file_bytes = MAX_FILES_PER_TENANT, MAX_FILE_BYTES_PER_TENANT
         self._lock = threading.Lock()
         self._threads: dict[str, threading.Thread] = {}
         self._asked: dict[str, str] = {}  # job id -> "pause" / "cancel" / "shutdown"
@@ -124,6 +127,11 @@ class JobService:
             raise ApiError(400, "a file name of 1-255 characters, without slashes", "file")
         if not filename.endswith(".jsonl"):
             raise ApiError(400, "a training file is a .jsonl file (one JSON example per line)", "file")
+        count, held = self.store.file_usage(tenant)
+        if count >= self.max_files or held + len(data) > self.max_file_bytes:
+            raise ApiError(400, f"you hold {count} files of {held} bytes; at most {self.max_files} files and "
+                                f"{self.max_file_bytes} bytes may be kept: delete some first", "file",
+                           "quota_exceeded")
         try:
             examples = check_lines(data, PURPOSES[purpose])
         except DataError as e:

@@ -58,6 +58,12 @@ class JobStore(Tables):
         return self._query("SELECT * FROM files WHERE tenant = ? AND purpose = ? ORDER BY created_at DESC, file_id",
                            (tenant, purpose))
 
+    def file_usage(self, tenant: str) -> tuple[int, int]:
+        """(files, bytes) the tenant holds."""
+        row = self._one("SELECT COUNT(*) AS count, COALESCE(SUM(bytes), 0) AS bytes FROM files WHERE tenant = ?",
+                        (tenant,))
+        return row["count"], row["bytes"]
+
     def delete_file(self, tenant: str, file_id: str) -> bool:
         return self._change("DELETE FROM files WHERE tenant = ? AND file_id = ?", (tenant, file_id)) > 0
 
