@@ -340,6 +340,8 @@ class HmiService:
         """Move what was queued into the backlog (waiting for one if `block` and there is none); False once the
         service is closing."""
         while True:
+            if self._closing:  # (its None may have been taken by a step's check: close() sets this first)
+                return False
             try:
                 task = self._tasks.get(block=block and not self._backlog)
             except queue.Empty:
