@@ -765,8 +765,9 @@ def _read_config(path: Path) -> dict:
         alpha_pattern = {str(k): float(v) for k, v in patterns.items()}
     except (TypeError, ValueError) as e:
         raise AdapterError(f"{path}: lora_alpha / alpha_pattern are not numbers ({e})") from e
-    if not all(math.isfinite(value) for value in (alpha, *alpha_pattern.values())):  # (JSON as Python writes it
-        raise AdapterError(f"{path}: lora_alpha / alpha_pattern must be finite")  # holds NaN and Infinity)
+    # (JSON as Python writes it holds NaN and Infinity)
+    if not all(math.isfinite(value) for value in (alpha, *alpha_pattern.values())):
+        raise AdapterError(f"{path}: lora_alpha / alpha_pattern must be finite")
     return {"peft_type": "LORA", "lora_alpha": alpha, "alpha_pattern": alpha_pattern,
             "use_rslora": bool(config.get("use_rslora", False))}
 

@@ -148,8 +148,9 @@ def _read_meta(directory: Path) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise PlotTableError(f"{path}: not a {FORMAT} table")
     try:
-        for key in ("n", "vocab", "hidden", "lower_layers"):  # JSON integers: a float or a string would reach
-            if type(meta[key]) is not int:  # noqa: E721 -- (nor a boolean) the keys' packing and the shapes
+        # JSON integers, not floats, strings or booleans: these reach the keys' packing and the arrays' shapes
+        for key in ("n", "vocab", "hidden", "lower_layers"):
+            if type(meta[key]) is not int:  # noqa: E721
                 raise ValueError(f"{key} is not an integer")
         n, vocab, hidden, lower = (meta[key] for key in ("n", "vocab", "hidden", "lower_layers"))
         if meta["kind"] not in KINDS or meta["dtype"] not in DTYPES or hidden < 1 or lower < 1:

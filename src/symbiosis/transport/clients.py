@@ -111,8 +111,8 @@ class ClientTable(dict):
         client = self.get(client_id) if isinstance(client_id, str) else None  # (a list or object: no client's id)
         if client is None or client.tenant != tenant or \
                 (client.identity != identity and op not in ("heartbeat", "ping")):
-            raise UnknownClient(f"client {str(client_id)[:80]!r} is not attached to this executor (restarted, or timed out "
-                                "without heartbeats); attach again")
+            raise UnknownClient(f"client {str(client_id)[:80]!r} is not attached to this executor (restarted, or "
+                                "timed out without heartbeats); attach again")
         return client
 
     def warn_without_mps(self) -> None:
