@@ -160,7 +160,10 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
         gc.collect()
         gc.freeze()
         times = {(layerwise, kind): [] for layerwise in (True, False) for kind in ("resident", "new")}
-        with GcPauses() as pauses:  # the collections that remain, during the timed samples
+        # the placement's host time in each new step: in `acquire` (on the step's path), in `prefetch` (beside the
+        # step before it, loaded only)
+        placing = {(layerwise, way): [] for layerwise in (True, False) for way in ("acquire", "prefetch")}
+        with GcPauses() as pauses, PlacementClock(store) as clock:  # the collections that remain, during the timed samples
             for sample in range(samples):
                 if sample % 10 == 0:  # progress, for a run cut short by its time limit
                     print(f"prefetch {load or 'idle'}: sample {sample} of {samples}", file=sys.stderr, flush=True)
@@ -178,7 +181,11 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
                     # apart, which is what the medians' intervals measured.) Which goes first still alternates.
                     measure(engine, directories[1], "t1", prompt)
                     for kind, directory, name in pair if sample % 2 == 0 else pair[::-1]:
+                        before = dict(clock.seconds)
                         times[layerwise, kind].append(measure(engine, directory, name, prompt))
+                        if kind == "new":
+                            for way in before:
+                                placing[layerwise, way].append((clock.seconds[way] - before[way]) * 1000)
         result[f"{load}gc_pauses"] = pauses.by_generation  # generation -> [collections, ms], every thread's
         for handle in running:
             handle.cancel()
@@ -199,12 +206,44 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
                            # resident first, new first: equal unless the pair's order still matters
                            f"{key}_added_by_order_ms": [float(np.median(differences[0::2])),
                                                         float(np.median(differences[1::2]))],
+                           # the host's issuing of the new adapter's copies on the engine's thread: what a
+                           # host-bound step adds however well its copies are hidden
+                           **{f"{key}_{way}_host_ms": float(np.median(placing[layerwise, way]))
+                              for way in ("acquire", "prefetch")},
                            f"{key}_hidden": 1 - added / result["copy_ms"],
                            f"{key}_hidden_ci95": [1 - high / result["copy_ms"], 1 - low / result["copy_ms"]]})
     store.layerwise = True
     if profile:
         profile_pairs(engine, directories, fresh, prompt, profile)
     return result
+
+
+class PlacementClock:
+    """The host time the store's placing calls take while open, summed per call: `seconds` {"acquire": s,
+    "prefetch": s}."""
+
+    def __init__(self, store):
+        self.store, self.seconds = store, {"acquire": 0.0, "prefetch": 0.0}
+
+    def _timed(self, name: str):
+        method = getattr(self.store, name)
+
+        def call(*args):
+            started = time.perf_counter()
+            try:
+                return method(*args)
+            finally:
+                self.seconds[name] += time.perf_counter() - started
+        return call
+
+    def __enter__(self) -> "PlacementClock":
+        for name in self.seconds:
+            setattr(self.store, name, self._timed(name))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name in self.seconds:
+            delattr(self.store, name)  # the class's methods again
 
 
 def profile_pairs(engine: Engine, directories: list[Path], fresh, prompt: list[int], path: str, pairs: int = 4) -> None:
