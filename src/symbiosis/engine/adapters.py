@@ -449,6 +449,10 @@ class AdapterStore:
         self._slots.move_to_end(slot)
         return slot
 
+    def placed(self, adapter: HostAdapter) -> bool:
+        """Whether `adapter` is in a device slot now (a hint from any thread: the engine's may change it next)."""
+        return adapter.key in self._by_key
+
     def release(self, slot: int) -> None:
         self._slots[slot].users -= 1
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import threading
 import time
 import uuid
 from contextlib import nullcontext
@@ -190,6 +191,13 @@ class Engine:
         self._incoming: list[Request] = []
         self._worker = Worker("symbiosis-engine", self.has_work, self._work)
         self._lock = self._worker.lock
+        # Held by whoever steps, all through a step but its wait for the device (`_await`): the placer thread, which
+        # places the adapters of requests that arrive during that wait (`_place_arrivals`), takes it to touch what a
+        # step touches. Order: `_stepping` before `_lock`, never the other way.
+        self._stepping = threading.Lock()
+        self._arrivals = threading.Event()  # set by `submit` for a request whose adapter is not on the device
+        self._placer: threading.Thread | None = None
+        self._placer_stopping = False
         self.steps = 0
         # Whether a reader's `events` with `put_quietly` and `flush` (the service's, serve/generation.py) is woken
         # only as the engine's thread is about to wait for the device, once for a step's events, not at the first
@@ -255,6 +263,8 @@ class Engine:
         with self._lock:
             self._incoming.append(request)
             self._lock.notify()
+        if host_adapter is not None and self._placer is not None and not self.adapters.placed(host_adapter):
+            self._arrivals.set()
         return RequestHandle(request, self)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
@@ -278,7 +288,7 @@ class Engine:
     def step(self) -> int:
         """Launch one step, then read the tokens of the step launched before it; returns how many tokens the new
         step runs."""
-        with self._on_stream():
+        with self._stepping, self._on_stream():
             return self._step()
 
     def _step(self) -> int:
@@ -296,6 +306,7 @@ class Engine:
         self._prefetch()
         self._wake_readers()  # (the last step's events) while this thread waits for the device in `_read`
         if previous is not None:
+            self._await(previous)
             self._read(previous)
         if self._in_flight is None:  # nothing to wait for: at once
             self._wake_readers()
@@ -314,6 +325,31 @@ class Engine:
         quiet, self._quiet = self._quiet, {}
         for events in quiet.values():
             events.flush()
+
+    def _await(self, step: _InFlight) -> None:
+        """Wait for `step`'s tokens with `_stepping` let go: the placer may place arrivals' adapters meanwhile."""
+        if self._placer is None:
+            return
+        self._stepping.release()
+        try:
+            step.choices.wait()
+        finally:
+            self._stepping.acquire()
+
+    def _place_arrivals(self) -> None:
+        """The placer thread. A request that arrives while the engine's thread waits for the device (most of a
+        replayed decode step) came after that step's `_prefetch`: its adapter would be placed by the next step's
+        admission, on that launch's path (~1 ms of host time for a 91 MB adapter on an H200, the whole of what a new
+        adapter added to its first step: docs/PERFORMANCE.md section 12). Here it is placed during the wait."""
+        while True:
+            self._arrivals.wait()
+            if self._placer_stopping:
+                return
+            self._arrivals.clear()
+            with self._stepping, self._on_stream():  # (a pool made by a placement: on the steps' stream, as theirs)
+                if self._placer_stopping:
+                    return
+                self._prefetch()
 
     def _prefetch(self) -> None:
         """While the step just launched runs: place the adapters of the requests that may join the next one (those
@@ -442,6 +478,10 @@ class Engine:
     # -- the engine's thread --
 
     def start(self) -> "Engine":
+        if self._placer is None:
+            self._placer_stopping = False
+            self._placer = threading.Thread(target=self._place_arrivals, name="symbiosis-engine-placer", daemon=True)
+            self._placer.start()
         self._worker.start()
         return self
 
@@ -453,6 +493,11 @@ class Engine:
             time.sleep(0.001)  # work that cannot run yet (blocks or adapter slots in use): let others finish
 
     def close(self) -> None:
+        if self._placer is not None:
+            self._placer_stopping = True
+            self._arrivals.set()
+            self._placer.join()
+            self._placer = None
         self._worker.stop()
         self._in_flight = None
         with self._on_stream():  # after the steps still on it (a failed request's KV is scrubbed)

@@ -42,9 +42,13 @@ class Launched:
             self._ready = torch.cuda.Event()
             self._ready.record()
 
-    def read(self, requests: list) -> list[Choice | None]:
+    def wait(self) -> None:
+        """Until the host's copies are there (on the CPU they are at once)."""
         if self._ready is not None:
             self._ready.synchronize()
+
+    def read(self, requests: list) -> list[Choice | None]:
+        self.wait()
         tokens, finite, *rest = [t.tolist() for t in self._host]
         chosen, top_values, top_indices = (rest + [None, None, None])[:3]
         choices = []

@@ -4,6 +4,8 @@ least recently used first; on a GPU each layer waits only for its own pool's cop
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import safetensors.torch
 import torch
@@ -263,6 +265,56 @@ def test_adapters_of_arrived_requests_are_placed_while_the_step_runs_and_nothing
     waiting = [store.load(name, adapters[name]) for name in ("attn_r2", "mlp_r8")]
     assert store.prefetch(waiting) == 0  # mlp_r8 is resident; attn_r2 could only evict a pinned or a wanted one
     assert store.resident.keys() == {"everything_rs", "mlp_r8"} and store.resident["everything_rs"] == pinned
+
+
+def test_a_request_arriving_while_the_engine_waits_for_the_device_has_its_adapter_placed_then(models, monkeypatch):
+    """The placer thread (`Engine._place_arrivals`): a request that arrives while the engine's thread waits for a
+    step's tokens (after that step's `_prefetch`) has its adapter placed during the wait, not by the next step's
+    admission; its tokens are those of its adapter alone. The device's wait is held open here by a gate."""
+    import threading
+
+    from symbiosis.engine import sampling
+
+    checkpoint, adapters = models("llama")
+    expected = _run(Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4), adapters,
+                    "mlp_r8")
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, adapter_slots=2)
+    store, placers = engine.adapters, {}
+    hold, waiting, release = threading.Event(), threading.Event(), threading.Event()
+    device_wait, place = sampling.Launched.wait, store._place
+
+    def held_wait(launched):
+        if hold.is_set():  # the "device" runs until the test lets it finish
+            waiting.set()
+            assert release.wait(30)
+        device_wait(launched)
+
+    def placing(slot, adapter, evicted=None):
+        placers[adapter.name] = threading.current_thread().name
+        place(slot, adapter, evicted)
+
+    monkeypatch.setattr(sampling.Launched, "wait", held_wait)
+    monkeypatch.setattr(store, "_place", placing)
+    engine.start()
+    try:
+        hold.set()
+        running = engine.submit(PROMPT, PARAMS, ("attn_r2", adapters["attn_r2"]))
+        assert waiting.wait(30)  # the engine's thread waits for the step after running's prefill
+        arrived = engine.submit(PROMPT, PARAMS, ("mlp_r8", adapters["mlp_r8"]))
+        deadline = time.monotonic() + 30
+        while "mlp_r8" not in placers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert placers.get("mlp_r8") == "symbiosis-engine-placer" and not release.is_set()
+        hold.clear()
+        release.set()
+        completion = arrived.result(timeout=60)
+        assert completion.token_ids == expected[0]
+        assert [t.logprob for t in completion.logprobs] == pytest.approx([lp for lp, _ in expected[1]], abs=1e-9)
+        assert running.result(timeout=60).finish_reason == "length"
+        assert placers["attn_r2"] == "symbiosis-engine" and store.stats.placements == 2
+    finally:
+        release.set()
+        engine.close()
 
 
 @pytest.mark.gpu
