@@ -107,7 +107,8 @@ declare -A COMMAND=(
   [remote_tails_2gpu]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1 --duration 8 --no-plain --clients threads --executor local --executor nccl-mlps:cuda:0 --executor nccl:cuda:0 --executor local --executor nccl-mlps:cuda:0 --executor nccl:cuda:0 --client-device cuda:1"
   [remote_2gpu]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,4,8 --duration 5 --no-plain --clients threads --executor local --executor nccl:cuda:0 --client-device cuda:1"
   # the remote fleet as tenants deploy it, each client a process of its own (its own interpreter), over nccl:// from
-  # GPU 1: run beside remote_2gpu, whose in-process fleet is the baseline
+  # GPU 1: run beside remote_2gpu, whose in-process fleet is the baseline, under MPS=1 (without it GPU 1 time-slices
+  # the clients' contexts: 2xH200, 8 clients 7,576 tokens/s against 14,848 under MPS; PERFORMANCE section 14)
   [remote_processes_2gpu]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,4,8 --duration 5 --no-plain --clients processes --executor nccl:cuda:0 --client-device cuda:1"
   [sharded_13b_2gpu]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 24 --duration 5 --no-plain --clients threads --checkpointing --executor peers:cuda:0,cuda:1"
   [processes_13b_2gpu]="$PY benchmarks/multi_tenant.py --model llama-2-13b --tenants 20 --duration 5 --no-plain --checkpointing --executor devices:cuda:0,cuda:1"
