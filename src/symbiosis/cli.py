@@ -178,7 +178,7 @@ def serve_command(args: argparse.Namespace) -> int:
                                           args.adapter_gpu_mib << 20},
                           training=None if args.no_training else {
                               "persist_every": args.persist_every, "max_pass_tokens": args.max_pass_tokens,
-                              "keep_answers_s": args.keep_answers,
+                              "keep_answers_s": args.keep_answers, "resident_models": args.resident_models,
                               "tokenizer_id": args.tokenizer_id, "max_running_jobs": args.max_running_jobs,
                               "max_running_jobs_per_tenant": args.max_running_jobs_per_tenant,
                               "checkpoint_every": args.checkpoint_every,
@@ -309,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
                        "dir every N optimizer steps (1: every step, before it is answered)")
     serve.add_argument("--keep-answers", type=float, default=3600, metavar="SECONDS", help="how long the Tinker "
                        "API keeps an answered request (for late polls and resubmissions) before pruning it")
+    serve.add_argument("--resident-models", type=int, default=64, help="Tinker training models kept in memory (on "
+                       "the trainer's device) when idle; the least recently used others are read back from the state "
+                       "dir at their next request")
     serve.add_argument("--max-pass-tokens", type=int, default=16384, help="tokens of one batched training pass")
     serve.add_argument("--train-devices", help="hosted training's devices, comma-separated (default: --device): a "
                        "copy of the base on each but --device's, each training model on one of them")

@@ -10,6 +10,13 @@ atomic: a new directory renamed over the old). After a restart every model comes
 and not answered before the stop fails with a server error saying so (it never runs twice, and never silently
 vanishes); and a model whose last answered steps or gathered gradients were not on disk has its next request fail
 with a server error naming what was lost, once, then goes on from the state on disk.
+
+Residency: at most `resident_models` models' states (matrices, AdamW moments, gradients: on the trainer's device)
+stay in memory when idle, the least recently used of the others dropped and read back from their live copy at their
+next request (a start reads no model's matrices, only each live copy's step count). A model stays in memory while
+anything holds it: a request of it queued or running (its `Work` and optimizer step bind the HostedLora object when
+submitted) or gradients gathered and not yet stepped (they are in memory only); one whose state is newer than its
+live copy (persist_every > 1) is written before it is dropped. So a tenant's many models cost disk, not memory.
 """
 
 from __future__ import annotations
@@ -23,11 +30,14 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
+from symbiosis.client.adapter_files import check_adapter_directory
+from symbiosis.client.generate import check_base_fingerprint
 from symbiosis.engine import Finished, SamplingParams
 from symbiosis.errors import AdapterError, BadCall, SymbiosisError
 from symbiosis.serve.tinker import wire
@@ -48,6 +58,7 @@ MAX_SAMPLES = 64
 MAX_PENDING_PER_TENANT = 128
 PRUNE_EVERY_S = 600  # how often answered requests older than keep_answers_s are deleted
 MAX_SAMPLE_TOKENS = 4096
+RESIDENT_MODELS = 64  # training models kept in memory when idle (the others read back from disk when used)
 
 
 class UserError(BadCall):
@@ -68,14 +79,18 @@ def category(error: Exception) -> str:
 
 class TinkerService:
     def __init__(self, service, persist_every: int = 1, tokenizer_id: str | None = None,
-                 keep_answers_s: float = KEEP_ANSWERS_S):
+                 keep_answers_s: float = KEEP_ANSWERS_S, resident_models: int = RESIDENT_MODELS):
         """On the service's trainer and training queue (shared with fine-tuning jobs). `keep_answers_s`: how long an
-        answered request is kept (polled late, resubmitted); pruned at start and every `PRUNE_EVERY_S` after."""
+        answered request is kept (polled late, resubmitted); pruned at start and every `PRUNE_EVERY_S` after.
+        `resident_models`: how many training models' states stay in memory when idle (module docstring)."""
         if persist_every < 1:
             raise ValueError("persist_every must be at least 1")
         if not keep_answers_s > 0:
             raise ValueError("keep_answers_s must be positive")
+        if resident_models < 1:
+            raise ValueError("resident_models must be at least 1")
         self.service, self.persist_every, self.keep_answers_s = service, persist_every, keep_answers_s
+        self.resident_models = int(resident_models)
         self._pruned_at = time.monotonic()
         self._pruning = threading.Lock()  # held while a pruning thread runs
         self.store = TinkerStore(service.state)
@@ -83,8 +98,18 @@ class TinkerService:
         self.base_name = service.base_name
         self.tokenizer_id = tokenizer_id or str(service.model_path.resolve())
         self.trainer, self.queue = service.trainer, service.training_queue
-        self.loras: dict[str, HostedLora] = {}
-        self.owners: dict[str, str] = {}  # model id -> its tenant (models are never deleted): no read a submission
+        # the models in memory, least recently used first, and the steps of each one's live copy; the models being
+        # read from or written to their live copy (a request for one waits for the event); how many requests of
+        # each model are queued or running (each binds its HostedLora). All under `_resident`, which no file's read
+        # or write holds.
+        self.loras: OrderedDict[str, HostedLora] = OrderedDict()
+        self._written: dict[str, int] = {}
+        self._moving: dict[str, threading.Event] = {}
+        self._held: Counter[str] = Counter()
+        self._resident = threading.Lock()
+        # model id -> its tenant (models are never deleted; one whose live copy cannot be read is dropped): no read a
+        # submission
+        self.owners: dict[str, str] = {}
         self.pending: dict[str, str] = {}  # request id -> tenant, from its acceptance until its answer is committed
         self._pending_of: Counter[str] = Counter()  # tenant -> its requests in `pending`
         self._pending_lock = threading.Lock()
@@ -101,22 +126,32 @@ class TinkerService:
         self.store.prune(self.keep_answers_s)
         for row in self.store.all_models():
             model = row["model_id"]
-            try:
-                lora = self._load(model, self._live(model), with_optimizer=True)
-            except (OSError, SymbiosisError) as e:
+            try:  # its matrices are read at its first request (`_hold`)
+                steps = self._live_steps(model)
+            except (OSError, SymbiosisError, ValueError, KeyError, TypeError, AttributeError) as e:
                 log.error("training model %s could not be restored: %s", model, e)
                 continue
-            self.loras[model], self.owners[model] = lora, row["tenant"]
+            self.owners[model] = row["tenant"]
             lost = []
-            if row["completed_steps"] > lora.steps:
-                lost.append(f"optimizer steps {lora.steps + 1}..{row['completed_steps']} (the model is back at step "
-                            f"{lora.steps}, its last one written to disk)")
+            if row["completed_steps"] > steps:
+                lost.append(f"optimizer steps {steps + 1}..{row['completed_steps']} (the model is back at step "
+                            f"{steps}, its last one written to disk)")
             if row["pending_grads"]:
                 lost.append(f"the gradients of {row['pending_grads']} forward_backward request(s) since its last step")
             if lost:
                 self.lost[model] = "the service restarted and this model lost " + " and ".join(lost)
-                self.store.update_model(model, completed_steps=lora.steps, pending_grads=0)
+                self.store.update_model(model, completed_steps=steps, pending_grads=0)
             self.queue.open(model, (self.store.last_seq(model) or 0) + 1)
+
+    def _live_steps(self, model: str) -> int:
+        """The optimizer steps of `model`'s live copy (its trainer_state.json), once the copy is checked to be a
+        training checkpoint of this base: its files there, its fingerprint this base's (the matrices are checked
+        when they are read). Places the model on its trainer, as a load does."""
+        directory = check_adapter_directory(self._live(model))
+        check_base_fingerprint(directory, self.queue.place(model).fingerprint)
+        if not (directory / "optimizer.safetensors").is_file():
+            raise AdapterError(f"{directory}: saved without optimizer state")
+        return int(json.loads((directory / "trainer_state.json").read_text()).get("steps", 0))
 
     # -- files --
 
@@ -140,6 +175,93 @@ class TinkerService:
         temporary.rename(directory)
         shutil.rmtree(old, ignore_errors=True)
         return size
+
+    # -- the models in memory --
+
+    def _hold(self, tenant: str, model: str) -> HostedLora:
+        """The caller's `model`'s state, read from its live copy if it is not in memory, marked most recently used
+        and held in memory until `_release` (once for each `_hold`). A model whose live copy cannot be read is
+        logged and dropped, and answered as no training model from then on (as a start does)."""
+        while True:
+            self._check_owner(tenant, model)
+            with self._resident:
+                lora = self.loras.get(model)
+                if lora is not None:
+                    self.loras.move_to_end(model)
+                    self._held[model] += 1
+                    return lora
+                moving = self._moving.get(model)
+                if moving is None:  # ours to read
+                    moving = self._moving[model] = threading.Event()
+                    break
+            moving.wait()  # read or written by another thread: then look again
+        try:
+            lora = self._load(model, self._live(model), with_optimizer=True)
+        except (OSError, SymbiosisError, SafetensorError, ValueError, KeyError, TypeError) as e:  # (a damaged copy)
+            log.error("training model %s could not be restored: %s", model, e)
+            self.owners.pop(model, None)
+            raise UserError(f"no training model {model[:80]!r}") from None
+        else:
+            with self._resident:
+                self.loras[model], self._written[model] = lora, lora.steps
+                self._held[model] += 1
+        finally:
+            with self._resident:
+                del self._moving[model]
+            moving.set()
+        self._evict()
+        return lora
+
+    def _release(self, model: str) -> None:
+        """A request that held `model` is over (answered, failed, or never queued); models over the budget go."""
+        with self._resident:
+            self._held[model] -= 1
+            if not self._held[model]:
+                del self._held[model]
+        self._evict()
+
+    def _resident_lora(self, model: str) -> HostedLora:
+        """The state of a model that a request holds (`_hold`: it is in memory)."""
+        with self._resident:
+            return self.loras[model]
+
+    def _install(self, model: str, lora: HostedLora) -> None:
+        """`lora`, just written to `model`'s live copy, as the model's state in memory (most recently used)."""
+        with self._resident:
+            self.loras[model], self._written[model] = lora, lora.steps
+            self.loras.move_to_end(model)
+
+    def _evict(self) -> None:
+        """Drop the least recently used idle models (no request holds them, no gradients not yet stepped) until at
+        most `resident_models` are in memory, each written to its live copy first where its state is newer.
+
+        Where every model in memory is busy the set stays over the budget: `_hold` reads the model asked for
+        anyway, rather than fail a request for memory. Each busy model is held by a request accepted and not yet
+        answered (at most MAX_PENDING_PER_TENANT a tenant) or by gradients waiting for their step, and every
+        `_release` evicts again, so the set comes back to the budget as they are answered."""
+        while True:
+            with self._resident:
+                if len(self.loras) <= self.resident_models:
+                    return
+                model = next((m for m, lora in self.loras.items() if not self._held[m] and not lora.pending), None)
+                if model is None:
+                    return
+                lora, written = self.loras.pop(model), self._written.pop(model)
+                if lora.steps == written:  # its live copy is this state
+                    continue
+                moving = self._moving[model] = threading.Event()  # a request for it waits for the write
+            try:
+                self._write(lora, self._live(model), with_optimizer=True)
+            except Exception:  # noqa: BLE001 -- it stays in memory (its last steps are not on disk), tried again later
+                log.exception("training model %s could not be written to disk; it stays in memory", model)
+                with self._resident:
+                    self.loras[model], self._written[model] = lora, written
+                    del self._moving[model]
+                moving.set()
+                return
+            with self._resident:
+                del self._moving[model]
+            moving.set()
 
     # -- requests --
 
@@ -207,7 +329,7 @@ class TinkerService:
         return self.store.model(tenant, model)
 
     def _check_owner(self, tenant: str, model: str) -> None:
-        if not isinstance(model, str) or self.owners.get(model) != tenant or model not in self.loras:
+        if not isinstance(model, str) or self.owners.get(model) != tenant:
             raise UserError(f"no training model {str(model)[:80]!r}")
 
     def _check_base(self, base_model: str | None) -> None:
@@ -257,8 +379,10 @@ class TinkerService:
         self._write(lora, self._live(model), with_optimizer=True)
         if not self.store.add_model(model, tenant, session_id, lora.spec_json(), self.base_name, lora.steps):
             raise UserError(f"model {model} exists already")
-        self.loras[model], self.owners[model] = lora, tenant
+        self._install(model, lora)
         self.queue.open(model, 1)
+        self.owners[model] = tenant
+        self._evict()
 
     def info(self, tenant: str, model: str) -> dict:
         row = self.model(tenant, model)
@@ -271,50 +395,77 @@ class TinkerService:
     def submit(self, tenant: str, model: str, seq_id: int, kind: str, work: Work | None = None, call=None,
                adam: dict | None = None) -> str:
         """Accept a training request of `model` (once per seq_id) and queue it; returns its request id. `adam`: an
-        optimizer step's `adam_params` (its result is then `call(metrics)`)."""
-        self._check_owner(tenant, model)
+        optimizer step's `adam_params` (its result is then `call(metrics)`); `work`: a pass, its `lora` set here.
+        The model is held in memory from here until the request is answered (`_hold`): its queued work binds it."""
+        lora = self._hold(tenant, model)
+        queued = False
+        try:
+            request_id, queued = self._enqueue(lora, tenant, model, seq_id, kind, work, call, adam)
+        finally:
+            if not queued:
+                self._release(model)
+        return request_id
+
+    def _enqueue(self, lora: HostedLora, tenant: str, model: str, seq_id: int, kind: str, work: Work | None, call,
+                 adam: dict | None) -> tuple[str, bool]:
+        """`submit`'s request id, and whether the request was queued (its answer then releases the model)."""
         request_id, new = self._accept(tenant, model, int(seq_id), kind)
         if not new:
-            return request_id
+            return request_id, False
         expected = self.queue.next_seq(model)
         if expected is not None and int(seq_id) < expected:  # it would wait in the queue for ever
             self._fail(request_id, UserError(
                 f"seq_id {seq_id} of model {model} comes before the model's next request ({expected}): a request of "
                 f"that number was answered more than {self.keep_answers_s:g} s ago and its answer is no longer kept, "
                 "or it was never sent"))
-            return request_id
+            return request_id, False
         lost = self.lost.pop(model, None)
         if lost is not None:
             self._fail(request_id, ServerError(lost + "; it goes on from there with your next request"))
             self.queue.skip(model, int(seq_id))
-            return request_id
+            return request_id, False
         if work is not None:
+            work.lora = lora
             try:
                 self.trainer.check(work)
             except BadCall as e:
                 self._fail(request_id, UserError(str(e)))
                 self.queue.skip(model, int(seq_id))
-                return request_id
+                return request_id, False
         step = None
         if adam is not None:
             try:
-                step = (self.loras[model], AdamParams.from_fields(adam))
+                step = (lora, AdamParams.from_fields(adam))
             except (TypeError, ValueError) as e:
                 self._fail(request_id, UserError(f"adam_params: {e}"))
                 self.queue.skip(model, int(seq_id))
-                return request_id
+                return request_id, False
+        over = []  # the request's answer (or failure) releases the model, once
+
+        def release():
+            if not over:
+                over.append(True)
+                self._release(model)
 
         def done(result):
-            if work is None:
-                self._json(request_id, result)
-                return
-            if work.backward:
-                self.store.count_gradients(model)
-            self._answer(request_id, "proto", wire.forward_backward_output(result.logprobs, result.loss))
+            try:
+                if work is None:
+                    self._json(request_id, result)
+                    return
+                if work.backward:
+                    self.store.count_gradients(model)
+                self._answer(request_id, "proto", wire.forward_backward_output(result.logprobs, result.loss))
+            finally:
+                release()
 
-        self.queue.submit(model, Operation(int(seq_id), done, lambda error: self._fail(request_id, error), work, call,
-                                           step))
-        return request_id
+        def fail(error):
+            try:
+                self._fail(request_id, error)
+            finally:
+                release()
+
+        self.queue.submit(model, Operation(int(seq_id), done, fail, work, call, step))
+        return request_id, True
 
     def submit_optim_step(self, tenant: str, model: str, seq_id: int, adam: dict) -> str:
         """An optimizer step of `model`, taken with every other model's of its round (TrainingQueue)."""
@@ -324,8 +475,7 @@ class TinkerService:
     def submit_pass(self, tenant: str, model: str, seq_id: int, datums: list, loss_fn: str, config: dict,
                     backward: bool) -> str:
         """A forward (backward False) or forward_backward request of `model`."""
-        self._check_owner(tenant, model)
-        work = Work(self.loras[model], datums, loss_fn, config, backward)
+        work = Work(None, datums, loss_fn, config, backward)  # (its lora the model's, once `submit` holds it)
         return self.submit(tenant, model, seq_id, "forward_backward" if backward else "forward", work=work)
 
     def remove_checkpoint_files(self, path: TinkerPath) -> None:
@@ -334,16 +484,19 @@ class TinkerService:
     # the calls below run on the training queue's thread, in the model's order
 
     def stepped(self, model: str, metrics: dict) -> dict:
-        """After `model`'s optimizer step: its state written every `persist_every` steps, its row updated."""
-        lora = self.loras[model]
+        """After `model`'s optimizer step: its state written every `persist_every` steps (else when it leaves
+        memory: `_evict`), its row updated."""
+        lora = self._resident_lora(model)
         if lora.steps % self.persist_every == 0:
             self._write(lora, self._live(model), with_optimizer=True)
+            with self._resident:
+                self._written[model] = lora.steps
         self.store.update_model(model, completed_steps=lora.steps, pending_grads=0)
         return {"metrics": metrics}
 
     def save(self, tenant: str, model: str, name: str, sampler: bool) -> TinkerPath:
         path = TinkerPath(model, "sampler_weights" if sampler else "weights", check_name(name, "path"))
-        size = self._write(self.loras[model], self.checkpoint_directory(path), with_optimizer=not sampler)
+        size = self._write(self._resident_lora(model), self.checkpoint_directory(path), with_optimizer=not sampler)
         self.store.add_checkpoint(tenant, model, path.kind, path.name, size)
         return path
 
@@ -357,8 +510,8 @@ class TinkerService:
     def load_into(self, tenant: str, model: str, path: str, optimizer: bool) -> dict:
         _, directory = self.resolve(tenant, path)
         lora = self._load(model, directory, with_optimizer=optimizer)
-        self.loras[model] = lora
         self._write(lora, self._live(model), with_optimizer=True)
+        self._install(model, lora)  # (this request holds the model: it stays in memory)
         self.store.update_model(model, completed_steps=lora.steps, persisted_steps=lora.steps, pending_grads=0,
                                 spec=json.dumps(lora.spec_json()))
         return {"path": path, "model_id": model, "type": "load_weights"}

@@ -1,0 +1,358 @@
+"""The Tinker API's training models in memory (serve/tinker/service.py, `resident_models`): beyond the budget the
+least recently used idle ones leave memory and come back from their live copy at their next request, and train
+exactly as models that never left; a model with gradients not yet stepped, or a request in the queue, stays; steps
+not yet on disk (persist_every > 1) are written when a model leaves; a live copy that cannot be read is answered as
+no training model. Driven by the official `tinker` SDK on loopback, float64 on the CPU."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import KEYS, start
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+TINKER_KEYS = {"alice": "tml-alice-0123456789abcdef"}
+TEXT = "the cat sat on the mat. the dog sat on the log. a bird sang in the tree."
+ADAM = types.AdamParams(learning_rate=1e-2)
+
+
+@pytest.fixture(scope="module")
+def budget_server(served_files, tmp_path_factory):
+    """Two models in memory when idle; state written every third step (else when a model leaves memory)."""
+    keys = tmp_path_factory.mktemp("resident-keys") / "keys.txt"
+    keys.write_text("".join(f"{t} {k}\n" for t, k in [*KEYS.items(), *TINKER_KEYS.items()]))
+    running = start({**served_files, "keys": keys}, tmp_path_factory.mktemp("resident-state"),
+                    training={"resident_models": 2, "persist_every": 3})
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def service(budget_server):
+    client = tinker.ServiceClient(base_url=budget_server.url, api_key=TINKER_KEYS["alice"])
+    yield client
+    client.close("success")
+
+
+@pytest.fixture
+def loads(budget_server, monkeypatch):
+    """The models read back from their live copy, in order."""
+    tinker_api, read = budget_server.service.tinker, []
+    load = tinker_api._load
+
+    def counted(model, directory, with_optimizer):
+        if directory == tinker_api._live(model):
+            read.append(model)
+        return load(model, directory, with_optimizer)
+    monkeypatch.setattr(tinker_api, "_load", counted)
+    return read
+
+
+def _datum(training):
+    ids = training.get_tokenizer()(TEXT)["input_ids"]
+    return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                       loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)})
+
+
+def _trained(service, seeds, datum, resident, rounds=2):
+    """Models of these seeds, each a forward_backward and an optimizer step in turn, `rounds` times: (models, every
+    answer's loss and gradient norm in order), `resident` checked after each answer."""
+    models = [service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=seed).result()
+              for seed in seeds]
+    resident()
+    answers = []
+    for _ in range(rounds):
+        for training in models:
+            answers.append(training.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
+            resident()
+            answers.append(training.optim_step(ADAM).result().metrics["grad_norm:mean"])
+            resident()
+    return models, answers
+
+
+def _state(tinker_api, training, name):
+    """A model's matrices and AdamW moments, as save_state writes them."""
+    directory = tinker_api.resolve("alice", training.save_state(name).result().path)[1]
+    return {**load_file(directory / "adapter_model.safetensors"), **load_file(directory / "optimizer.safetensors")}
+
+
+def test_models_beyond_the_budget_leave_memory_and_come_back_exactly(budget_server, service, loads, monkeypatch):
+    tinker_api = budget_server.service.tinker
+    monkeypatch.setattr(tinker_api, "resident_models", 100)  # the reference: every model stays in memory
+    reference = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=99).result()
+    datum = _datum(reference)
+    seeds = [11, 12, 13, 14]
+    expected_models, expected = _trained(service, seeds, datum, lambda: None)
+    expected_losses = [m.forward([datum], "cross_entropy").result().metrics["loss:sum"] for m in expected_models]
+    expected_states = [_state(tinker_api, m, "end") for m in expected_models]
+    assert not loads
+
+    monkeypatch.setattr(tinker_api, "resident_models", 2)
+    sizes = []
+
+    def resident():
+        sizes.append(len(tinker_api.loras))
+        assert len(tinker_api.loras) <= 2, list(tinker_api.loras)
+    models, answers = _trained(service, seeds, datum, resident)
+    assert answers == expected  # every loss and gradient norm, exactly
+    assert [m.forward([datum], "cross_entropy").result().metrics["loss:sum"] for m in models] == expected_losses
+    for training, reference_state in zip(models, expected_states):  # matrices and AdamW moments, exactly
+        state = _state(tinker_api, training, "end")
+        assert state.keys() == reference_state.keys()
+        assert all(torch.equal(state[name], reference_state[name]) for name in state)
+    # each of the four read back at each of its turns of the second round (two in memory, round robin) and more
+    assert set(loads) == {m.model_id for m in models} and len(loads) >= 8, loads
+    assert max(sizes) == 2
+    assert set(budget_server.service.tinker.owners) >= {m.model_id for m in models}  # none was dropped
+
+
+def test_a_model_with_gradients_not_yet_stepped_stays_and_its_step_uses_them(budget_server, service, loads,
+                                                                               monkeypatch):
+    """Gradients are in memory only: the model stays until its step. With every model in memory busy a new one is
+    read anyway, over the budget, and the set comes back to the budget when they are idle."""
+    tinker_api = budget_server.service.tinker
+    monkeypatch.setattr(tinker_api, "resident_models", 100)
+    first = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=21).result()
+    datum = _datum(first)
+    references = [first, service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=22).result()]
+    expected = []
+    for training in references:
+        training.forward_backward([datum], "cross_entropy").result()
+        expected.append((training.optim_step(ADAM).result().metrics["grad_norm:mean"],
+                         training.forward([datum], "cross_entropy").result().metrics["loss:sum"]))
+
+    monkeypatch.setattr(tinker_api, "resident_models", 2)
+    pinned = [service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=seed).result()
+              for seed in (21, 22)]
+    for training in pinned:  # gradients gathered, no step yet
+        training.forward_backward([datum], "cross_entropy").result()
+    for seed in (31, 32, 33):  # more models than the budget, used while the two wait for their steps
+        other = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=seed).result()
+        other.forward_backward([datum], "cross_entropy").result()
+        assert list(tinker_api.loras) == [m.model_id for m in pinned] + [other.model_id]  # over the budget: all busy
+        other.optim_step(ADAM).result()
+        assert list(tinker_api.loras) == [m.model_id for m in pinned]  # idle again: it left
+    assert not {m.model_id for m in pinned} & set(loads)  # never left memory
+    got = []
+    for training in pinned:
+        got.append((training.optim_step(ADAM).result().metrics["grad_norm:mean"],
+                    training.forward([datum], "cross_entropy").result().metrics["loss:sum"]))
+    assert got == expected and all(norm > 0 for norm, _ in got)
+    assert len(tinker_api.loras) <= 2
+
+
+def test_a_model_leaving_memory_writes_its_steps_not_yet_on_disk(budget_server, service, loads, monkeypatch):
+    """persist_every 3: two steps are in memory only, until the model leaves memory; then on disk (a restart finds
+    them: its check reads the live copy's step count)."""
+    tinker_api = budget_server.service.tinker
+    monkeypatch.setattr(tinker_api, "resident_models", 1)
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=41).result()
+    datum = _datum(training)
+    for _ in range(2):
+        training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(ADAM).result()
+    model = training.model_id
+    live = tinker_api._live(model)
+
+    def steps_on_disk():
+        return json.loads((live / "trainer_state.json").read_text())["steps"]
+    assert steps_on_disk() == 0 and tinker_api.loras[model].steps == 2  # not written at those steps
+    before = training.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+    other = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=42).result()
+    other.forward([datum], "cross_entropy").result()
+    assert model not in tinker_api.loras
+    assert steps_on_disk() == 2 and tinker_api._live_steps(model) == 2
+    assert tinker_api.store.model("alice", model)["completed_steps"] == 2  # a restart would report nothing lost
+    assert training.forward([datum], "cross_entropy").result().metrics["loss:sum"] == before
+    assert loads == [model] and tinker_api.loras[model].steps == 2
+
+
+def test_a_request_for_a_model_being_written_out_waits_for_the_write(budget_server, service, loads, monkeypatch):
+    """A model leaving memory with steps not on disk is written first; a request for it meanwhile waits for that
+    write and reads it back (not the older copy that the write replaces)."""
+    import threading
+
+    tinker_api = budget_server.service.tinker
+    monkeypatch.setattr(tinker_api, "resident_models", 1)
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=91).result()
+    datum = _datum(training)
+    training.forward_backward([datum], "cross_entropy").result()
+    training.optim_step(ADAM).result()  # step 1 of persist_every 3: in memory only
+    before = training.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+    live, write = tinker_api._live(training.model_id), tinker_api._write
+    writing, go = threading.Event(), threading.Event()
+
+    def slow_write(lora, directory, with_optimizer):
+        if directory == live:
+            writing.set()
+            go.wait(60)
+        return write(lora, directory, with_optimizer)
+    monkeypatch.setattr(tinker_api, "_write", slow_write)
+    got = []
+    other = threading.Thread(target=lambda: service.create_lora_training_client(  # it makes `training` leave
+        base_model="tiny-llama", rank=4, seed=92).result())
+    other.start()
+    again = threading.Thread(target=lambda: got.append(
+        training.forward([datum], "cross_entropy").result().metrics["loss:sum"]))
+    try:
+        assert writing.wait(60)
+        again.start()
+        again.join(0.5)
+        assert not loads and not got  # it waits
+    finally:
+        go.set()
+    for thread in (other, again):
+        thread.join(60)
+    assert got == [before] and loads == [training.model_id]
+
+
+def test_a_model_with_a_request_in_the_queue_stays(budget_server, service, monkeypatch):
+    """A queued request binds the model's state when it is submitted: while it waits (here for the request before
+    it), the model stays in memory, so the request and the ones after it train the same state."""
+    import time
+
+    from symbiosis.train.trainer import Datum
+
+    tinker_api = budget_server.service.tinker
+    monkeypatch.setattr(tinker_api, "resident_models", 1)
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=61).result()
+    model, ids = training.model_id, training.get_tokenizer()(TEXT)["input_ids"]
+    datum = Datum(ids[:-1], {"target_tokens": torch.tensor(ids[1:]),
+                             "weights": torch.ones(len(ids) - 1, dtype=torch.float64)})
+    seq = tinker_api.queue.next_seq(model)
+
+    def answer(request_id):
+        deadline = time.monotonic() + 60
+        while (row := tinker_api.store.request("alice", request_id))["status"] == "pending":
+            assert time.monotonic() < deadline, "no answer"
+            time.sleep(0.01)
+        assert row["status"] == "done", row
+        return row
+    # its forward_backward waits in the queue for the forward before it
+    waiting = tinker_api.submit_pass("alice", model, seq + 1, [datum], "cross_entropy", {}, backward=True)
+    for seed in (62, 63):  # other models, over the budget
+        other = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=seed).result()
+        other.forward([_datum(other)], "cross_entropy").result()
+        assert model in tinker_api.loras
+    answer(tinker_api.submit_pass("alice", model, seq, [datum], "cross_entropy", {}, backward=False))
+    answer(waiting)
+    stepped = answer(tinker_api.submit_optim_step("alice", model, seq + 2, {"learning_rate": 1e-2}))
+    assert json.loads(stepped["result"])["metrics"]["grad_norm:mean"] > 0  # the gradients of the pass it bound
+    assert tinker_api.loras[model].steps == 1
+
+
+def test_loops_at_once_over_the_budget_train_as_with_every_model_in_memory(budget_server, service, loads,
+                                                                           monkeypatch):
+    """Six loops on threads of their own, each sending its forward_backward and optimizer step and then waiting
+    for both (tinker-cookbook's), two models in memory when idle: models leave and come back while others are in
+    passes, the set goes over the budget while they are all busy, and every loss is the one every model in memory
+    gets (to float64's rounding: the passes' groupings differ)."""
+    import threading
+
+    tinker_api = budget_server.service.tinker
+    datum = _datum(service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=80).result())
+
+    def run(budget):
+        monkeypatch.setattr(tinker_api, "resident_models", budget)
+        losses, errors = {}, []
+
+        def loop(seed):
+            try:
+                client = tinker.ServiceClient(base_url=budget_server.url, api_key=TINKER_KEYS["alice"])
+                training = client.create_lora_training_client(base_model="tiny-llama", rank=4, seed=seed).result()
+                mine = []
+                for _ in range(3):
+                    passed = training.forward_backward([datum], "cross_entropy")
+                    stepped = training.optim_step(ADAM)
+                    mine.append(passed.result().metrics["loss:sum"])
+                    stepped.result()
+                mine.append(training.forward([datum], "cross_entropy").result().metrics["loss:sum"])
+                losses[seed] = mine
+            except Exception as e:  # noqa: BLE001 -- reported below
+                errors.append(e)
+        threads = [threading.Thread(target=loop, args=(seed,)) for seed in range(81, 87)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+        assert not errors, errors
+        return losses
+
+    expected = run(100)
+    assert not loads
+    got = run(2)
+    assert loads  # models left memory and came back (~20 times here)
+    assert got.keys() == expected.keys()
+    for seed, losses in got.items():
+        assert losses == pytest.approx(expected[seed], rel=1e-9), seed
+    assert len(tinker_api.loras) <= 2 and not tinker_api._held and not tinker_api._moving
+
+
+def test_a_live_copy_that_cannot_be_read_is_no_training_model(budget_server, service, caplog, monkeypatch):
+    tinker_api = budget_server.service.tinker
+    monkeypatch.setattr(tinker_api, "resident_models", 1)
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=51).result()
+    datum = _datum(training)
+    service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=52).result()  # the first one leaves
+    assert training.model_id not in tinker_api.loras
+    (tinker_api._live(training.model_id) / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
+    with caplog.at_level(logging.ERROR, logger="symbiosis.serve.tinker"):
+        for _ in range(2):  # logged once; then not read again
+            with pytest.raises(tinker.BadRequestError, match="no training model"):
+                training.forward([datum], "cross_entropy").result()
+    logged = [r.getMessage() for r in caplog.records if "could not be restored" in r.getMessage()]
+    assert len(logged) == 1 and training.model_id in logged[0], logged
+    assert training.model_id not in tinker_api.owners
+
+
+def test_serve_takes_the_budget_from_its_flag(served_files, tmp_path):
+    from symbiosis.cli import main
+
+    with pytest.raises(SystemExit, match="resident_models must be at least 1"):
+        main(["serve", "--model", str(served_files["model"]), "--state-dir", str(tmp_path / "state"), "--api-keys",
+              str(served_files["keys"]), "--resident-models", "0"])
+
+
+def test_a_killed_service_has_the_steps_written_when_models_left_memory(served_files, tmp_path):
+    """`symbiosis serve --resident-models 1 --persist-every 3` killed: a model that left memory after two steps
+    comes back at them; the one in memory, at its last written step, says so once (its start read only the live
+    copies' step counts), then goes on."""
+    import signal
+
+    from conftest import launch, terminate
+
+    keys = tmp_path / "keys"
+    keys.write_text(f"alice {TINKER_KEYS['alice']}\n")
+    options = ("--served-model-name", "tiny-llama", "--persist-every", "3", "--resident-models", "1")
+    process, url = launch(served_files["model"], tmp_path / "state", keys, *options)
+    try:
+        service = tinker.ServiceClient(base_url=url, api_key=TINKER_KEYS["alice"])
+        left = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=71).result()
+        datum = _datum(left)
+        for _ in range(2):
+            left.forward_backward([datum], "cross_entropy").result()
+            left.optim_step(ADAM).result()
+        loss = left.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+        stayed = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=72).result()  # `left` goes
+        stayed.forward_backward([datum], "cross_entropy").result()
+        stayed.optim_step(ADAM).result()  # in memory only
+        process.send_signal(signal.SIGKILL)
+        process.wait(30)
+
+        process, _ = launch(served_files["model"], tmp_path / "state", keys, *options, port=int(url.rsplit(":", 1)[1]))
+        assert left.forward([datum], "cross_entropy").result().metrics["loss:sum"] == loss
+        with pytest.raises(tinker.RequestFailedError, match=r"lost optimizer steps 1\.\.1 \(the model is back at step 0"):
+            stayed.forward([datum], "cross_entropy").result()
+        assert stayed.forward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
+        service.close("success")
+    finally:
+        terminate(process)
