@@ -6,6 +6,7 @@ no training model. Driven by the official `tinker` SDK on loopback, float64 on t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -43,15 +44,24 @@ def service(budget_server):
     client.close("success")
 
 
+class Reads(list):
+    on_loop = 0  # of them, how many ran on the event loop's thread (stopping every tenant's requests meanwhile)
+
+
 @pytest.fixture
 def loads(budget_server, monkeypatch):
     """The models read back from their live copy, in order."""
-    tinker_api, read = budget_server.service.tinker, []
+    tinker_api, read = budget_server.service.tinker, Reads()
     load = tinker_api._load
 
     def counted(model, directory, with_optimizer):
         if directory == tinker_api._live(model):
             read.append(model)
+            try:
+                asyncio.get_running_loop()
+                read.on_loop += 1
+            except RuntimeError:
+                pass
         return load(model, directory, with_optimizer)
     monkeypatch.setattr(tinker_api, "_load", counted)
     return read
@@ -111,6 +121,7 @@ def test_models_beyond_the_budget_leave_memory_and_come_back_exactly(budget_serv
         assert all(torch.equal(state[name], reference_state[name]) for name in state)
     # each of the four read back at each of its turns of the second round (two in memory, round robin) and more
     assert set(loads) == {m.model_id for m in models} and len(loads) >= 8, loads
+    assert loads.on_loop == 0  # forward_backward and optim_step read a model back on a worker thread
     assert max(sizes) == 2
     assert set(budget_server.service.tinker.owners) >= {m.model_id for m in models}  # none was dropped
 

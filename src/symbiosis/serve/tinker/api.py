@@ -126,6 +126,11 @@ def routes(service, tinker: TinkerService) -> tuple[APIRouter, dict]:
     async def off_loop(call):
         return await asyncio.to_thread(run, call)
 
+    async def on_loop_if_resident(model, call):
+        """A submission on the loop if its model is in memory, else on a worker thread: reading a model back from
+        disk (`--resident-models`) would stop every tenant's requests for its duration."""
+        return run(call) if tinker.resident(model) else await off_loop(call)
+
     # -- the training loop's requests: plain routes, (headers, body, state) -> (status, media type, body). Their
     # submissions run on the event loop, not a worker thread: a thread's hand-off cost the interpreter ~0.3 ms an
     # iteration, and the loop's reads of the state wait on the same database lock anyway (WAL, no fsync a commit)
@@ -162,8 +167,8 @@ def routes(service, tinker: TinkerService) -> tuple[APIRouter, dict]:
         if headers.get(b"content-encoding", b"identity") != b"identity":
             raise Refused(400, "send forward_backward uncompressed (client/config says proto_compress_fwdbwd false)")
         model, seq_id, loss_fn, config, forward_only, datums = run(lambda: wire.forward_backward_request(raw))
-        request_id = run(lambda: tinker.submit_pass(tenant, model, seq_id, datums, loss_fn, config,
-                                                    backward=not forward_only))
+        request_id = await on_loop_if_resident(model, lambda: tinker.submit_pass(
+            tenant, model, seq_id, datums, loss_fn, config, backward=not forward_only))
         return answer({"request_id": request_id, "model_id": model})
 
     async def optim_step(headers: dict, raw: bytes, state: dict):
@@ -172,7 +177,8 @@ def routes(service, tinker: TinkerService) -> tuple[APIRouter, dict]:
         model, adam = fields.get("model_id"), fields.get("adam_params")
         if not isinstance(adam, dict):
             raise Refused(400, "optim_step takes adam_params (this service's optimizer is AdamW)")
-        request_id = run(lambda: tinker.submit_optim_step(tenant, model, _int(fields, "seq_id"), adam))
+        request_id = await on_loop_if_resident(model, lambda: tinker.submit_optim_step(tenant, model,
+                                                                                     _int(fields, "seq_id"), adam))
         return answer({"request_id": request_id, "model_id": model})
 
     plain = {"/api/v1/retrieve_future": retrieve_future, "/api/v1/forward_backward": forward_backward,

@@ -212,6 +212,10 @@ class TinkerService:
         self._evict()
         return lora
 
+    def resident(self, model) -> bool:
+        """Whether `model` is in memory now (a hint from any thread: it may leave or come next)."""
+        return isinstance(model, str) and model in self.loras
+
     def _release(self, model: str) -> None:
         """A request that held `model` is over (answered, failed, or never queued); models over the budget go."""
         with self._resident:
