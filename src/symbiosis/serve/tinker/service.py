@@ -14,9 +14,10 @@ with a server error naming what was lost, once, then goes on from the state on d
 Residency: at most `resident_models` models' states (matrices, AdamW moments, gradients: on the trainer's device)
 stay in memory when idle, the least recently used of the others dropped and read back from their live copy at their
 next request (a start reads no model's matrices, only each live copy's step count). A model stays in memory while
-anything holds it: a request of it queued or running (its `Work` and optimizer step bind the HostedLora object when
-submitted) or gradients gathered and not yet stepped (they are in memory only); one whose state is newer than its
-live copy (persist_every > 1) is written before it is dropped. So a tenant's many models cost disk, not memory.
+a request of it holds it, queued or running (its `Work` and optimizer step bind the HostedLora object when
+submitted); one whose state is newer than its live copy (persist_every > 1) is written before it is dropped, and its
+gradients gathered and not yet stepped beside it (`gradients.safetensors`, read back and deleted with the model).
+So a tenant's many models cost disk, not memory.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import secrets
 import shutil
 import sqlite3
@@ -35,6 +37,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from symbiosis.client.adapter_files import check_adapter_directory
 from symbiosis.client.generate import check_base_fingerprint
@@ -132,6 +135,7 @@ class TinkerService:
                 log.error("training model %s could not be restored: %s", model, e)
                 continue
             self.owners[model] = row["tenant"]
+            self._gradients(model).unlink(missing_ok=True)  # (the row's pending_grads says they are lost)
             lost = []
             if row["completed_steps"] > steps:
                 lost.append(f"optimizer steps {steps + 1}..{row['completed_steps']} (the model is back at step "
@@ -157,6 +161,10 @@ class TinkerService:
 
     def _model_directory(self, model: str) -> Path:
         return self.root / "models" / model_directory_name(model)
+
+    def _gradients(self, model: str) -> Path:
+        """Where a model out of memory keeps the gradients gathered since its last step (until it is read back)."""
+        return self._model_directory(model) / "gradients.safetensors"
 
     def _live(self, model: str) -> Path:
         return self._model_directory(model) / "live"
@@ -202,6 +210,7 @@ class TinkerService:
             self.owners.pop(model, None)
             raise UserError(f"no training model {model[:80]!r}") from None
         else:
+            self._restore_gradients(model, lora)
             with self._resident:
                 self.loras[model], self._written[model] = lora, lora.steps
                 self._held[model] += 1
@@ -211,6 +220,32 @@ class TinkerService:
             moving.set()
         self._evict()
         return lora
+
+    def _restore_gradients(self, model: str, lora: HostedLora) -> None:
+        """The gradients `model` left memory with, back into `lora` (the file then deleted). Unreadable, they are
+        lost, and the model's next request fails saying so (as after a restart)."""
+        path = self._gradients(model)
+        if not path.exists():
+            return
+        try:
+            saved = load_file(path)["flat_grad"]
+            if saved.shape != lora.flat_grad.shape or saved.dtype != lora.flat_grad.dtype:
+                raise ValueError(f"{list(saved.shape)} {saved.dtype}, not {list(lora.flat_grad.shape)} "
+                                 f"{lora.flat_grad.dtype}")
+            lora.flat_grad.copy_(saved)
+            lora.pending = True
+        except (OSError, SafetensorError, KeyError, ValueError) as e:
+            log.error("training model %s: its gradients could not be read back: %s", model, e)
+            self.lost[model] = f"this model lost the gradients gathered since its last step (unreadable: {e})"
+            self.store.update_model(model, pending_grads=0)
+        finally:
+            path.unlink(missing_ok=True)
+
+    def _write_gradients(self, model: str, lora: HostedLora) -> None:
+        path = self._gradients(model)
+        temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+        save_file({"flat_grad": lora.flat_grad.detach().cpu()}, temporary)
+        os.replace(temporary, path)
 
     def resident(self, model) -> bool:
         """Whether `model` is in memory now (a hint from any thread: it may leave or come next)."""
@@ -236,26 +271,31 @@ class TinkerService:
             self.loras.move_to_end(model)
 
     def _evict(self) -> None:
-        """Drop the least recently used idle models (no request holds them, no gradients not yet stepped) until at
-        most `resident_models` are in memory, each written to its live copy first where its state is newer.
+        """Drop the least recently used idle models (no request holds them) until at most `resident_models` are in
+        memory, each written to its live copy first where its state is newer, and its gradients not yet stepped
+        beside it.
 
         Where every model in memory is busy the set stays over the budget: `_hold` reads the model asked for
         anyway, rather than fail a request for memory. Each busy model is held by a request accepted and not yet
-        answered (at most MAX_PENDING_PER_TENANT a tenant) or by gradients waiting for their step, and every
+        answered (at most MAX_PENDING_PER_TENANT a tenant), and every
         `_release` evicts again, so the set comes back to the budget as they are answered."""
         while True:
             with self._resident:
                 if len(self.loras) <= self.resident_models:
                     return
-                model = next((m for m, lora in self.loras.items() if not self._held[m] and not lora.pending), None)
+                model = next((m for m in self.loras if not self._held[m]), None)
                 if model is None:
                     return
                 lora, written = self.loras.pop(model), self._written.pop(model)
-                if lora.steps == written:  # its live copy is this state
+                if lora.steps == written and not lora.pending:  # its live copy is this state
                     continue
                 moving = self._moving[model] = threading.Event()  # a request for it waits for the write
             try:
-                self._write(lora, self._live(model), with_optimizer=True)
+                if lora.steps != written:
+                    self._write(lora, self._live(model), with_optimizer=True)
+                    written = lora.steps
+                if lora.pending:
+                    self._write_gradients(model, lora)
             except Exception:  # noqa: BLE001 -- it stays in memory (its last steps are not on disk), tried again later
                 log.exception("training model %s could not be written to disk; it stays in memory", model)
                 with self._resident:
