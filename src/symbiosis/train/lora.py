@@ -148,6 +148,24 @@ class HostedLora:
         self.layout = (spec.rank, tuple(self._slices), self.flat.shape, self.flat.dtype, self.flat.device)
         self.steps = 0
 
+    def take_state(self, other: "HostedLora") -> None:
+        """Become `other` (read from a checkpoint) in place: its matrices, AdamW moments (none if it has none),
+        steps, spec and scale; gradients dropped. Work queued for this object before (which holds it) then trains
+        the new state. ValueError where `other`'s layout (rank, layers, dtype, device) is not this one's."""
+        if other.layout != self.layout:
+            raise ValueError(f"the checkpoint's LoRA (rank {other.spec.rank}, {len(other.targets)} layers) is not "
+                             f"this model's (rank {self.spec.rank}, {len(self.targets)} layers)")
+        with torch.no_grad():
+            self.flat.copy_(other.flat)
+            if other.exp_avg is None:
+                self.exp_avg = self.exp_avg_sq = None
+            else:
+                exp_avg, exp_avg_sq = self.moments()
+                exp_avg.copy_(other.exp_avg)
+                exp_avg_sq.copy_(other.exp_avg_sq)
+        self.spec, self.scale, self.steps = other.spec, other.scale, other.steps
+        self.drop_gradients()
+
     def drop_gradients(self) -> None:
         """Forget the gradients gathered since the last step (a failed pass must not leave half of one)."""
         self.flat_grad.zero_()

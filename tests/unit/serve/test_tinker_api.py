@@ -9,6 +9,7 @@ import json
 import math
 import os
 import threading
+import time
 
 import openai
 import peft
@@ -108,6 +109,45 @@ def test_sampling_from_the_trained_adapter_gives_plain_peft_greedy_tokens(traini
     with pytest.raises(openai.NotFoundError):
         training_server.client("bob").completions.create(model=path, prompt=prompt, max_tokens=2)
     service.close("success")
+
+
+def test_requests_sent_behind_a_load_train_the_loaded_state(training_server, monkeypatch):
+    """load_state, then a forward_backward and an optimizer step sent before the load has run: they train the
+    loaded state, as when the load is awaited first. (They were bound to the state the load replaced: their
+    gradients and step went to a discarded copy, with no error.)"""
+    service, tinker_api = _client(training_server), training_server.service.tinker
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=5).result()
+    datum, _, _ = _datum(training.get_tokenizer(), TEXT)
+    adam = types.AdamParams(learning_rate=5e-3)
+
+    def step():
+        training.forward_backward([datum], "cross_entropy")
+        return training.optim_step(adam)
+    step().result()
+    path = training.save_state("behind-a-load").result().path
+    step().result()  # moves on from the checkpoint
+    training.load_state(path).result()  # the reference: the load awaited, then a step
+    expected = step().result().metrics["grad_norm:mean"]
+    expected_loss = training.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+
+    load_into, model = tinker_api.load_into, training.model_id
+    queue = tinker_api.queue._queue(model)  # (the model's trainer's: two here)
+
+    def after_the_next_request(*args):  # the load runs once the model's next request waits in its queue
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with queue._lock:
+                if any(seq > queue._next[model] for seq in queue._queues.get(model, {})):
+                    break
+            time.sleep(0.01)
+        return load_into(*args)
+    monkeypatch.setattr(tinker_api, "load_into", after_the_next_request)
+    loaded = training.load_state(path)
+    stepped = step()
+    loaded.result()
+    assert stepped.result().metrics["grad_norm:mean"] == pytest.approx(expected, rel=1e-12)
+    assert training.forward([datum], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(expected_loss,
+                                                                                                      rel=1e-12)
 
 
 def test_save_and_load_state_carry_the_adapter_and_its_optimizer(training_server):

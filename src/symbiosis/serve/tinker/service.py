@@ -553,9 +553,14 @@ class TinkerService:
 
     def load_into(self, tenant: str, model: str, path: str, optimizer: bool) -> dict:
         _, directory = self.resolve(tenant, path)
-        lora = self._load(model, directory, with_optimizer=optimizer)
+        # into the model's object in place: requests queued behind this one hold it (their `Work`, their step)
+        lora = self._resident_lora(model)  # (this request holds the model: it is in memory)
+        try:
+            lora.take_state(self._load(model, directory, with_optimizer=optimizer))
+        except ValueError as e:
+            raise UserError(f"{e}: load it into a model of its own (create_training_client_from_state)") from None
         self._write(lora, self._live(model), with_optimizer=True)
-        self._install(model, lora)  # (this request holds the model: it stays in memory)
+        self._install(model, lora)
         self.store.update_model(model, completed_steps=lora.steps, persisted_steps=lora.steps, pending_grads=0,
                                 spec=json.dumps(lora.spec_json()))
         return {"path": path, "model_id": model, "type": "load_weights"}
