@@ -179,6 +179,8 @@ def serve_command(args: argparse.Namespace) -> int:
                           training=None if args.no_training else {
                               "persist_every": args.persist_every, "max_pass_tokens": args.max_pass_tokens,
                               "keep_answers_s": args.keep_answers, "resident_models": args.resident_models,
+                              "max_models_per_tenant": args.max_models_per_tenant,
+                              "max_checkpoint_bytes_per_tenant": int(args.max_checkpoint_gib_per_tenant * 2**30),
                               "tokenizer_id": args.tokenizer_id, "max_running_jobs": args.max_running_jobs,
                               "max_running_jobs_per_tenant": args.max_running_jobs_per_tenant,
                               "checkpoint_every": args.checkpoint_every,
@@ -312,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--resident-models", type=int, default=64, help="Tinker training models kept in memory (on "
                        "the trainer's device) when idle; the least recently used others are read back from the state "
                        "dir at their next request")
+    serve.add_argument("--max-models-per-tenant", type=int, default=1000, help="Tinker training models one tenant "
+                       "may have (they are never deleted: each keeps its state on disk)")
+    serve.add_argument("--max-checkpoint-gib-per-tenant", type=float, default=64, help="the bytes of Tinker "
+                       "checkpoints one tenant may keep (deleting some makes room)")
     serve.add_argument("--max-pass-tokens", type=int, default=16384, help="tokens of one batched training pass")
     serve.add_argument("--train-devices", help="hosted training's devices, comma-separated (default: --device): a "
                        "copy of the base on each but --device's, each training model on one of them")

@@ -26,7 +26,7 @@ class Service:
                  engine_options: dict | None = None, training: dict | None = None, hmi: dict | None = None):
         """`training`: hosted training's options (max_pass_tokens: tokens of one batched pass; devices: a trainer
         on each (train/replicas.py); gather_fraction: the training queue's wait for models it expects back, as a
-        fraction of the last pass; the Tinker API's persist_every, keep_answers_s, resident_models and
+        fraction of the last pass; the Tinker API's persist_every, keep_answers_s, resident_models, its per-tenant bounds and
         tokenizer_id; the fine-tuning jobs' max_running_jobs, max_running_jobs_per_tenant, checkpoint_every), or
         None for no hosted training (neither the Tinker API nor fine-tuning jobs). `hmi`: HMI's domains and models
         (serve/hmi/: root, the PLOT root table's directory; min_corpus_tokens), which need hosted training's files."""
@@ -73,7 +73,8 @@ class Service:
             # the trainer of calls that belong to no model (prompt log-probabilities)
             self.trainer = self.training_queue.trainers[0]
             tinker = {key: training.pop(key) for key in ("persist_every", "tokenizer_id", "keep_answers_s",
-                                                         "resident_models") if key in training}
+                                                         "resident_models", "max_models_per_tenant",
+                                                         "max_checkpoint_bytes_per_tenant") if key in training}
             self.tinker = TinkerService(self, **tinker)
             self.jobs = JobService(self, **training)
         self.hmi = None

@@ -62,6 +62,10 @@ MAX_PENDING_PER_TENANT = 128
 PRUNE_EVERY_S = 600  # how often answered requests older than keep_answers_s are deleted
 MAX_SAMPLE_TOKENS = 4096
 RESIDENT_MODELS = 64  # training models kept in memory when idle (the others read back from disk when used)
+# what one tenant may keep on the service's disk, which every tenant shares: training models (never deleted: each a
+# live copy of its matrices and AdamW moments) and checkpoints' bytes (deleted through the RestClient)
+MAX_MODELS_PER_TENANT = 1000
+MAX_CHECKPOINT_BYTES_PER_TENANT = 64 << 30
 
 
 class UserError(BadCall):
@@ -82,18 +86,27 @@ def category(error: Exception) -> str:
 
 class TinkerService:
     def __init__(self, service, persist_every: int = 1, tokenizer_id: str | None = None,
-                 keep_answers_s: float = KEEP_ANSWERS_S, resident_models: int = RESIDENT_MODELS):
+                 keep_answers_s: float = KEEP_ANSWERS_S, resident_models: int = RESIDENT_MODELS,
+                 max_models_per_tenant: int = MAX_MODELS_PER_TENANT,
+                 max_checkpoint_bytes_per_tenant: int = MAX_CHECKPOINT_BYTES_PER_TENANT):
         """On the service's trainer and training queue (shared with fine-tuning jobs). `keep_answers_s`: how long an
         answered request is kept (polled late, resubmitted); pruned at start and every `PRUNE_EVERY_S` after.
-        `resident_models`: how many training models' states stay in memory when idle (module docstring)."""
+        `resident_models`: how many training models' states stay in memory when idle (module docstring).
+        `max_models_per_tenant`, `max_checkpoint_bytes_per_tenant`: what one tenant may keep on disk."""
         if persist_every < 1:
             raise ValueError("persist_every must be at least 1")
         if not keep_answers_s > 0:
             raise ValueError("keep_answers_s must be positive")
         if resident_models < 1:
             raise ValueError("resident_models must be at least 1")
+        if max_models_per_tenant < 1:
+            raise ValueError("max_models_per_tenant must be at least 1")
+        if max_checkpoint_bytes_per_tenant < 0:
+            raise ValueError("max_checkpoint_bytes_per_tenant must be at least 0")
         self.service, self.persist_every, self.keep_answers_s = service, persist_every, keep_answers_s
         self.resident_models = int(resident_models)
+        self.max_models_per_tenant = int(max_models_per_tenant)
+        self.max_checkpoint_bytes_per_tenant = int(max_checkpoint_bytes_per_tenant)
         self._pruned_at = time.monotonic()
         self._pruning = threading.Lock()  # held while a pruning thread runs
         self.store = TinkerStore(service.state)
@@ -420,6 +433,10 @@ class TinkerService:
                                with_optimizer=with_optimizer)
 
     def _start_model(self, tenant: str, session_id: str, model: str, lora: HostedLora) -> None:
+        held = self.store.models(tenant, 0, 0)[1]
+        if held >= self.max_models_per_tenant:
+            raise UserError(f"quota exceeded: you have {held} training models, the most one tenant may have on this "
+                            "service")
         self._write(lora, self._live(model), with_optimizer=True)
         if not self.store.add_model(model, tenant, session_id, lora.spec_json(), self.base_name, lora.steps):
             raise UserError(f"model {model} exists already")
@@ -540,6 +557,10 @@ class TinkerService:
 
     def save(self, tenant: str, model: str, name: str, sampler: bool) -> TinkerPath:
         path = TinkerPath(model, "sampler_weights" if sampler else "weights", check_name(name, "path"))
+        held = self.store.checkpoint_bytes(tenant)
+        if held >= self.max_checkpoint_bytes_per_tenant:
+            raise UserError(f"quota exceeded: your checkpoints hold {held} bytes, at most "
+                            f"{self.max_checkpoint_bytes_per_tenant} may be kept: delete some first")
         size = self._write(self._resident_lora(model), self.checkpoint_directory(path), with_optimizer=not sampler)
         self.store.add_checkpoint(tenant, model, path.kind, path.name, size)
         return path

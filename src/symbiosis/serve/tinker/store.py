@@ -172,6 +172,10 @@ class TinkerStore(Tables):
         self._change("INSERT OR REPLACE INTO tinker_checkpoints VALUES (?, ?, ?, ?, ?, ?)",
                      (tenant, model_id, kind, name, time.time(), size))
 
+    def checkpoint_bytes(self, tenant: str) -> int:
+        return self._one("SELECT COALESCE(SUM(size_bytes), 0) AS n FROM tinker_checkpoints WHERE tenant = ?",
+                         (tenant,))["n"]
+
     def checkpoint(self, tenant: str, model_id: str, kind: str, name: str) -> dict | None:
         return self._one("SELECT * FROM tinker_checkpoints WHERE tenant = ? AND model_id = ? AND kind = ? AND name = ?",
                          (tenant, model_id, kind, name))

@@ -1,0 +1,57 @@
+"""What one tenant may keep on the service's disk through the Tinker API (serve/tinker/service.py): training
+models (never deleted) and checkpoints' bytes. Past either bound the request fails as the tenant's own error, naming
+the quota; another tenant is not affected, and deleting checkpoints makes room again. The official `tinker` SDK on
+loopback."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from conftest import KEYS, start
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+tinker = pytest.importorskip("tinker")
+
+TINKER_KEYS = {"alice": "tml-alice-0123456789abcdef", "bob": "tml-bob-0123456789abcdefgh"}
+
+
+@pytest.fixture(scope="module")
+def quota_server(served_files, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("quota-keys") / "keys.txt"
+    keys.write_text("".join(f"{t} {k}\n" for t, k in [*KEYS.items(), *TINKER_KEYS.items()]))
+    running = start({**served_files, "keys": keys}, tmp_path_factory.mktemp("quota-state"),
+                    training={"max_models_per_tenant": 2, "max_checkpoint_bytes_per_tenant": 1})
+    yield running
+    running.stop()
+
+
+def _client(server, tenant):
+    return tinker.ServiceClient(base_url=server.url, api_key=TINKER_KEYS[tenant])
+
+
+def test_a_tenant_past_its_models_is_refused_and_another_is_not(quota_server):
+    alice, bob = _client(quota_server, "alice"), _client(quota_server, "bob")
+    first = alice.create_lora_training_client(base_model="tiny-llama", rank=4, seed=1).result()
+    alice.create_lora_training_client(base_model="tiny-llama", rank=4, seed=2).result()
+    with pytest.raises(tinker.RequestFailedError, match="quota exceeded: you have 2 training models"):
+        alice.create_lora_training_client(base_model="tiny-llama", rank=4, seed=3).result()
+    path = first.save_state("for-a-copy").result().path
+    with pytest.raises(tinker.RequestFailedError, match="quota exceeded"):  # a model made from a checkpoint too
+        alice.create_training_client_from_state(path).result()
+    bob.create_lora_training_client(base_model="tiny-llama", rank=4, seed=1).result()  # bob's own count
+    assert len(quota_server.service.tinker.store.models("alice", 0, 10)[0]) == 2
+
+
+def test_checkpoints_past_the_bytes_are_refused_until_some_are_deleted(quota_server):
+    bob = _client(quota_server, "bob")
+    training = bob.create_lora_training_client(base_model="tiny-llama", rank=4, seed=7).result()
+    training.save_state("first").result()  # the bound is 1 byte: the first fits (nothing was held)
+    with pytest.raises(tinker.RequestFailedError, match="quota exceeded: your checkpoints hold"):
+        training.save_state("second").result()
+    with pytest.raises(tinker.RequestFailedError, match="quota exceeded"):
+        training.save_weights_for_sampler("sampler").result()
+    rest = bob.create_rest_client()
+    rest.delete_checkpoint(training.model_id, "weights/first").result()
+    training.save_state("second").result()  # room again
