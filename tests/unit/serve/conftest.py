@@ -114,6 +114,23 @@ def start(files, state_dir: Path, fronts: bool = False, **options) -> Running:
     return Running(service, 0, fronts)
 
 
+def start_with_tinker_keys(files, tmp_path_factory, tinker_keys: dict, **options) -> Running:
+    """`start`, the tenants' keys joined by these `tml-` keys (the tinker SDK's: a tenant may have several)."""
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text("".join(f"{t} {k}\n" for t, k in [*KEYS.items(), *tinker_keys.items()]))
+    return start({**files, "keys": keys}, tmp_path_factory.mktemp("state"), **options)
+
+
+def tinker_server(tinker_keys: dict, **options):
+    """A module's fixture: the service of `start_with_tinker_keys(.., **options)`, stopped after the module."""
+    @pytest.fixture(scope="module")
+    def running_server(served_files, tmp_path_factory):
+        running = start_with_tinker_keys(served_files, tmp_path_factory, tinker_keys, **options)
+        yield running
+        running.stop()
+    return running_server
+
+
 @pytest.fixture(scope="module")
 def server(served_files, tmp_path_factory):
     running = start(served_files, tmp_path_factory.mktemp("state"))

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import KEYS, start
+from conftest import start_with_tinker_keys
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 tinker = pytest.importorskip("tinker")
@@ -30,13 +30,10 @@ TEXT = "the cat sat on the mat. the dog sat on the log. a bird sang in the tree.
 @pytest.fixture(scope="module", params=["one_process", "fronts"])
 def training_server(request, served_files, tmp_path_factory):
     """Every test here runs with the service's HTTP in its own process and behind a front (`--http-processes`)."""
-    keys = tmp_path_factory.mktemp("tinker-keys") / "keys.txt"
-    # a tenant may have several keys: its OpenAI key and its `tml-` key for the tinker SDK
-    keys.write_text("".join(f"{t} {k}\n" for t, k in [*KEYS.items(), *TINKER_KEYS.items()]))
     # two trainers (`--train-devices cpu,cpu`: a base copy each), the training models placed on both: every test
     # here runs across them
-    running = start({**served_files, "keys": keys}, tmp_path_factory.mktemp("tinker-state"),
-                    fronts=request.param == "fronts", training={"devices": ["cpu", "cpu"]})
+    running = start_with_tinker_keys(served_files, tmp_path_factory, TINKER_KEYS, fronts=request.param == "fronts",
+                                     training={"devices": ["cpu", "cpu"]})
     yield running
     running.stop()
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from conftest import KEYS, start
+from conftest import tinker_server
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 tinker = pytest.importorskip("tinker")
@@ -17,14 +17,7 @@ tinker = pytest.importorskip("tinker")
 TINKER_KEYS = {"alice": "tml-alice-0123456789abcdef", "bob": "tml-bob-0123456789abcdefgh"}
 
 
-@pytest.fixture(scope="module")
-def quota_server(served_files, tmp_path_factory):
-    keys = tmp_path_factory.mktemp("quota-keys") / "keys.txt"
-    keys.write_text("".join(f"{t} {k}\n" for t, k in [*KEYS.items(), *TINKER_KEYS.items()]))
-    running = start({**served_files, "keys": keys}, tmp_path_factory.mktemp("quota-state"),
-                    training={"max_models_per_tenant": 2, "max_checkpoint_bytes_per_tenant": 1})
-    yield running
-    running.stop()
+quota_server = tinker_server(TINKER_KEYS, training={"max_models_per_tenant": 2, "max_checkpoint_bytes_per_tenant": 1})
 
 
 def _client(server, tenant):

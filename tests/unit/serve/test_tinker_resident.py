@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import KEYS, start
+from conftest import tinker_server
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 tinker = pytest.importorskip("tinker")
@@ -26,15 +26,8 @@ TEXT = "the cat sat on the mat. the dog sat on the log. a bird sang in the tree.
 ADAM = types.AdamParams(learning_rate=1e-2)
 
 
-@pytest.fixture(scope="module")
-def budget_server(served_files, tmp_path_factory):
-    """Two models in memory when idle; state written every third step (else when a model leaves memory)."""
-    keys = tmp_path_factory.mktemp("resident-keys") / "keys.txt"
-    keys.write_text("".join(f"{t} {k}\n" for t, k in [*KEYS.items(), *TINKER_KEYS.items()]))
-    running = start({**served_files, "keys": keys}, tmp_path_factory.mktemp("resident-state"),
-                    training={"resident_models": 2, "persist_every": 3})
-    yield running
-    running.stop()
+# two models in memory when idle; state written every third step (else when a model leaves memory)
+budget_server = tinker_server(TINKER_KEYS, training={"resident_models": 2, "persist_every": 3})
 
 
 @pytest.fixture
