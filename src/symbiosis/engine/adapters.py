@@ -238,6 +238,9 @@ class AdapterStore:
         self.embedding_ready: _Ready | None = None  # as Pools.ready, for the embedding pool
         self._pending: list[_Copied] = []  # pools with a copy event since the last wait_all
         self._readers: dict[int, torch.cuda.Event] = {}  # slot -> recorded after the latest step queued that reads it
+        # slots a placement failed in part way (freed, but holding what it and the evicted adapter left): every scale
+        # in them is zeroed before the next placement there
+        self._dirty: set[int] = set()
         self._lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._rows_cache: dict[tuple, object] = {}  # (slot, layer id, rank) -> _rows; ("scale", slot, pool, member)
@@ -669,6 +672,29 @@ class AdapterStore:
     def _place(self, slot: int, adapter: HostAdapter, evicted: Slot | None = None) -> None:
         """Copy `adapter` into `slot`'s rows of its pools, layer by layer in the model's order, after zeroing what
         `evicted` left there; on a GPU on the copy stream, each pool's copy followed by its `ready` event."""
+        try:
+            self._place_into(slot, adapter, evicted)
+        except BaseException:
+            self._dirty.add(slot)  # (it is free: `_free_slot` took it out before)
+            raise
+
+    def _zero_scales(self, slot: int, stream) -> None:
+        """Every scale of `slot` zeroed (a failed placement's leftovers add nothing), its pools then waiting."""
+        written = [pools for pools in self.pools.values() if pools.scales is not None] + \
+            [pools for pools in self.bottleneck_pools.values() if pools.scales is not None]
+        for pools in written:
+            pools.scales[slot].zero_()
+        if self.embedding_pool is not None:
+            self.embedding_pool[2][slot] = 0.0
+        if stream is not None:
+            ready = _Ready(stream)
+            for pools in written:
+                pools.ready = ready
+            self._pending += written
+            if self.embedding_pool is not None:
+                self.embedding_ready = ready
+
+    def _place_into(self, slot: int, adapter: HostAdapter, evicted: Slot | None) -> None:
         stream = self._copy_stream
         reader = self._readers.pop(slot, None)
         if reader is not None:  # steps queued before may still read the slot's old adapter (engine.py overlaps)
@@ -676,6 +702,9 @@ class AdapterStore:
         self.stats.placements += 1
         self._pending = [pools for pools in self._pending if pools.ready is not None]  # eager steps waited on some
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if slot in self._dirty:
+                self._zero_scales(slot, stream)
+                self._dirty.discard(slot)
             if evicted is not None:
                 self._clear(slot, evicted, adapter, stream)
             members = set()

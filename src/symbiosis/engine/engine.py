@@ -21,6 +21,7 @@ beside the device's, not after it.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -38,6 +39,9 @@ from symbiosis.engine.params import SamplingParams
 from symbiosis.engine.scheduler import Request, Scheduler
 from symbiosis.errors import BadCall, SymbiosisError
 from symbiosis.worker import Worker
+
+
+log = logging.getLogger(__name__)
 
 
 class GenerationError(SymbiosisError):
@@ -349,7 +353,10 @@ class Engine:
             with self._stepping, self._on_stream():  # (a pool made by a placement: on the steps' stream, as theirs)
                 if self._placer_stopping:
                     return
-                self._prefetch()
+                try:
+                    self._prefetch()
+                except Exception:  # noqa: BLE001 -- its placement is left to admission, which fails that request
+                    log.exception("placing an arriving request's adapter failed; admission will place it")
 
     def _prefetch(self) -> None:
         """While the step just launched runs: place the adapters of the requests that may join the next one (those

@@ -267,10 +267,13 @@ def test_adapters_of_arrived_requests_are_placed_while_the_step_runs_and_nothing
     assert store.resident.keys() == {"everything_rs", "mlp_r8"} and store.resident["everything_rs"] == pinned
 
 
-def test_a_request_arriving_while_the_engine_waits_for_the_device_has_its_adapter_placed_then(models, monkeypatch):
+@pytest.mark.parametrize("placer_fails", [False, True])
+def test_a_request_arriving_while_the_engine_waits_for_the_device_has_its_adapter_placed_then(models, monkeypatch,
+                                                                                             caplog, placer_fails):
     """The placer thread (`Engine._place_arrivals`): a request that arrives while the engine's thread waits for a
     step's tokens (after that step's `_prefetch`) has its adapter placed during the wait, not by the next step's
-    admission; its tokens are those of its adapter alone. The device's wait is held open here by a gate."""
+    admission; its tokens are those of its adapter alone. The device's wait is held open here by a gate. A placer
+    whose placement raises logs it and lives on; admission places the adapter."""
     import threading
 
     from symbiosis.engine import sampling
@@ -291,6 +294,8 @@ def test_a_request_arriving_while_the_engine_waits_for_the_device_has_its_adapte
 
     def placing(slot, adapter, evicted=None):
         placers[adapter.name] = threading.current_thread().name
+        if placer_fails and placers[adapter.name] == "symbiosis-engine-placer":
+            raise RuntimeError("out of memory (simulated)")
         place(slot, adapter, evicted)
 
     monkeypatch.setattr(sampling.Launched, "wait", held_wait)
@@ -308,6 +313,9 @@ def test_a_request_arriving_while_the_engine_waits_for_the_device_has_its_adapte
         hold.clear()
         release.set()
         completion = arrived.result(timeout=60)
+        if placer_fails:
+            assert placers["mlp_r8"] == "symbiosis-engine" and engine._placer.is_alive()
+            assert "placing an arriving request's adapter failed" in caplog.text
         assert completion.token_ids == expected[0]
         assert [t.logprob for t in completion.logprobs] == pytest.approx([lp for lp, _ in expected[1]], abs=1e-9)
         assert running.result(timeout=60).finish_reason == "length"
@@ -315,6 +323,38 @@ def test_a_request_arriving_while_the_engine_waits_for_the_device_has_its_adapte
     finally:
         release.set()
         engine.close()
+
+
+def test_a_placement_that_fails_part_way_leaves_nothing_in_its_slot_for_the_next(models, monkeypatch):
+    """A placement that raises after its first wave (every scale of its layers written, some matrices) leaves its
+    slot free; the next adapter placed there (one on fewer layers, which overwrites fewer scales) finds every other
+    scale zero, so nothing of the failed one is added to its tokens."""
+    from symbiosis.engine import adapters as adapter_store
+
+    checkpoint, adapters = models("llama")
+    monkeypatch.setattr(adapter_store, "WAVE_BYTES", 1000)  # the tiny adapters in several waves, as large ones go
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, adapter_slots=1)
+    store = engine.adapters
+    everything, mlp = (store.load(name, adapters[name]) for name in ("everything_rs", "mlp_r8"))
+    place_wave, waves = store._place_wave, []
+
+    def failing_after_the_first(*args):
+        waves.append(args[0].name)
+        if len(waves) == 2:
+            raise RuntimeError("out of memory (simulated)")
+        place_wave(*args)
+    monkeypatch.setattr(store, "_place_wave", failing_after_the_first)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        store.acquire(everything)
+    monkeypatch.setattr(store, "_place_wave", place_wave)
+    assert store.resident == {}
+    slot = store.acquire(mlp)
+    written = {tuple(store.placement[layer_id][:2]) for layer_id in mlp.layers}
+    others = [(pool_id, member) for layer_id in everything.layers
+              for pool_id, member, _ in [store.placement[layer_id]] if (pool_id, member) not in written]
+    assert others and all(store.pools[pool_id].scales[slot, member] == 0 for pool_id, member in others)
+    assert _run(engine, adapters, "mlp_r8") == _run(
+        Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4), adapters, "mlp_r8")
 
 
 @pytest.mark.gpu
