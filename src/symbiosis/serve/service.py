@@ -110,6 +110,8 @@ class Service:
         if self.training_queue is not None:
             self.jobs.close()
             self.training_queue.stop()
+            if self.tinker is not None:
+                self.tinker.close()
         self.engine.close()
         if self.server is not None:
             self.server.stop()

@@ -10,12 +10,15 @@ import asyncio
 import json
 import logging
 import os
+import threading
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import tinker_server
+from symbiosis.train.trainer import Datum
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 tinker = pytest.importorskip("tinker")
@@ -58,6 +61,12 @@ def loads(budget_server, monkeypatch):
         return load(model, directory, with_optimizer)
     monkeypatch.setattr(tinker_api, "_load", counted)
     return read
+
+
+def in_memory(tinker_api):
+    """The models in memory once the evictions asked for so far are done (they run on a thread of their own)."""
+    assert tinker_api.settle()
+    return tinker_api.loras
 
 
 def _datum(training):
@@ -103,8 +112,8 @@ def test_models_beyond_the_budget_leave_memory_and_come_back_exactly(budget_serv
     sizes = []
 
     def resident():
-        sizes.append(len(tinker_api.loras))
-        assert len(tinker_api.loras) <= 2, list(tinker_api.loras)
+        sizes.append(len(in_memory(tinker_api)))
+        assert len(in_memory(tinker_api)) <= 2, list(in_memory(tinker_api))
     models, answers = _trained(service, seeds, datum, resident)
     assert answers == expected  # every loss and gradient norm, exactly
     assert [m.forward([datum], "cross_entropy").result().metrics["loss:sum"] for m in models] == expected_losses
@@ -143,8 +152,8 @@ def test_a_model_with_gradients_not_yet_stepped_leaves_with_them_and_its_step_us
         other = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=seed).result()
         other.forward_backward([datum], "cross_entropy").result()
         other.optim_step(ADAM).result()
-        assert len(tinker_api.loras) <= 2
-    assert not {m.model_id for m in waiting} & set(tinker_api.loras)  # both left memory, with their gradients
+        assert len(in_memory(tinker_api)) <= 2
+    assert not {m.model_id for m in waiting} & set(in_memory(tinker_api))  # both left memory, with their gradients
     assert all(tinker_api._gradients(m.model_id).is_file() for m in waiting)
     got = []
     for training in waiting:
@@ -153,7 +162,7 @@ def test_a_model_with_gradients_not_yet_stepped_leaves_with_them_and_its_step_us
     assert got == expected and all(norm > 0 for norm, _ in got)
     assert {m.model_id for m in waiting} <= set(loads)  # read back, gradients and all
     assert not any(tinker_api._gradients(m.model_id).exists() for m in waiting)  # deleted once read back
-    assert len(tinker_api.loras) <= 2
+    assert len(in_memory(tinker_api)) <= 2
 
 
 def test_gradients_that_cannot_be_read_back_fail_the_next_request_saying_so(budget_server, service, monkeypatch):
@@ -191,15 +200,15 @@ def test_a_model_leaving_memory_writes_its_steps_not_yet_on_disk(budget_server, 
 
     def steps_on_disk():
         return json.loads((live / "trainer_state.json").read_text())["steps"]
-    assert steps_on_disk() == 0 and tinker_api.loras[model].steps == 2  # not written at those steps
+    assert steps_on_disk() == 0 and in_memory(tinker_api)[model].steps == 2  # not written at those steps
     before = training.forward([datum], "cross_entropy").result().metrics["loss:sum"]
     other = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=42).result()
     other.forward([datum], "cross_entropy").result()
-    assert model not in tinker_api.loras
+    assert model not in in_memory(tinker_api)
     assert steps_on_disk() == 2 and tinker_api._live_steps(model) == 2
     assert tinker_api.store.model("alice", model)["completed_steps"] == 2  # a restart would report nothing lost
     assert training.forward([datum], "cross_entropy").result().metrics["loss:sum"] == before
-    assert loads == [model] and tinker_api.loras[model].steps == 2
+    assert loads == [model] and in_memory(tinker_api)[model].steps == 2
 
 
 def test_a_request_for_a_model_being_written_out_waits_for_the_write(budget_server, service, loads, monkeypatch):
@@ -268,12 +277,12 @@ def test_a_model_with_a_request_in_the_queue_stays(budget_server, service, monke
     for seed in (62, 63):  # other models, over the budget
         other = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=seed).result()
         other.forward([_datum(other)], "cross_entropy").result()
-        assert model in tinker_api.loras
+        assert model in in_memory(tinker_api)
     answer(tinker_api.submit_pass("alice", model, seq, [datum], "cross_entropy", {}, backward=False))
     answer(waiting)
     stepped = answer(tinker_api.submit_optim_step("alice", model, seq + 2, {"learning_rate": 1e-2}))
     assert json.loads(stepped["result"])["metrics"]["grad_norm:mean"] > 0  # the gradients of the pass it bound
-    assert tinker_api.loras[model].steps == 1
+    assert in_memory(tinker_api)[model].steps == 1
 
 
 def test_loops_at_once_over_the_budget_train_as_with_every_model_in_memory(budget_server, service, loads,
@@ -320,7 +329,7 @@ def test_loops_at_once_over_the_budget_train_as_with_every_model_in_memory(budge
     assert got.keys() == expected.keys()
     for seed, losses in got.items():
         assert losses == pytest.approx(expected[seed], rel=1e-9), seed
-    assert len(tinker_api.loras) <= 2 and not tinker_api._held and not tinker_api._moving
+    assert len(in_memory(tinker_api)) <= 2 and not tinker_api._held and not tinker_api._moving
 
 
 def test_a_live_copy_that_cannot_be_read_is_no_training_model(budget_server, service, caplog, monkeypatch):
@@ -329,7 +338,7 @@ def test_a_live_copy_that_cannot_be_read_is_no_training_model(budget_server, ser
     training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=51).result()
     datum = _datum(training)
     service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=52).result()  # the first one leaves
-    assert training.model_id not in tinker_api.loras
+    assert training.model_id not in in_memory(tinker_api)
     (tinker_api._live(training.model_id) / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
     with caplog.at_level(logging.ERROR, logger="symbiosis.serve.tinker"):
         for _ in range(2):  # logged once; then not read again
@@ -382,3 +391,77 @@ def test_a_killed_service_has_the_steps_written_when_models_left_memory(served_f
         service.close("success")
     finally:
         terminate(process)
+
+
+def _answer(tinker_api, request_id: str, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while (row := tinker_api.store.request("alice", request_id))["status"] == "pending" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return row
+
+
+def _raw_datum(training) -> Datum:
+    ids = training.get_tokenizer()(TEXT)["input_ids"]
+    return Datum(ids[:-1], {"target_tokens": torch.tensor(ids[1:]),
+                            "weights": torch.ones(len(ids) - 1, dtype=torch.float64)})
+
+
+def test_a_replayed_create_model_leaves_the_trained_model_alone(budget_server, service, monkeypatch):
+    """A create_model resent after its answer was pruned (so accepted as new) fails as existing, and writes
+    nothing: the model keeps its trained state, in memory and once read back."""
+    tinker_api = budget_server.service.tinker
+    monkeypatch.setattr(tinker_api, "resident_models", 1)
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=7).result()
+    datum = _datum(training)
+    training.forward_backward([datum], "cross_entropy").result()
+    training.optim_step(ADAM).result()
+    before = training.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+    session, _, seq = training.model_id.rpartition(":train:")
+    tinker_api.store.prune(0)  # (what keep_answers_s does in time): the create_model request's row goes
+    row = _answer(tinker_api, tinker_api.create_model("alice", session, int(seq), "tiny-llama", {"rank": 4}))
+    assert row["status"] == "failed" and "exists already" in row["error"]
+    service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=9).result()  # it leaves memory
+    assert training.model_id not in in_memory(tinker_api)
+    assert training.forward([datum], "cross_entropy").result().metrics["loss:sum"] == before
+
+
+def test_lost_gradients_fail_the_models_next_request_not_a_later_one(budget_server, service, monkeypatch):
+    """The requests after a model's gradients were lost (unreadable on its way back) arrive out of order: the
+    step sent after the forward_backward comes first. The loss is the forward_backward's to report (the queue's
+    next), and the queue goes on past both."""
+    tinker_api = budget_server.service.tinker
+    monkeypatch.setattr(tinker_api, "resident_models", 1)
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=3).result()
+    model, datum = training.model_id, _raw_datum(training)
+    seq = tinker_api.queue.next_seq(model)
+    assert _answer(tinker_api, tinker_api.submit_pass("alice", model, seq, [datum], "cross_entropy", {},
+                                                      backward=True))["status"] == "done"
+    service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=4).result()  # it leaves, gradients too
+    assert model not in in_memory(tinker_api) and tinker_api._gradients(model).is_file()
+    tinker_api._gradients(model).write_bytes(b"\0" * 64)
+    step = tinker_api.submit_optim_step("alice", model, seq + 2, {"learning_rate": 1e-2})
+    first = tinker_api.submit_pass("alice", model, seq + 1, [datum], "cross_entropy", {}, backward=True)
+    assert "lost the gradients" in _answer(tinker_api, first)["error"]
+    assert _answer(tinker_api, step)["status"] != "pending"
+    after = tinker_api.submit_pass("alice", model, seq + 3, [datum], "cross_entropy", {}, backward=False)
+    assert _answer(tinker_api, after)["status"] == "done"
+
+
+def test_evictions_write_outside_the_training_queues_answer_transaction(budget_server, service, monkeypatch):
+    """A model leaving memory with its gradients is written on the eviction thread, not inside the transaction
+    the training queue answers a round in (which holds the database for every tenant)."""
+    tinker_api = budget_server.service.tinker
+    monkeypatch.setattr(tinker_api, "resident_models", 1)
+    writes, write = [], tinker_api._write_gradients
+
+    def spied(model, lora):
+        writes.append((threading.current_thread().name, tinker_api.store.state._open_batch() is not None))
+        write(model, lora)
+    monkeypatch.setattr(tinker_api, "_write_gradients", spied)
+    models = [service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=seed).result()
+              for seed in (51, 52)]
+    datum = _datum(models[0])
+    for future in [training.forward_backward([datum], "cross_entropy") for training in models]:
+        future.result()
+    in_memory(tinker_api)
+    assert writes and all(thread == "symbiosis-tinker-evict" and not inside for thread, inside in writes), writes

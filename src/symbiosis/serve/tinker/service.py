@@ -134,6 +134,12 @@ class TinkerService:
         # set by the HTTP layer: hands a committed answer's fields to the polls waiting for it
         self.answered = lambda request_id, outcome: None
         self._recover()
+        # evictions (each may write a model's state) on a thread of their own: `_release` runs inside the training
+        # queue's answer transaction, and on the event loop
+        self._eviction = threading.Condition()
+        self._eviction_wanted = self._evicting = self._closing = False
+        self._evictor = threading.Thread(target=self._evict_when_wanted, name="symbiosis-tinker-evict", daemon=True)
+        self._evictor.start()
 
     # -- start and stop --
 
@@ -231,7 +237,7 @@ class TinkerService:
             with self._resident:
                 del self._moving[model]
             moving.set()
-        self._evict()
+        self._want_eviction()
         return lora
 
     def _restore_gradients(self, model: str, lora: HostedLora) -> None:
@@ -270,7 +276,7 @@ class TinkerService:
             self._held[model] -= 1
             if not self._held[model]:
                 del self._held[model]
-        self._evict()
+        self._want_eviction()
 
     def _resident_lora(self, model: str) -> HostedLora:
         """The state of a model that a request holds (`_hold`: it is in memory)."""
@@ -282,6 +288,39 @@ class TinkerService:
         with self._resident:
             self.loras[model], self._written[model] = lora, lora.steps
             self.loras.move_to_end(model)
+
+    def _want_eviction(self) -> None:
+        with self._eviction:
+            self._eviction_wanted = True
+            self._eviction.notify_all()
+
+    def _evict_when_wanted(self) -> None:
+        while True:
+            with self._eviction:
+                self._eviction.wait_for(lambda: self._eviction_wanted or self._closing)
+                if self._closing:
+                    return
+                self._eviction_wanted, self._evicting = False, True
+            try:
+                self._evict()
+            except Exception:  # noqa: BLE001 -- the models stay in memory; the next release tries again
+                log.exception("evicting training models failed")
+            finally:
+                with self._eviction:
+                    self._evicting = False
+                    self._eviction.notify_all()
+
+    def settle(self, timeout: float = 30) -> bool:
+        """Wait until no eviction is wanted or running (tests, benchmarks); whether it came within `timeout`."""
+        with self._eviction:
+            return self._eviction.wait_for(lambda: not self._eviction_wanted and not self._evicting, timeout)
+
+    def close(self) -> None:
+        """End the eviction thread (the one running finishes first)."""
+        with self._eviction:
+            self._closing = True
+            self._eviction.notify_all()
+        self._evictor.join()
 
     def _evict(self) -> None:
         """Drop the least recently used idle models (no request holds them) until at most `resident_models` are in
@@ -433,6 +472,9 @@ class TinkerService:
                                with_optimizer=with_optimizer)
 
     def _start_model(self, tenant: str, session_id: str, model: str, lora: HostedLora) -> None:
+        # before anything is written: a create replayed after its answer was pruned must not reset the live copy
+        if self.store.model_exists(model):
+            raise UserError(f"model {model} exists already")
         held = self.store.models(tenant, 0, 0)[1]
         if held >= self.max_models_per_tenant:
             raise UserError(f"quota exceeded: you have {held} training models, the most one tenant may have on this "
@@ -443,7 +485,7 @@ class TinkerService:
         self._install(model, lora)
         self.queue.open(model, 1)
         self.owners[model] = tenant
-        self._evict()
+        self._want_eviction()
 
     def info(self, tenant: str, model: str) -> dict:
         row = self.model(tenant, model)
@@ -480,7 +522,8 @@ class TinkerService:
                 f"that number was answered more than {self.keep_answers_s:g} s ago and its answer is no longer kept, "
                 "or it was never sent"))
             return request_id, False
-        lost = self.lost.pop(model, None)
+        # (only the request the queue waits for takes it: a later one's skip would leave the queue waiting for ever)
+        lost = self.lost.pop(model, None) if expected is None or int(seq_id) == expected else None
         if lost is not None:
             self._fail(request_id, ServerError(lost + "; it goes on from there with your next request"))
             self.queue.skip(model, int(seq_id))

@@ -87,6 +87,9 @@ class TinkerStore(Tables):
                        (model_id, tenant, session_id, json.dumps(spec), base_model, now, now, steps, steps))
         return True
 
+    def model_exists(self, model_id: str) -> bool:
+        return self._one("SELECT 1 FROM tinker_models WHERE model_id = ?", (model_id,)) is not None
+
     def model(self, tenant: str, model_id: str) -> dict | None:
         return self._one("SELECT * FROM tinker_models WHERE tenant = ? AND model_id = ?", (tenant, model_id))
 
