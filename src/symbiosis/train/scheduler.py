@@ -95,6 +95,10 @@ class Operation:
     work: Work | None = None
     call: Callable[..., object] | None = None
     step: tuple[HostedLora, AdamParams] | None = None
+    # called (on the runner's thread, with no lock held) when the operation is its adapter's next and is about to
+    # run, before its kind is read: sets what `work` or `step` train (serve/tinker binds a request to its model's
+    # state only then, so that one waiting for an earlier seq holds nothing); an error fails this operation alone
+    bind: Callable[["Operation"], None] | None = None
     results: list[Result] = field(default_factory=list)  # a pass's parts so far
     next_datum: int = 0
 
@@ -300,6 +304,7 @@ class TrainingQueue:
             self._land(older)
             self._flight = older = None
         ready, carried = self._gather(self._expected | self._answered)
+        ready = self._bound(ready)
         steps = {key: op for key, op in ready.items() if op.step is not None}
         calls = {key: op for key, op in ready.items() if op.work is None and op.step is None}
         passes = {key: op for key, op in ready.items() if op.work is not None}
@@ -343,7 +348,24 @@ class TrainingQueue:
         loops whose steps and passes fell out of phase would stay split for good, half of them stepping while the
         other half passes."""
         more, _ = self._gather(answered, may_split=False)
-        return {key: op for key, op in more.items() if op.work is not None and key not in passing}
+        return {key: op for key, op in self._bound(more).items() if op.work is not None and key not in passing}
+
+    def _bound(self, ready: dict[str, Operation], queued_next: bool = True) -> dict[str, Operation]:
+        """`ready` with each operation's `bind` called (once it succeeds); one whose bind failed is answered with
+        its error where it is its adapter's next (`queued_next`), else left out, to fail when it is."""
+        bound = {}
+        for key, op in ready.items():
+            if op.bind is not None:
+                try:
+                    op.bind(op)
+                except Exception as e:  # noqa: BLE001 -- this request fails; the others go on
+                    if queued_next:
+                        op.bind = None
+                        self._finish(key, op, error=e)
+                    continue
+                op.bind = None
+            bound[key] = op
+        return bound
 
     def _launch_steps(self, operations: dict[str, Operation], release: bool = True) -> Callable[[], None]:
         """Every adapter's optimizer step of the round queued on the device together (`launch_steps`: a few launches
@@ -406,7 +428,7 @@ class TrainingQueue:
             log.exception("a training pass failed")
             flight = _Flight(parts, None, e, {}, _nothing, began)
         else:
-            steps = self._waited_steps(parts)
+            steps = self._bound(self._waited_steps(parts), queued_next=False)  # (each behind its pass)
             flight = _Flight(parts, pending, None, steps, self._launch_steps(steps, release=False) if steps
                              else _nothing, began)
         with self._lock:

@@ -250,13 +250,11 @@ def test_a_request_for_a_model_being_written_out_waits_for_the_write(budget_serv
     assert got == [before] and loads == [training.model_id]
 
 
-def test_a_model_with_a_request_in_the_queue_stays(budget_server, service, monkeypatch):
-    """A queued request binds the model's state when it is submitted: while it waits (here for the request before
-    it), the model stays in memory, so the request and the ones after it train the same state."""
-    import time
-
-    from symbiosis.train.trainer import Datum
-
+def test_a_request_waiting_for_an_earlier_one_holds_nothing_and_trains_the_model_when_it_runs(budget_server,
+                                                                                               service, monkeypatch):
+    """A request whose seq_id comes after the model's next holds nothing while it waits (one tenant could hold any
+    number of models so): the model leaves memory meanwhile, and the request binds its state when the queue comes
+    to it, so it and the ones after it train the model's own state."""
     tinker_api = budget_server.service.tinker
     monkeypatch.setattr(tinker_api, "resident_models", 1)
     training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=61).result()
@@ -277,7 +275,7 @@ def test_a_model_with_a_request_in_the_queue_stays(budget_server, service, monke
     for seed in (62, 63):  # other models, over the budget
         other = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=seed).result()
         other.forward([_datum(other)], "cross_entropy").result()
-        assert model in in_memory(tinker_api)
+        assert model not in in_memory(tinker_api)
     answer(tinker_api.submit_pass("alice", model, seq, [datum], "cross_entropy", {}, backward=False))
     answer(waiting)
     stepped = answer(tinker_api.submit_optim_step("alice", model, seq + 2, {"learning_rate": 1e-2}))
@@ -465,3 +463,15 @@ def test_evictions_write_outside_the_training_queues_answer_transaction(budget_s
         future.result()
     in_memory(tinker_api)
     assert writes and all(thread == "symbiosis-tinker-evict" and not inside for thread, inside in writes), writes
+
+
+def test_requests_for_seq_ids_that_never_come_hold_no_model(budget_server, service, monkeypatch):
+    """Requests far ahead of their models' next seq_id (which may never come) keep no model in memory."""
+    tinker_api = budget_server.service.tinker
+    monkeypatch.setattr(tinker_api, "resident_models", 1)
+    models = [service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=70 + i).result()
+              for i in range(4)]
+    datum = _raw_datum(models[0])
+    for training in models:
+        tinker_api.submit_pass("alice", training.model_id, 2**62, [datum], "cross_entropy", {}, backward=False)
+    assert len(in_memory(tinker_api)) <= 1 and not tinker_api._held

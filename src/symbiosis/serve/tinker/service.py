@@ -14,8 +14,8 @@ with a server error naming what was lost, once, then goes on from the state on d
 Residency: at most `resident_models` models' states (matrices, AdamW moments, gradients: on the trainer's device)
 stay in memory when idle, the least recently used of the others dropped and read back from their live copy at their
 next request (a start reads no model's matrices, only each live copy's step count). A model stays in memory while
-a request of it holds it, queued or running (its `Work` and optimizer step bind the HostedLora object when
-submitted); one whose state is newer than its live copy (persist_every > 1) is written before it is dropped, and its
+a request of it holds it, running or next in its queue (its `Work` and optimizer step bind the HostedLora object
+then; one waiting for an earlier seq_id binds it when the training queue comes to it, `Operation.bind`); one whose state is newer than its live copy (persist_every > 1) is written before it is dropped, and its
 gradients gathered and not yet stepped beside it (`gradients.safetensors`, read back and deleted with the model).
 So a tenant's many models cost disk, not memory.
 """
@@ -499,19 +499,24 @@ class TinkerService:
                adam: dict | None = None) -> str:
         """Accept a training request of `model` (once per seq_id) and queue it; returns its request id. `adam`: an
         optimizer step's `adam_params` (its result is then `call(metrics)`); `work`: a pass, its `lora` set here.
-        The model is held in memory from here until the request is answered (`_hold`): its queued work binds it."""
-        lora = self._hold(tenant, model)
+        The model is held in memory (`_hold`) until the request is answered, from here if the request is the
+        model's next (read back here, off the training thread), else from when the queue comes to it
+        (`Operation.bind`): a request waiting for an earlier seq_id holds nothing."""
+        self._check_owner(tenant, model)
+        expected = self.queue.next_seq(model)
+        lora = self._hold(tenant, model) if expected is None or int(seq_id) <= expected else None
         queued = False
         try:
             request_id, queued = self._enqueue(lora, tenant, model, seq_id, kind, work, call, adam)
         finally:
-            if not queued:
+            if not queued and lora is not None:
                 self._release(model)
         return request_id
 
-    def _enqueue(self, lora: HostedLora, tenant: str, model: str, seq_id: int, kind: str, work: Work | None, call,
-                 adam: dict | None) -> tuple[str, bool]:
-        """`submit`'s request id, and whether the request was queued (its answer then releases the model)."""
+    def _enqueue(self, lora: HostedLora | None, tenant: str, model: str, seq_id: int, kind: str, work: Work | None,
+                 call, adam: dict | None) -> tuple[str, bool]:
+        """`submit`'s request id, and whether the request was queued (its answer then releases the model, if it
+        was held: `lora` None, it is held when the queue binds it)."""
         request_id, new = self._accept(tenant, model, int(seq_id), kind)
         if not new:
             return request_id, False
@@ -544,12 +549,20 @@ class TinkerService:
                 self._fail(request_id, UserError(f"adam_params: {e}"))
                 self.queue.skip(model, int(seq_id))
                 return request_id, False
-        over = []  # the request's answer (or failure) releases the model, once
+        held = [lora is not None]  # whether the model is held for this request (released at its answer, once)
 
         def release():
-            if not over:
-                over.append(True)
+            if held[0]:
+                held[0] = False
                 self._release(model)
+
+        def bind(operation: Operation) -> None:
+            bound = self._hold(tenant, model)
+            held[0] = True
+            if operation.work is not None:
+                operation.work.lora = bound
+            if operation.step is not None:
+                operation.step = (bound, operation.step[1])
 
         def done(result):
             try:
@@ -568,7 +581,8 @@ class TinkerService:
             finally:
                 release()
 
-        self.queue.submit(model, Operation(int(seq_id), done, fail, work, call, step))
+        self.queue.submit(model, Operation(int(seq_id), done, fail, work, call, step,
+                                           bind=None if lora is not None else bind))
         return request_id, True
 
     def submit_optim_step(self, tenant: str, model: str, seq_id: int, adam: dict) -> str:
