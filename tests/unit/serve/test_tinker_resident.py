@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tinker_server
+from symbiosis.errors import BadCall
 from symbiosis.train.trainer import Datum
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -475,3 +476,6 @@ def test_requests_for_seq_ids_that_never_come_hold_no_model(budget_server, servi
     for training in models:
         tinker_api.submit_pass("alice", training.model_id, 2**62, [datum], "cross_entropy", {}, backward=False)
     assert len(in_memory(tinker_api)) <= 1 and not tinker_api._held
+    with pytest.raises(BadCall, match="not in 0..2"):  # (SQLite's integers end at 2^63 - 1: it was a 500)
+        tinker_api.submit_pass("alice", models[0].model_id, 2**64 - 1, [datum], "cross_entropy", {}, backward=False)
+    assert not tinker_api._held

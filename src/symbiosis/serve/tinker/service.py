@@ -364,6 +364,8 @@ class TinkerService:
     def _accept(self, tenant: str, owner: str, seq_id: int, kind: str) -> tuple[str, bool]:
         # the bound read without the lock (submissions at once may pass it by a few), and the acceptance's write
         # made holding no lock of ours (an answer's `_settled` may come while the database's lock is held)
+        if not 0 <= seq_id < 1 << 63:  # (the protobuf routes' seq_ids are up to 2^64 - 1; SQLite's integers less)
+            raise UserError(f"seq_id {seq_id} is not in 0..2^63-1")
         if self._pending_of[tenant] >= MAX_PENDING_PER_TENANT:
             raise Busy(f"you have {MAX_PENDING_PER_TENANT} requests pending, the limit; retry when some are answered")
         request_id, new = self.store.accept(tenant, owner, seq_id, kind)
