@@ -163,7 +163,8 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
         # the placement's host time in each new step: in `acquire` (on the step's path), in `prefetch` (beside the
         # step before it, loaded only)
         placing = {(layerwise, way): [] for layerwise in (True, False) for way in ("acquire", "prefetch")}
-        with GcPauses() as pauses, PlacementClock(store) as clock:  # the collections that remain, during the timed samples
+        # the collections that remain, during the timed samples
+        with GcPauses() as pauses, PlacementClock(store) as clock:
             for sample in range(samples):
                 if sample % 10 == 0:  # progress, for a run cut short by its time limit
                     print(f"prefetch {load or 'idle'}: sample {sample} of {samples}", file=sys.stderr, flush=True)

@@ -26,8 +26,9 @@ class Service:
                  engine_options: dict | None = None, training: dict | None = None, hmi: dict | None = None):
         """`training`: hosted training's options (max_pass_tokens: tokens of one batched pass; devices: a trainer
         on each (train/replicas.py); gather_fraction: the training queue's wait for models it expects back, as a
-        fraction of the last pass; the Tinker API's persist_every, keep_answers_s, resident_models, its per-tenant bounds and
-        tokenizer_id; the fine-tuning jobs' max_running_jobs, max_running_jobs_per_tenant, checkpoint_every), or
+        fraction of the last pass; the Tinker API's persist_every, keep_answers_s, resident_models, its per-tenant
+        bounds and tokenizer_id; the fine-tuning jobs' max_running_jobs, max_running_jobs_per_tenant,
+        checkpoint_every), or
         None for no hosted training (neither the Tinker API nor fine-tuning jobs). `hmi`: HMI's domains and models
         (serve/hmi/: root, the PLOT root table's directory; min_corpus_tokens), which need hosted training's files."""
         from transformers import AutoTokenizer

@@ -236,10 +236,8 @@ class HostedLora:
     def load(cls, directory: Path, targets: list[TargetLayer], device: torch.device, dtype: torch.dtype,
              fingerprint: str, with_optimizer: bool) -> "HostedLora":
         """A training adapter from a directory `save` wrote (`AdapterError` naming what is wrong otherwise)."""
-        directory = check_adapter_directory(directory)
-        check_base_fingerprint(directory, fingerprint)
+        directory, state = saved_state(directory, fingerprint, with_optimizer)
         try:
-            state = json.loads((directory / "trainer_state.json").read_text())
             spec = LoraSpec(**state["spec"])
             tensors = load_file(directory / "adapter_model.safetensors")
             lora = cls(spec, targets, device, dtype, tensors)
@@ -251,8 +249,6 @@ class HostedLora:
                 raise AdapterError(f"{directory.name}: {name} has shape {list(saved.shape)} or values that do not fit")
         lora.steps = int(state.get("steps", 0))
         if with_optimizer:
-            if not (directory / "optimizer.safetensors").is_file():
-                raise AdapterError(f"{directory.name}: saved without optimizer state")
             moments = load_file(directory / "optimizer.safetensors")
             if moments:  # saved after at least one step: every matrix's two moments
                 exp_avg, exp_avg_sq = lora.moments()
@@ -266,6 +262,23 @@ class HostedLora:
                                                "not fit")
                         flat[elements] = saved.reshape(-1).to(device, parameter.dtype)
         return lora
+
+
+def saved_state(directory: Path, fingerprint: str, with_optimizer: bool) -> tuple[Path, dict]:
+    """A training checkpoint's directory, checked (its files, this base's fingerprint, its optimizer state where
+    asked for), and its trainer_state.json: `AdapterError` naming what is wrong otherwise."""
+    directory = check_adapter_directory(directory)
+    check_base_fingerprint(directory, fingerprint)
+    if with_optimizer and not (directory / "optimizer.safetensors").is_file():
+        raise AdapterError(f"{directory.name}: saved without optimizer state")
+    try:
+        state = json.loads((directory / "trainer_state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"{directory.name}: not a training checkpoint of this service ({e})") from e
+    if not isinstance(state, dict):
+        raise AdapterError(f"{directory.name}: not a training checkpoint of this service (its trainer_state.json "
+                           "is not an object)")
+    return directory, state
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ Residency: at most `resident_models` models' states (matrices, AdamW moments, gr
 stay in memory when idle, the least recently used of the others dropped and read back from their live copy at their
 next request (a start reads no model's matrices, only each live copy's step count). A model stays in memory while
 a request of it holds it, running or next in its queue (its `Work` and optimizer step bind the HostedLora object
-then; one waiting for an earlier seq_id binds it when the training queue comes to it, `Operation.bind`); one whose state is newer than its live copy (persist_every > 1) is written before it is dropped, and its
-gradients gathered and not yet stepped beside it (`gradients.safetensors`, read back and deleted with the model).
+then; one waiting for an earlier seq_id binds it when the training queue comes to it, `Operation.bind`). One whose
+state is newer than its live copy (persist_every > 1) is written before it is dropped, and its gradients gathered
+and not yet stepped beside it (`gradients.safetensors`, read back and deleted with the model).
 So a tenant's many models cost disk, not memory.
 """
 
@@ -39,15 +40,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from symbiosis.client.adapter_files import check_adapter_directory
-from symbiosis.client.generate import check_base_fingerprint
 from symbiosis.engine import Finished, SamplingParams
 from symbiosis.errors import AdapterError, BadCall, SymbiosisError
 from symbiosis.serve.tinker import wire
 from symbiosis.serve.tinker.paths import TinkerPath, check_name, model_directory_name, model_id as make_model_id
 from symbiosis.serve.tinker.store import KEEP_ANSWERS_S, TinkerStore
 from symbiosis.train import HostedLora, LoraSpec, Work
-from symbiosis.train.lora import AdamParams
+from symbiosis.train.lora import AdamParams, saved_state
 from symbiosis.train.scheduler import Operation
 from symbiosis.train.trainer import Datum
 
@@ -167,14 +166,10 @@ class TinkerService:
             self.queue.open(model, (self.store.last_seq(model) or 0) + 1)
 
     def _live_steps(self, model: str) -> int:
-        """The optimizer steps of `model`'s live copy (its trainer_state.json), once the copy is checked to be a
-        training checkpoint of this base: its files there, its fingerprint this base's (the matrices are checked
-        when they are read). Places the model on its trainer, as a load does."""
-        directory = check_adapter_directory(self._live(model))
-        check_base_fingerprint(directory, self.queue.place(model).fingerprint)
-        if not (directory / "optimizer.safetensors").is_file():
-            raise AdapterError(f"{directory}: saved without optimizer state")
-        return int(json.loads((directory / "trainer_state.json").read_text()).get("steps", 0))
+        """The optimizer steps of `model`'s live copy, once the copy is checked as a load checks it but for its
+        matrices (read at its first request). Places the model on its trainer, as a load does."""
+        _, state = saved_state(self._live(model), self.queue.place(model).fingerprint, with_optimizer=True)
+        return int(state.get("steps", 0))
 
     # -- files --
 
@@ -230,13 +225,9 @@ class TinkerService:
             raise UserError(f"no training model {model[:80]!r}") from None
         else:
             self._restore_gradients(model, lora)
-            with self._resident:
-                self.loras[model], self._written[model] = lora, lora.steps
-                self._held[model] += 1
+            self._install(model, lora, hold=True)
         finally:
-            with self._resident:
-                del self._moving[model]
-            moving.set()
+            self._moved(model, moving)
         self._want_eviction()
         return lora
 
@@ -283,11 +274,20 @@ class TinkerService:
         with self._resident:
             return self.loras[model]
 
-    def _install(self, model: str, lora: HostedLora) -> None:
-        """`lora`, just written to `model`'s live copy, as the model's state in memory (most recently used)."""
+    def _install(self, model: str, lora: HostedLora, hold: bool = False) -> None:
+        """`lora`, the state of `model`'s live copy, as the model's state in memory (most recently used); `hold`:
+        held for the caller as `_hold` holds (in the same lock, so that no eviction comes in between)."""
         with self._resident:
             self.loras[model], self._written[model] = lora, lora.steps
             self.loras.move_to_end(model)
+            if hold:
+                self._held[model] += 1
+
+    def _moved(self, model: str, moving: threading.Event) -> None:
+        """`model`'s read or write is over: the requests waiting for it look again."""
+        with self._resident:
+            del self._moving[model]
+        moving.set()
 
     def _want_eviction(self) -> None:
         with self._eviction:
@@ -328,9 +328,9 @@ class TinkerService:
         beside it.
 
         Where every model in memory is busy the set stays over the budget: `_hold` reads the model asked for
-        anyway, rather than fail a request for memory. Each busy model is held by a request accepted and not yet
-        answered (at most MAX_PENDING_PER_TENANT a tenant), and every
-        `_release` evicts again, so the set comes back to the budget as they are answered."""
+        anyway, rather than fail a request for memory. Each busy model is held by a request running or next in its
+        queue, and every `_release` asks for an eviction again, so the set comes back to the budget as they are
+        answered."""
         while True:
             with self._resident:
                 if len(self.loras) <= self.resident_models:
@@ -352,12 +352,9 @@ class TinkerService:
                 log.exception("training model %s could not be written to disk; it stays in memory", model)
                 with self._resident:
                     self.loras[model], self._written[model] = lora, written
-                    del self._moving[model]
-                moving.set()
                 return
-            with self._resident:
-                del self._moving[model]
-            moving.set()
+            finally:
+                self._moved(model, moving)
 
     # -- requests --
 
