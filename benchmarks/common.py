@@ -206,6 +206,18 @@ def reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def call_table(profiler, per: int, rows: int = 25) -> str:
+    """A cProfile.Profile's functions by own time, in microseconds per `per` (pstats' own table rounds to ms)."""
+    import pstats
+
+    entries = sorted(pstats.Stats(profiler).stats.items(), key=lambda item: -item[1][2])[:rows]
+    lines = [f"{'own us':>9} {'total us':>9} {'calls':>7}  function (per one of {per})"]
+    for (file, line, function), (_, calls, own, total, _) in entries:
+        where = f"{Path(file).name}:{line}({function})" if line else function
+        lines.append(f"{own * 1e6 / per:9.1f} {total * 1e6 / per:9.1f} {calls / per:7.1f}  {where}")
+    return "\n".join(lines) + "\n"
+
+
 class GcPauses:
     """The cyclic garbage collector's pauses while open, per generation: {"0": [collections, ms], ...}; a
     collection holds the GIL, so in a service every thread waits for it (a full one walked everything made at

@@ -22,6 +22,7 @@ a request that joins 16 decoding requests; each new adapter paired with a reside
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import os
 import random
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CONFIGS, GcPauses, checkpoint, device, dtype, emit  # noqa: E402
+from common import CONFIGS, GcPauses, call_table, checkpoint, device, dtype, emit  # noqa: E402
 from engine import write_adapters  # noqa: E402
 
 from symbiosis.engine import Engine, SamplingParams  # noqa: E402
@@ -110,11 +111,13 @@ def first_token_ms(engine: Engine, directory: Path, name: str, prompt: list[int]
 
 
 def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: int, samples: int,
-             background: int = 16, profile: str | None = None) -> dict:
+             background: int = 16, profile: str | None = None, calls: str | None = None) -> dict:
     """Copy time alone (host tier -> a slot, synchronized) against what a new adapter adds to a prefill: alone on
     an idle engine (prefill_ms), and as the first token of a request that joins `background` decoding requests
     (`loaded_*`: the engine's thread then builds and launches each step while the one before runs on the GPU, where a
-    placement's host work and its copies have the running step beside them)."""
+    placement's host work and its copies have the running step beside them). `calls`: a file for cProfile's tables
+    of the placing calls in the timed new steps (by own time, idle and loaded): which of the store's calls into torch
+    cost the host what, where it counts."""
     store, rng = engine.adapters, random.Random(7)
     prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
     # tenants the bursts are least likely to have left resident (5 a sample: its copy, and a new one in each of
@@ -164,7 +167,8 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
         # step before it, loaded only)
         placing = {(layerwise, way): [] for layerwise in (True, False) for way in ("acquire", "prefetch")}
         # the collections that remain, during the timed samples
-        with GcPauses() as pauses, PlacementClock(store) as clock:
+        profiler = cProfile.Profile() if calls else None
+        with GcPauses() as pauses, PlacementClock(store, profiler) as clock:
             for sample in range(samples):
                 if sample % 10 == 0:  # progress, for a run cut short by its time limit
                     print(f"prefetch {load or 'idle'}: sample {sample} of {samples}", file=sys.stderr, flush=True)
@@ -188,6 +192,10 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
                             for way in before:
                                 placing[layerwise, way].append((clock.seconds[way] - before[way]) * 1000)
         result[f"{load}gc_pauses"] = pauses.by_generation  # generation -> [collections, ms], every thread's
+        if profiler is not None:
+            with open(calls, "a") as file:
+                file.write(f"# {load or 'idle '}placements of the timed new steps ({2 * samples}, both ways of "
+                           "waiting): the calls on the placing threads\n" + call_table(profiler, 2 * samples))
         for handle in running:
             handle.cancel()
         for handle in running:
@@ -221,20 +229,24 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
 
 class PlacementClock:
     """The host time the store's placing calls take while open, summed per call: `seconds` {"acquire": s,
-    "prefetch": s}."""
+    "prefetch": s}; `profiler` (a cProfile.Profile) is enabled inside them (on the engine's thread, or the placer's)."""
 
-    def __init__(self, store):
-        self.store, self.seconds = store, {"acquire": 0.0, "prefetch": 0.0}
+    def __init__(self, store, profiler=None):
+        self.store, self.seconds, self.profiler = store, {"acquire": 0.0, "prefetch": 0.0}, profiler
 
     def _timed(self, name: str):
         method = getattr(self.store, name)
 
         def call(*args):
+            if self.profiler is not None:
+                self.profiler.enable()
             started = time.perf_counter()
             try:
                 return method(*args)
             finally:
                 self.seconds[name] += time.perf_counter() - started
+                if self.profiler is not None:
+                    self.profiler.disable()
         return call
 
     def __enter__(self) -> "PlacementClock":
@@ -345,6 +357,8 @@ def main() -> None:
     parser.add_argument("--prefetch-prompt", type=int, default=1024,
                         help="`prefetch`: the timed prefill's tokens (longer: more layers' work to hide a copy behind)")
     parser.add_argument("--placement-profile", help="`placement` also writes torch.profiler's table to this file")
+    parser.add_argument("--placement-calls", help="`prefetch` also writes cProfile's tables of the timed steps' "
+                        "placing calls to this file")
     parser.add_argument("--prefetch-profile", help="`prefetch` also profiles idle layer-wise prefills, resident "
                         "against new, into this file (and chrome traces beside it)")
     parser.add_argument("--host-gib", type=float, default=256,
@@ -403,7 +417,8 @@ def main() -> None:
         if "prefetch" in phases:
             samples = min(args.samples, (args.tenants - 10) // 5)  # 5 fresh tenants a sample, 8 for the profile
             emit(**common, phase="prefetch", prompt_tokens=args.prefetch_prompt,
-                 **prefetch(engine, directories, vocab, args.prefetch_prompt, samples, profile=args.prefetch_profile))
+                 **prefetch(engine, directories, vocab, args.prefetch_prompt, samples, profile=args.prefetch_profile,
+                           calls=args.placement_calls))
     finally:
         engine.close()
 

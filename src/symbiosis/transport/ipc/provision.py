@@ -47,12 +47,9 @@ class Provisioner:
     def cuda_buffer(self, description: dict) -> SharedBuffer:
         if not self.pipelines:
             raise BadCall("this executor cannot queue CUDA stream memory operations: attach with a host buffer")
-        buffer = SharedBuffer.open_cuda(description)
-        if buffer.tensor.device != self.device:
-            buffer.close()
-            raise BadCall(f"a CUDA shared buffer must be on the executor's {self.device}, not on "
-                          f"{buffer.tensor.device}; use a host buffer")
-        return buffer
+        if self.device.type != "cuda":
+            raise BadCall(f"this executor computes on {self.device}: attach with a host buffer")
+        return SharedBuffer.open_cuda(description, self.device)
 
     def attach(self, shared) -> tuple[SharedBuffer, Doorbell, SharedBuffer | None, list[int]]:
         """A client's shared memory: (buffer, doorbell, flags or None, descriptors to hand it); nothing is left

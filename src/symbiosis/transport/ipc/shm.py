@@ -6,7 +6,8 @@ processes map, and only a small header crosses the socket.
   names, the memory is in no directory another user could read, and nothing a client does to its file can
   take pages from under the executor's mapping (a shrunk file would kill the executor with SIGBUS).
 - CUDA (client and executor on the same GPU): a device buffer the client allocates and the executor maps
-  through a CUDA IPC handle.
+  through a CUDA IPC handle. The executor trusts nothing else the client's description says: the mapped
+  allocation's own size and device, asked of the driver, bound what the executor will touch (`_open_cuda`).
 
 A buffer is allocated once at attach (capacity: tokens x widest layer x element size) and replaced by a
 larger one only when a call does not fit. Every call uses it from offset 0: the client writes its input,
@@ -19,8 +20,11 @@ buffer that each side's stream writes and the other's waits on (`streamops.py`, 
 from __future__ import annotations
 
 import base64
+import ctypes
 import fcntl
+import functools
 import os
+import secrets
 
 import torch
 
@@ -28,6 +32,14 @@ from symbiosis.errors import BadCall
 
 MAX_CACHED_VIEWS = 256
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t
+# torch's receiving side decrements, when it drops a mapping, an int64 in a shared-memory file that the sender names
+# at an offset the sender names (the sender frees the block at zero). A client naming another's counter file, or an
+# offset past its end, would have the executor write there. The executor names instead a file nobody has (a name
+# made here, unguessable): torch's decrement then finds nothing and does nothing. The cost is the client's: a buffer
+# it replaced stays allocated until it exits (torch's "limbo"), which its growth bounds.
+NO_REF_COUNTER = f"/symbiosis-no-counter-{secrets.token_hex(16)}".encode()
+CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 
 
 def sealed_memory(nbytes: int, name: str) -> int:
@@ -91,12 +103,12 @@ class SharedBuffer:
         return cls(tensor, description)
 
     @classmethod
-    def open_cuda(cls, description: dict) -> "SharedBuffer":
-        """The executor's side of a client's CUDA buffer."""
+    def open_cuda(cls, description: dict, device: torch.device) -> "SharedBuffer":
+        """The executor's side of a client's CUDA buffer, which must be on `device`."""
         try:
-            if description.get("kind") != "cuda":
+            if not isinstance(description, dict) or description.get("kind") != "cuda":
                 raise BadCall("a client describes only CUDA buffers; the executor makes host buffers itself")
-            return cls(_open_cuda(description), description)
+            return cls(_open_cuda(description, device), description)
         except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
             raise BadCall(f"cannot map the client's CUDA buffer: {e}") from e
 
@@ -135,11 +147,53 @@ class SharedBuffer:
         self._views.clear()
 
 
-def _open_cuda(d: dict) -> torch.Tensor:
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+def _open_cuda(d: dict, device: torch.device) -> torch.Tensor:
+    """Map a client's CUDA buffer: `nbytes` at `storage_offset` of the allocation its IPC `handle` names. Of the
+    description only the handle, the offset and the sizes are used, and the sizes only once the driver has said
+    how large the mapped allocation is and on which device it lives (a size past it would have the executor read
+    and write beyond the client's memory: a fault that ends every tenant's calls). No ref counter of the client's
+    (NO_REF_COUNTER) and no event: a new buffer has no write pending that the executor could overtake (torch.empty
+    launches nothing), and calls are ordered by the flags (`streamops.py`)."""
+    nbytes, storage_bytes, storage_offset = (_count(d, key) for key in ("nbytes", "storage_bytes", "storage_offset"))
+    handle = base64.b64decode(d["handle"], validate=True)
+    if len(handle) != IPC_HANDLE_BYTES:
+        raise ValueError(f"a CUDA IPC handle is {IPC_HANDLE_BYTES} bytes, not {len(handle)}")
+    if not 0 < nbytes <= storage_bytes:
+        raise ValueError(f"a buffer of {nbytes} bytes in a storage of {storage_bytes}")
+    torch.cuda.init()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    storage = torch.UntypedStorage._new_shared_cuda(index, handle, storage_bytes, storage_offset,
+                                                    NO_REF_COUNTER, 0, b"", False)
+    pointer = storage.data_ptr()
+    base, size, ordinal = _allocation(pointer)
+    if ordinal != index:
+        raise ValueError(f"the buffer is on cuda:{ordinal} (as this process numbers devices), not on the "
+                         f"executor's {device}; use a host buffer")
+    if pointer + storage_bytes > base + size:
+        raise ValueError(f"the description claims {storage_bytes} bytes at offset {pointer - base} of an "
+                         f"allocation of {size} bytes")
+    return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index)).set_(storage, 0, (nbytes,), (1,))
 
-    b64 = lambda s: None if s is None else base64.b64decode(s)  # noqa: E731
-    return rebuild_cuda_tensor(torch.Tensor, torch.Size(d["size"]), tuple(d["stride"]), int(d["offset"]),
-                               torch.UntypedStorage, torch.uint8, int(d["device"]), b64(d["handle"]),
-                               int(d["storage_bytes"]), int(d["storage_offset"]), False, b64(d["ref_handle"]),
-                               int(d["ref_offset"]), b64(d["event_handle"]), bool(d["event_sync"]))
+
+def _count(d: dict, key: str) -> int:
+    value = d[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key} must be a number of bytes, not {str(value)[:40]!r}")
+    return value
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _allocation(pointer: int) -> tuple[int, int, int]:
+    """(base, size, device ordinal) of the device allocation holding `pointer`, as the driver knows it."""
+    driver, base, size, ordinal = _driver(), ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_int()
+    status = driver.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(pointer))
+    if status == 0:
+        status = driver.cuPointerGetAttribute(ctypes.byref(ordinal), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                              ctypes.c_uint64(pointer))
+    if status != 0:
+        raise ValueError(f"the CUDA driver cannot describe the mapped buffer (CUresult {status})")
+    return base.value, size.value, ordinal.value
