@@ -5,9 +5,10 @@ processes map, and only a small header crosses the socket.
   growing, and hands the client a descriptor of it (`handoff.py`). The executor never opens a path a client
   names, the memory is in no directory another user could read, and nothing a client does to its file can
   take pages from under the executor's mapping (a shrunk file would kill the executor with SIGBUS).
-- CUDA (client and executor on the same GPU): a device buffer the client allocates and the executor maps
-  through a CUDA IPC handle. The executor trusts nothing else the client's description says: the mapped
-  allocation's own size and device, asked of the driver, bound what the executor will touch (`_open_cuda`).
+- CUDA (client and executor on the same GPU): a device buffer the client allocates with the driver (`DeviceMemory`)
+  and the executor maps through its CUDA IPC handle. The executor takes no more than that handle from the client's
+  description: the mapped allocation's own size and device, asked of the driver, bound what it will touch
+  (`_open_cuda`).
 
 A buffer is allocated once at attach (capacity: tokens x widest layer x element size) and replaced by a
 larger one only when a call does not fit. Every call uses it from offset 0: the client writes its input,
@@ -20,6 +21,7 @@ buffer that each side's stream writes and the other's waits on (`streamops.py`, 
 from __future__ import annotations
 
 import base64
+import contextlib
 import ctypes
 import fcntl
 import functools
@@ -32,12 +34,11 @@ from symbiosis.errors import BadCall
 
 MAX_CACHED_VIEWS = 256
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t
-# torch's receiving side decrements, when it drops a mapping, an int64 in a shared-memory file that the sender names
-# at an offset the sender names (the sender frees the block at zero). A client naming another's counter file, or an
-# offset past its end, would have the executor write there. The executor names instead a file nobody has (a name
-# made here, unguessable): torch's decrement then finds nothing and does nothing. The cost is the client's: a buffer
-# it replaced stays allocated until it exits (torch's "limbo"), which its growth bounds.
+IPC_HANDLE_BYTES = 64  # CUipcMemHandle
+# torch's mapping of a CUDA IPC handle decrements, when dropped, an int64 in a shared-memory file the sender names, at
+# an offset the sender names: a client naming another's counter file, or an offset past its end, would have the
+# executor write there. The executor names a file nobody has (a name made here, unguessable): the decrement finds
+# nothing and does nothing. (The clients' buffers are the driver's, `DeviceMemory`, which keep no such counter.)
 NO_REF_COUNTER = f"/symbiosis-no-counter-{secrets.token_hex(16)}".encode()
 CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 
@@ -89,18 +90,9 @@ class SharedBuffer:
     @classmethod
     def create_cuda(cls, nbytes: int, device: torch.device) -> "SharedBuffer":
         """A client's CUDA buffer on the executor's GPU, described by its IPC handle."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        _, args = reduce_tensor(tensor)
-        (_, size, stride, offset, _, _, dev, handle, storage_bytes, storage_offset, _, ref_handle, ref_offset,
-         event_handle, event_sync) = args
-        b64 = lambda b: None if b is None else base64.b64encode(b).decode()  # noqa: E731
-        description = {"kind": "cuda", "nbytes": nbytes, "size": list(size), "stride": list(stride),
-                       "offset": offset, "device": dev, "handle": b64(handle), "storage_bytes": storage_bytes,
-                       "storage_offset": storage_offset, "ref_handle": b64(ref_handle), "ref_offset": ref_offset,
-                       "event_handle": b64(event_handle), "event_sync": event_sync}
-        return cls(tensor, description)
+        memory = DeviceMemory(nbytes, device)
+        description = {"kind": "cuda", "nbytes": nbytes, "handle": base64.b64encode(memory.handle).decode()}
+        return cls(torch.as_tensor(memory, device=memory.device), description)
 
     @classmethod
     def open_cuda(cls, description: dict, device: torch.device) -> "SharedBuffer":
@@ -148,38 +140,70 @@ class SharedBuffer:
 
 
 def _open_cuda(d: dict, device: torch.device) -> torch.Tensor:
-    """Map a client's CUDA buffer: `nbytes` at `storage_offset` of the allocation its IPC `handle` names. Of the
-    description only the handle, the offset and the sizes are used, and the sizes only once the driver has said
-    how large the mapped allocation is and on which device it lives (a size past it would have the executor read
-    and write beyond the client's memory: a fault that ends every tenant's calls). No ref counter of the client's
-    (NO_REF_COUNTER) and no event: a new buffer has no write pending that the executor could overtake (torch.empty
-    launches nothing), and calls are ordered by the flags (`streamops.py`)."""
-    nbytes, storage_bytes, storage_offset = (_count(d, key) for key in ("nbytes", "storage_bytes", "storage_offset"))
+    """Map a client's CUDA buffer: the first `nbytes` of the allocation its IPC `handle` names, once the driver has
+    said how large that allocation is and on which device it lives (a size past it would have the executor read
+    and write beyond the client's memory: a fault that ends every tenant's calls). The handle is a driver
+    allocation's (64 bytes); torch's other kind, an expandable segment's, names a process and descriptor numbers
+    to take, which could be the executor's own: refused. No event to wait for: a new buffer has no write pending
+    that the executor could overtake, and calls are ordered by the flags (`streamops.py`)."""
+    nbytes = d["nbytes"]
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise ValueError(f"nbytes must be a positive number of bytes, not {str(nbytes)[:40]!r}")
     handle = base64.b64decode(d["handle"], validate=True)
     if len(handle) != IPC_HANDLE_BYTES:
-        raise ValueError(f"a CUDA IPC handle is {IPC_HANDLE_BYTES} bytes, not {len(handle)}")
-    if not 0 < nbytes <= storage_bytes:
-        raise ValueError(f"a buffer of {nbytes} bytes in a storage of {storage_bytes}")
+        raise ValueError(f"a CUDA IPC handle of a driver allocation is {IPC_HANDLE_BYTES} bytes, not {len(handle)}")
     torch.cuda.init()
     index = device.index if device.index is not None else torch.cuda.current_device()
-    storage = torch.UntypedStorage._new_shared_cuda(index, handle, storage_bytes, storage_offset,
-                                                    NO_REF_COUNTER, 0, b"", False)
+    storage = torch.UntypedStorage._new_shared_cuda(index, handle, nbytes, 0, NO_REF_COUNTER, 0, b"", False)
     pointer = storage.data_ptr()
     base, size, ordinal = _allocation(pointer)
     if ordinal != index:
         raise ValueError(f"the buffer is on cuda:{ordinal} (as this process numbers devices), not on the "
                          f"executor's {device}; use a host buffer")
-    if pointer + storage_bytes > base + size:
-        raise ValueError(f"the description claims {storage_bytes} bytes at offset {pointer - base} of an "
-                         f"allocation of {size} bytes")
+    if pointer + nbytes > base + size:
+        raise ValueError(f"the description claims {nbytes} bytes of an allocation of {base + size - pointer}")
     return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index)).set_(storage, 0, (nbytes,), (1,))
 
 
-def _count(d: dict, key: str) -> int:
-    value = d[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{key} must be a number of bytes, not {str(value)[:40]!r}")
-    return value
+class DeviceMemory:
+    """`nbytes` of device memory from the driver (`cuMemAlloc`), lent to torch through `__cuda_array_interface__`
+    (torch holds this object while a tensor views it) and freed when collected. Not the caching allocator's: under
+    expandable segments it shares memory by process id and descriptor numbers, which the executor refuses."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.pointer, self._device = None, None
+        torch.cuda.init()
+        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        driver, ordinal = _driver(), ctypes.c_int()
+        self._context, pointer, handle = ctypes.c_void_p(), ctypes.c_uint64(), ctypes.create_string_buffer(64)
+        _check(driver.cuDeviceGet(ctypes.byref(ordinal), self.device.index), "cuDeviceGet")
+        _check(driver.cuDevicePrimaryCtxRetain(ctypes.byref(self._context), ordinal), "cuDevicePrimaryCtxRetain")
+        self._device = ordinal
+        with self._current():
+            _check(driver.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(nbytes)), "cuMemAlloc")
+            self.pointer = pointer.value
+            _check(driver.cuIpcGetMemHandle(handle, pointer), "cuIpcGetMemHandle")
+        self.handle = handle.raw
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (self.pointer, False),
+                                         "version": 3, "strides": None}
+
+    @contextlib.contextmanager
+    def _current(self):
+        """The device's primary context current on this thread (a collector's thread may have none)."""
+        _check(_driver().cuCtxPushCurrent_v2(self._context), "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            _driver().cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+    def __del__(self):
+        if self.pointer is not None:
+            with self._current():
+                _driver().cuMemFree_v2(ctypes.c_uint64(self.pointer))  # (waits for work on it to end)
+            self.pointer = None
+        if self._device is not None:
+            _driver().cuDevicePrimaryCtxRelease_v2(self._device)
+            self._device = None
 
 
 @functools.cache
@@ -187,13 +211,19 @@ def _driver() -> ctypes.CDLL:
     return ctypes.CDLL("libcuda.so.1")
 
 
+def _check(status: int, call: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{call} failed (CUresult {status})")
+
+
 def _allocation(pointer: int) -> tuple[int, int, int]:
     """(base, size, device ordinal) of the device allocation holding `pointer`, as the driver knows it."""
     driver, base, size, ordinal = _driver(), ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_int()
-    status = driver.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(pointer))
-    if status == 0:
-        status = driver.cuPointerGetAttribute(ctypes.byref(ordinal), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                                              ctypes.c_uint64(pointer))
-    if status != 0:
-        raise ValueError(f"the CUDA driver cannot describe the mapped buffer (CUresult {status})")
+    try:
+        _check(driver.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(pointer)),
+               "cuMemGetAddressRange")
+        _check(driver.cuPointerGetAttribute(ctypes.byref(ordinal), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                            ctypes.c_uint64(pointer)), "cuPointerGetAttribute")
+    except RuntimeError as e:
+        raise ValueError(f"the CUDA driver cannot describe the mapped buffer: {e}") from e
     return base.value, size.value, ordinal.value
