@@ -21,7 +21,8 @@ the adapter), each as long as all before it (1, 1, 2, 4, .. parts: `wave_bounds`
 predecessors' layers to compute behind, and the first, the one nothing hides, is short. An adapter's host buffer
 holds its layers in that order, so a wave is one range of it: one host-to-device copy into a staging buffer on the
 device, then one fused device copy into every pool row of the wave (`_Wave`, its views made once per slot and
-adapter layout): a handful of calls on the engine's thread per placement, not one per tensor. Each wave's copies
+adapter layout; on a GPU replayed from a CUDA graph recorded once per slot, layout and wave): a handful of calls
+on the engine's thread per placement, not one per tensor. Each wave's copies
 are followed by an event (`Pools.ready`, one `_Ready` shared by the wave's pools): an eagerly run step waits, at
 the first layer of each wave, only for that wave's copy, so later waves land while earlier layers compute
 (layer-wise prefetch). A step replayed from a CUDA graph cannot
@@ -38,11 +39,11 @@ nothing.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +90,24 @@ class BottleneckLayer:
     act: int  # index in kernels.bottleneck.ACTIVATIONS
 
 
+class LoraLayout:
+    """What a placement's views depend on: an adapter's layers and their ranks, ((layer id, rank), ..) in the
+    model's order. Made when an adapter is read (off the engine's thread) and shared by adapters alike
+    (`AdapterStore._layouts`); hashed once, since the placing caches are keyed by it (hashing the tuple of a Llama
+    adapter's 112 layers costs ~2 us each time)."""
+    __slots__ = ("layers", "_hash", "__weakref__")
+
+    def __init__(self, layers: tuple):
+        self.layers, self._hash = layers, hash(layers)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, LoraLayout) and self._hash == other._hash
+                                 and self.layers == other.layers)
+
+
 @dataclass
 class HostAdapter:
     """One adapter, checked, in host memory. `key` changes when its files change."""
@@ -102,11 +121,7 @@ class HostAdapter:
     # the embedding's and the bottlenecks' tensors; and every layer's scale, float32 [layers (+ embedding), 1]
     buffer: torch.Tensor | None = None
     scales: torch.Tensor | None = None
-
-    @functools.cached_property
-    def layout(self) -> tuple:
-        """What a placement's views depend on: its layers and their ranks (adapters alike share them)."""
-        return tuple((layer_id, lora.a.shape[0]) for layer_id, lora in self.layers.items())
+    layout: LoraLayout | None = None
 
 
 @dataclass
@@ -121,6 +136,10 @@ class _Wave:
     members: list  # (pool id, member) of each layer
     pools: list  # the pools written, each once
     span: tuple[int, int]  # where the wave's tensors are in an adapter's buffer (elements)
+    # on a GPU, the wave's device copies (staging -> pools) recorded once as a CUDA graph, by whether they zero
+    # the rows beyond each rank: replaying one costs the host a few microseconds, where the fused copies over a
+    # wave's tens of tensors cost it 40-60 us (H200, docs/PERFORMANCE.md section 12)
+    graphs: dict = field(default_factory=dict)
 
 
 class _Ready:
@@ -243,10 +262,12 @@ class AdapterStore:
         self._dirty: set[int] = set()
         self._lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._capture_stream = self._graph_pool = None  # where the waves' graphs are recorded (`_record`)
         self._rows_cache: dict[tuple, object] = {}  # (slot, layer id, rank) -> _rows; ("scale", slot, pool, member)
         self._waves: OrderedDict[tuple, _Wave] = OrderedDict()  # (slot, layout, wave) -> its lists, least recent first
         self._clears: OrderedDict[tuple, tuple] = OrderedDict()  # (slot, layout, bottlenecks) -> (scales, pools) to zero
         self._rows_version = 0
+        self._layouts: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # layers -> LoraLayout, shared
         # where a placement's tensors land first, on the device: one host-to-device copy a wave, not one a tensor
         self._staging = torch.empty(0, device=device, dtype=dtype)
         self._staging_scales = torch.empty(0, 1, device=device, dtype=torch.float32)
@@ -385,8 +406,16 @@ class AdapterStore:
         placed = {layer_id: BottleneckLayer(next(views), next(views), next(views), next(views), *b[4:])
                   for layer_id, b in bottlenecks.items()}
         in_order = lambda found: {i: found[i] for i in self.specs if i in found}  # noqa: E731 -- the model's order
-        return HostAdapter(name, key, in_order(layers), embedding, buffer.numel() * buffer.element_size(),
-                           in_order(placed), buffer, scales)
+        layers = in_order(layers)
+        return HostAdapter(name, key, layers, embedding, buffer.numel() * buffer.element_size(), in_order(placed),
+                           buffer, scales, self._layout(tuple((i, lora.a.shape[0]) for i, lora in layers.items())))
+
+    def _layout(self, layers: tuple) -> LoraLayout:
+        with self._lock:
+            layout = self._layouts.get(layers)
+            if layout is None:
+                layout = self._layouts[layers] = LoraLayout(layers)
+            return layout
 
     def _bottlenecks(self, name: str, tensors: dict[str, torch.Tensor], config: dict) -> dict[str, tuple]:
         """layer id -> (down [r, out], down_bias [r], up [out, r], up_bias [out], scale, act), checked."""
@@ -649,25 +678,41 @@ class AdapterStore:
 
     def _place_wave(self, adapter: HostAdapter, wave: "_Wave", members: set, stream, zeroed: bool) -> None:
         """One wave of a placement: its range of the adapter's buffer to the device in one copy (the first wave
-        every scale too), then each kind of tensor to the pools in one fused call (a copy or a launch per tensor
-        would cost the engine's thread microseconds each, on the step's path), the rows beyond each layer's rank
-        zeroed unless `zeroed`, then one event that the wave's pools wait on."""
+        every scale too), then from there to the pools (`_scatter`; on a GPU replayed from the wave's graph), then
+        one event that the wave's pools wait on."""
         lo, hi = wave.span
         self._staging[lo:hi].copy_(adapter.buffer[lo:hi], non_blocking=True)
         if wave.scale_targets:
             self._staging_scales[:len(wave.scale_sources)].copy_(adapter.scales[:len(wave.scale_sources)],
                                                                  non_blocking=True)
-            torch._foreach_copy_(wave.scale_targets, wave.scale_sources)
-        for targets, sources in wave.copies:
-            torch._foreach_copy_(targets, sources)
-        if wave.zeros and not zeroed:
-            torch._foreach_zero_(wave.zeros)
+        zero = bool(wave.zeros) and not zeroed
+        if stream is None:
+            _scatter(wave, zero)
+        else:
+            graph = wave.graphs.get(zero)
+            if graph is None:
+                graph = wave.graphs[zero] = self._record(wave, zero)
+            graph.replay()
         members.update(wave.members)
         if stream is not None:
             ready = _Ready(stream)
             for pools in wave.pools:  # a fused group's pool once
                 pools.ready = ready
                 self._pending.append(pools)
+
+    def _record(self, wave: "_Wave", zero: bool) -> torch.cuda.CUDAGraph:
+        """`_scatter(wave, zero)` recorded as a CUDA graph (on a stream of its own: nothing runs while recording;
+        thread_local: the process's other threads go on launching their work meanwhile)."""
+        if self._capture_stream is None:
+            self._capture_stream, self._graph_pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self._capture_stream):
+            graph.capture_begin(pool=self._graph_pool, capture_error_mode="thread_local")
+            try:
+                _scatter(wave, zero)
+            finally:
+                graph.capture_end()
+        return graph
 
     def _place(self, slot: int, adapter: HostAdapter, evicted: Slot | None = None) -> None:
         """Copy `adapter` into `slot`'s rows of its pools, layer by layer in the model's order, after zeroing what
@@ -750,6 +795,18 @@ class AdapterStore:
                     self.embedding_ready = _Ready(stream)
         self._slots[slot] = Slot(adapter, members=members)
         self._by_key[adapter.key] = slot
+
+
+def _scatter(wave: "_Wave", zero: bool) -> None:
+    """A wave's device copies, from the staging buffers to the pools: each kind of tensor in one fused call (a copy
+    or a launch per tensor would cost the host microseconds each, on the step's path), the rows beyond each layer's
+    rank zeroed if `zero`."""
+    if wave.scale_targets:
+        torch._foreach_copy_(wave.scale_targets, wave.scale_sources)
+    for targets, sources in wave.copies:
+        torch._foreach_copy_(targets, sources)
+    if zero:
+        torch._foreach_zero_(wave.zeros)
 
 
 def wave_bounds(count: int, nbytes: int) -> list[tuple[int, int]]:

@@ -83,7 +83,7 @@ def test_an_adapter_of_the_evicted_ones_layout_overwrites_its_scales_and_zeroes_
             assert _run(engine, adapters, name) == fresh[name]
             assert bool(zero_calls) == zeroes, (name, zero_calls)
     store = engine.adapters
-    zeroed = {(key[1] == key[3], len(key[1]) > len(key[3])): len(scales) for key, (scales, _) in store._clears.items()}
+    zeroed = {(key[1] == key[3], len(key[1].layers) > len(key[3].layers)): len(scales) for key, (scales, _) in store._clears.items()}
     assert zeroed == {(True, False): 0, (False, False): 0, (False, True): zeroed[False, True]}  # evicted, placed
     assert zeroed[False, True] > 0  # everything_rs's MLP scales, which attn_r2 does not write
 
