@@ -262,7 +262,7 @@ class AdapterStore:
         self._dirty: set[int] = set()
         self._lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._capture_stream = self._graph_pool = None  # where the waves' graphs are recorded (`_record`)
+        self._capture_stream = None  # where the waves' graphs are recorded (`_record`)
         self._rows_cache: dict[tuple, object] = {}  # (slot, layer id, rank) -> _rows; ("scale", slot, pool, member)
         self._waves: OrderedDict[tuple, _Wave] = OrderedDict()  # (slot, layout, wave) -> its lists, least recent first
         self._clears: OrderedDict[tuple, tuple] = OrderedDict()  # (slot, layout, bottlenecks) -> (scales, pools) to zero
@@ -704,10 +704,12 @@ class AdapterStore:
         """`_scatter(wave, zero)` recorded as a CUDA graph (on a stream of its own: nothing runs while recording;
         thread_local: the process's other threads go on launching their work meanwhile)."""
         if self._capture_stream is None:
-            self._capture_stream, self._graph_pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
+            self._capture_stream = torch.cuda.Stream(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(self._capture_stream):
-            graph.capture_begin(pool=self._graph_pool, capture_error_mode="thread_local")
+            # no shared memory pool: the copies allocate nothing, and a shared pool dies with the last graph of it
+            # (the waves' graphs are dropped with their views), after which recording into it fails
+            graph.capture_begin(capture_error_mode="thread_local")
             try:
                 _scatter(wave, zero)
             finally:
