@@ -3,6 +3,8 @@ in another process on the same GPU (CUDA IPC buffer), and on the CPU (shared hos
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from peft import get_peft_model
@@ -83,6 +85,9 @@ def test_cpu_client_buffer_is_pinned_by_a_cuda_executor(checkpoints, tmp_path):
         server.stop()
 
 
+@pytest.mark.skipif("expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower(),
+                    reason="expandable segments keep freed pages reserved in a segment that later allocations share: "
+                           "the weights have no allocations of their own to hand back")
 def test_fusing_a_group_hands_back_the_members_old_memory(tmp_path):
     """q/k/v fused into one weight: the members become views of it, and the memory of their old tensors goes
     back to the device instead of staying reserved by this process. Weights of 16 MiB each, so that each has
