@@ -106,6 +106,9 @@ class TinkerService:
         self.resident_models = int(resident_models)
         self.max_models_per_tenant = int(max_models_per_tenant)
         self.max_checkpoint_bytes_per_tenant = int(max_checkpoint_bytes_per_tenant)
+        # tenant -> held from a quota's check to the write it allows (creates run on worker threads, saves on each
+        # trainer's): one tenant's concurrent requests cannot all pass the bound on the same count
+        self._quota_locks: dict[str, threading.Lock] = {}
         self._pruned_at = time.monotonic()
         self._pruning = threading.Lock()  # held while a pruning thread runs
         self.store = TinkerStore(service.state)
@@ -470,17 +473,21 @@ class TinkerService:
         return HostedLora.load(directory, home.targets, home.device, home.dtype, home.fingerprint,
                                with_optimizer=with_optimizer)
 
+    def _quota(self, tenant: str) -> threading.Lock:
+        return self._quota_locks.setdefault(tenant, threading.Lock())
+
     def _start_model(self, tenant: str, session_id: str, model: str, lora: HostedLora) -> None:
-        # before anything is written: a create replayed after its answer was pruned must not reset the live copy
-        if self.store.model_exists(model):
-            raise UserError(f"model {model} exists already")
-        held = self.store.models(tenant, 0, 0)[1]
-        if held >= self.max_models_per_tenant:
-            raise UserError(f"quota exceeded: you have {held} training models, the most one tenant may have on this "
-                            "service")
-        self._write(lora, self._live(model), with_optimizer=True)
-        if not self.store.add_model(model, tenant, session_id, lora.spec_json(), self.base_name, lora.steps):
-            raise UserError(f"model {model} exists already")
+        with self._quota(tenant):
+            # before anything is written: a create replayed after its answer was pruned must not reset the live copy
+            if self.store.model_exists(model):
+                raise UserError(f"model {model} exists already")
+            held = self.store.models(tenant, 0, 0)[1]
+            if held >= self.max_models_per_tenant:
+                raise UserError(f"quota exceeded: you have {held} training models, the most one tenant may have on "
+                                "this service")
+            self._write(lora, self._live(model), with_optimizer=True)
+            if not self.store.add_model(model, tenant, session_id, lora.spec_json(), self.base_name, lora.steps):
+                raise UserError(f"model {model} exists already")
         self._install(model, lora)
         self.queue.open(model, 1)
         self.owners[model] = tenant
@@ -613,12 +620,13 @@ class TinkerService:
 
     def save(self, tenant: str, model: str, name: str, sampler: bool) -> TinkerPath:
         path = TinkerPath(model, "sampler_weights" if sampler else "weights", check_name(name, "path"))
-        held = self.store.checkpoint_bytes(tenant)
-        if held >= self.max_checkpoint_bytes_per_tenant:
-            raise UserError(f"quota exceeded: your checkpoints hold {held} bytes, at most "
-                            f"{self.max_checkpoint_bytes_per_tenant} may be kept: delete some first")
-        size = self._write(self._resident_lora(model), self.checkpoint_directory(path), with_optimizer=not sampler)
-        self.store.add_checkpoint(tenant, model, path.kind, path.name, size)
+        with self._quota(tenant):
+            held = self.store.checkpoint_bytes(tenant)
+            if held >= self.max_checkpoint_bytes_per_tenant:
+                raise UserError(f"quota exceeded: your checkpoints hold {held} bytes, at most "
+                                f"{self.max_checkpoint_bytes_per_tenant} may be kept: delete some first")
+            size = self._write(self._resident_lora(model), self.checkpoint_directory(path), with_optimizer=not sampler)
+            self.store.add_checkpoint(tenant, model, path.kind, path.name, size)
         return path
 
     def resolve(self, tenant: str, path: str) -> tuple[TinkerPath, Path]:
