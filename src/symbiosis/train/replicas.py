@@ -97,6 +97,9 @@ class Replicas:
     def next_seq(self, key: str) -> int | None:
         return self._queue(key).next_seq(key)
 
+    def waiting(self) -> set[str]:
+        return set().union(*(queue.waiting() for queue in self.queues))
+
     def submit_call(self, call: Callable[[], object], done: Callable[[object], None],
                     fail: Callable[[Exception], None]) -> None:
         """A call of no adapter: on the first replica's thread, between its passes (a call that runs a pass runs

@@ -207,6 +207,11 @@ class TrainingQueue:
         with self._lock:
             return self._next.get(key)
 
+    def waiting(self) -> set[str]:
+        """The adapters that have operations queued (running or waiting for an earlier seq)."""
+        with self._lock:
+            return {key for key, queue in self._queues.items() if queue and key != UNORDERED}
+
     def skip(self, key: str, seq: int) -> None:
         """`seq` will never come (it was answered otherwise): the adapter's queue goes on past it."""
         with self._lock:

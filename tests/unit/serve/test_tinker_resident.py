@@ -273,9 +273,12 @@ def test_a_request_waiting_for_an_earlier_one_holds_nothing_and_trains_the_model
         return row
     # its forward_backward waits in the queue for the forward before it
     waiting = tinker_api.submit_pass("alice", model, seq + 1, [datum], "cross_entropy", {}, backward=True)
-    for seed in (62, 63):  # other models, over the budget
+    for seed in (62, 63):  # other models, over the budget, each with a request waiting too (else they would go
+        # first: models with requests queued are evicted last)
         other = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=seed).result()
         other.forward([_datum(other)], "cross_entropy").result()
+        tinker_api.submit_pass("alice", other.model_id, tinker_api.queue.next_seq(other.model_id) + 1, [datum],
+                               "cross_entropy", {}, backward=False)
         assert model not in in_memory(tinker_api)
     answer(tinker_api.submit_pass("alice", model, seq, [datum], "cross_entropy", {}, backward=False))
     answer(waiting)
@@ -480,3 +483,31 @@ def test_requests_for_seq_ids_that_never_come_hold_no_model(budget_server, servi
     with pytest.raises(BadCall, match="not in 0..2"):  # (SQLite's integers end at 2^63 - 1: it was a 500)
         tinker_api.submit_pass("alice", models[0].model_id, 2**64 - 1, [datum], "cross_entropy", {}, backward=False)
     assert not tinker_api._held
+
+
+def test_a_model_with_a_request_queued_leaves_memory_after_the_idle_ones(budget_server, service, loads, monkeypatch):
+    """A loop's optimizer step sent behind its forward_backward binds the model when its turn comes: evicted in
+    between, the model would be read back then, on the training thread. Idle models without requests go first,
+    however recently used."""
+    tinker_api = budget_server.service.tinker
+    monkeypatch.setattr(tinker_api, "resident_models", 2)
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=71).result()
+    model, ids = training.model_id, training.get_tokenizer()(TEXT)["input_ids"]
+    datum = Datum(ids[:-1], {"target_tokens": torch.tensor(ids[1:]),
+                             "weights": torch.ones(len(ids) - 1, dtype=torch.float64)})
+    # a request behind one not sent yet: queued, holding nothing
+    queued = tinker_api.submit_pass("alice", model, tinker_api.queue.next_seq(model) + 1, [datum], "cross_entropy",
+                                    {}, backward=False)
+    others = []
+    for seed in (72, 73):  # each more recently used than the model, and idle once answered
+        other = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=seed).result()
+        other.forward([_datum(other)], "cross_entropy").result()
+        others.append(other.model_id)
+    assert set(in_memory(tinker_api)) == {model, others[1]}
+    tinker_api.submit_pass("alice", model, tinker_api.queue.next_seq(model), [datum], "cross_entropy", {},
+                           backward=False)
+    deadline = time.monotonic() + 60
+    while tinker_api.store.request("alice", queued)["status"] == "pending":
+        assert time.monotonic() < deadline, "no answer"
+        time.sleep(0.01)
+    assert model not in loads  # never read back

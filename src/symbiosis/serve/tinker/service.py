@@ -333,12 +333,18 @@ class TinkerService:
         Where every model in memory is busy the set stays over the budget: `_hold` reads the model asked for
         anyway, rather than fail a request for memory. Each busy model is held by a request running or next in its
         queue, and every `_release` asks for an eviction again, so the set comes back to the budget as they are
-        answered."""
+        answered.
+
+        Models with requests queued go last: such a request binds its model when the queue comes to it (a loop's
+        optimizer step sent behind its forward_backward, say), and a model evicted in between would be read back
+        then, on the training thread, holding up that round."""
+        waiting = self.queue.waiting()  # (a hint: read before our lock, which the queue's callbacks take)
         while True:
             with self._resident:
                 if len(self.loras) <= self.resident_models:
                     return
-                model = next((m for m in self.loras if not self._held[m]), None)
+                idle = [m for m in self.loras if not self._held[m]]  # least recently used first
+                model = next((m for m in idle if m not in waiting), idle[0] if idle else None)
                 if model is None:
                     return
                 lora, written = self.loras.pop(model), self._written.pop(model)
