@@ -16,12 +16,15 @@ waits for all of its copies before it starts), `copies` (how many whole model co
 from the free memory and the model's bytes, not run), `placement` (the CPU time of issuing one adapter's
 placement: what the step that needs it pays on the engine's thread), `prefetch` (copy time of one adapter alone, against the
 latency a new adapter adds to a prefill step with and without layer-wise waits, on an idle engine and, `loaded_*`, for
-a request that joins 16 decoding requests; each new adapter paired with a resident one, the pair's order alternating).
+a request that joins 16 decoding requests; each new adapter paired with a resident one, the pair's order alternating),
+`contention` (a resident adapter's steps alone and beside a large copy to the device that no step reads: what the
+copy alone costs them, with no placement's host work).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import os
@@ -149,13 +152,7 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
     # The two ways of waiting, interleaved sample by sample: a drift of the GPU's clocks or of the engine's state
     # then lands on both (run on the H100 one after the other, their resident prefills differed by 10 ms).
     for load, measure in (("", prefill_ms), ("loaded_", first_token_ms)):
-        running = []
-        if load:  # decoding requests of the resident adapter, until cancelled (a row is left for the timed one)
-            params = SamplingParams(max_tokens=min(4096, (engine.context_limit or 8192) - 64), ignore_eos=True)
-            count = min(background, engine.scheduler.max_running - 1)
-            running = [engine.submit(prompt[:64], params, ("t0", directories[0])) for _ in range(count)]
-            for handle in running:
-                next(iter(handle))
+        running = start_decoding(engine, directories[0], prompt, background if load else 0)
         for _ in range(2):  # warm: the step's shapes compiled (and, loaded, captured) before anything is timed
             measure(engine, directories[1], "t1", prompt)
         # what lives on (the model, compiled code, the tiers' adapters) out of the collector's sight, as `symbiosis
@@ -196,11 +193,7 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
             with open(calls, "a") as file:
                 file.write(f"# {load or 'idle '}placements of the timed new steps ({2 * samples}, both ways of "
                            "waiting): the calls on the placing threads\n" + call_table(profiler, 2 * samples))
-        for handle in running:
-            handle.cancel()
-        for handle in running:
-            for _ in handle:  # to its end: the engine is idle again
-                pass
+        stop_decoding(running)
         for layerwise in (True, False):
             resident, new = times[layerwise, "resident"], times[layerwise, "new"]
             differences = np.array(new) - np.array(resident)  # paired: each new one with its neighbour
@@ -224,6 +217,83 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
     store.layerwise = True
     if profile:
         profile_pairs(engine, directories, fresh, prompt, profile)
+    return result
+
+
+def start_decoding(engine: Engine, directory: Path, prompt: list[int], count: int) -> list:
+    """`count` requests of the resident adapter t0 decoding until `stop_decoding` (a row is left for a timed one)."""
+    params = SamplingParams(max_tokens=min(4096, (engine.context_limit or 8192) - 64), ignore_eos=True)
+    count = min(count, engine.scheduler.max_running - 1)
+    running = [engine.submit(prompt[:64], params, ("t0", directory)) for _ in range(count)]
+    for handle in running:
+        next(iter(handle))
+    return running
+
+
+def stop_decoding(running: list) -> None:
+    for handle in running:
+        handle.cancel()
+    for handle in running:
+        for _ in handle:  # to its end: the engine is idle again
+            pass
+
+
+def contention(engine: Engine, directories: list[Path], vocab: int, prompt_len: int, samples: int,
+               background: int = 16, piece_bytes: int = 4 << 20) -> dict:
+    """What an adapter's copy costs a step with no placement at all: a resident adapter's prefill (idle) and first
+    token (beside `background` decoding requests), alone and with a large adapter's bytes copied from pinned host
+    memory to the device on a side stream, issued just before the request: `whole` (one copy) or in `pieces` of
+    `piece_bytes`. A new adapter brings host work (its placement, clocked by `prefetch`) and such a copy. If the copy
+    alone adds time to a step whose GPU work it does not touch, something of the step's waits behind it (its own
+    small host-to-device uploads, on the same copy engine, say); if pieces add less, the wait is one copy long.
+    (On the CPU the copies run at once, before the clock: a smoke run of the code, no measurement.)"""
+    store, rng = engine.adapters, random.Random(11)
+    prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+    source = store.load("t2", directories[2]).buffer  # (pinned on a GPU engine)
+    target = torch.empty_like(source, device=store.device)
+    side = torch.cuda.Stream(store.device) if store.device.type == "cuda" else None
+    sync = torch.cuda.synchronize if side is not None else (lambda: None)
+    piece = max(1, piece_bytes // source.element_size())
+
+    def copy(way: str) -> None:
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            if way == "whole":
+                target.copy_(source, non_blocking=True)
+            elif way == "pieces":
+                for lo in range(0, source.numel(), piece):
+                    target[lo:lo + piece].copy_(source[lo:lo + piece], non_blocking=True)
+
+    def idle(way: str) -> float:
+        sync()
+        copy(way)  # issued before the clock starts: only what the copy does to the step is timed
+        started = time.perf_counter()
+        engine.generate([prompt], SamplingParams(max_tokens=1), [("t1", directories[1])])
+        sync()
+        return (time.perf_counter() - started) * 1000
+
+    def loaded(way: str) -> float:
+        copy(way)
+        elapsed = first_token_ms(engine, directories[1], "t1", prompt)
+        if side is not None:
+            side.synchronize()
+        return elapsed
+
+    result = {"copy_bytes": source.numel() * source.element_size(), "piece_bytes": piece_bytes}
+    ways = ("alone", "whole", "pieces")
+    for load, measure in (("", idle), ("loaded_", loaded)):
+        running = start_decoding(engine, directories[0], prompt, background if load else 0)
+        for way in ways * 2:  # warm
+            measure(way)
+        times = {way: [] for way in ways}
+        for sample in range(samples):
+            for way in (ways if sample % 2 == 0 else ways[::-1]):  # the order alternating, as in `prefetch`
+                times[way].append(measure(way))
+        stop_decoding(running)
+        result[f"{load}alone_ms"] = float(np.median(times["alone"]))
+        for way in ("whole", "pieces"):
+            differences = np.array(times[way]) - np.array(times["alone"])
+            result[f"{load}{way}_added_ms"] = float(np.median(differences))
+            result[f"{load}{way}_added_ci95_ms"] = list(_median_interval(differences))
     return result
 
 
@@ -414,6 +484,9 @@ def main() -> None:
                  copies_that_fit=int(total * 0.95 // model_bytes), computed=True)
         if "placement" in phases:  # the CPU time a placement takes on the engine's thread (issuing, not copying)
             emit(**common, phase="placement", **placement_cpu(engine, directories, profile=args.placement_profile))
+        if "contention" in phases:
+            emit(**common, phase="contention", prompt_tokens=args.prefetch_prompt,
+                 **contention(engine, directories, vocab, args.prefetch_prompt, args.samples))
         if "prefetch" in phases:
             samples = min(args.samples, (args.tenants - 10) // 5)  # 5 fresh tenants a sample, 8 for the profile
             emit(**common, phase="prefetch", prompt_tokens=args.prefetch_prompt,

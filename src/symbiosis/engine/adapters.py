@@ -22,11 +22,10 @@ predecessors' layers to compute behind, and the first, the one nothing hides, is
 holds its layers in that order, so a wave is one range of it: one host-to-device copy into a staging buffer on the
 device, then one fused device copy into every pool row of the wave (`_Wave`, its views made once per slot and
 adapter layout; on a GPU replayed from a CUDA graph recorded once per slot, layout and wave): a handful of calls
-on the engine's thread per placement, not one per tensor. Each wave's copies
-are followed by an event (`Pools.ready`, one `_Ready` shared by the wave's pools): an eagerly run step waits, at
-the first layer of each wave, only for that wave's copy, so later waves land while earlier layers compute
-(layer-wise prefetch). A step replayed from a CUDA graph cannot
-wait inside the graph: it waits for every pending copy first (`wait_all`).
+on the engine's thread per placement, not one per tensor. Each wave's copies are followed by an event
+(`Pools.ready`, one `_Ready` shared by the wave's pools): an eagerly run step waits, at the first layer of each
+wave, only for that wave's copy, so later waves land while earlier layers compute (layer-wise prefetch). A step
+replayed from a CUDA graph cannot wait inside the graph: it waits for every pending copy first (`wait_all`).
 
 A placement waits only for the steps that read its slot (`read_by`: the engine records an event after each step
 for the slots it reads), not for the whole stream of steps: evicting an adapter whose last request has ended
@@ -137,8 +136,8 @@ class _Wave:
     pools: list  # the pools written, each once
     span: tuple[int, int]  # where the wave's tensors are in an adapter's buffer (elements)
     # on a GPU, the wave's device copies (staging -> pools) recorded once as a CUDA graph, by whether they zero
-    # the rows beyond each rank: replaying one costs the host a few microseconds, where the fused copies over a
-    # wave's tens of tensors cost it 40-60 us (H200, docs/PERFORMANCE.md section 12)
+    # the rows beyond each rank: replaying one costs the host ~30 us, where the fused copies over a wave's tens of
+    # tensors cost it 40-60 us (H200, docs/PERFORMANCE.md section 12)
     graphs: dict = field(default_factory=dict)
 
 

@@ -7,6 +7,7 @@ no training model. Driven by the official `tinker` SDK on loopback, float64 on t
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -90,6 +91,32 @@ def _trained(service, seeds, datum, resident, rounds=2):
             answers.append(training.optim_step(ADAM).result().metrics["grad_norm:mean"])
             resident()
     return models, answers
+
+
+def _model_and_datum(service, seed: int) -> tuple[str, Datum]:
+    """A new model, and a datum of TEXT as the service's own (for requests submitted to it directly)."""
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=seed).result()
+    return training.model_id, _raw_datum(training)
+
+
+def _answer(tinker_api, request_id: str, timeout: float = 30) -> dict:
+    """The row of a request submitted to the service directly, once answered (or at the deadline)."""
+    deadline = time.monotonic() + timeout
+    while (row := tinker_api.store.request("alice", request_id))["status"] == "pending" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return row
+
+
+def _done(tinker_api, request_id: str) -> dict:
+    row = _answer(tinker_api, request_id)
+    assert row["status"] == "done", row
+    return row
+
+
+def _raw_datum(training) -> Datum:
+    ids = training.get_tokenizer()(TEXT)["input_ids"]
+    return Datum(ids[:-1], {"target_tokens": torch.tensor(ids[1:]),
+                            "weights": torch.ones(len(ids) - 1, dtype=torch.float64)})
 
 
 def _state(tinker_api, training, name):
@@ -258,19 +285,9 @@ def test_a_request_waiting_for_an_earlier_one_holds_nothing_and_trains_the_model
     to it, so it and the ones after it train the model's own state."""
     tinker_api = budget_server.service.tinker
     monkeypatch.setattr(tinker_api, "resident_models", 1)
-    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=61).result()
-    model, ids = training.model_id, training.get_tokenizer()(TEXT)["input_ids"]
-    datum = Datum(ids[:-1], {"target_tokens": torch.tensor(ids[1:]),
-                             "weights": torch.ones(len(ids) - 1, dtype=torch.float64)})
+    model, datum = _model_and_datum(service, 61)
     seq = tinker_api.queue.next_seq(model)
-
-    def answer(request_id):
-        deadline = time.monotonic() + 60
-        while (row := tinker_api.store.request("alice", request_id))["status"] == "pending":
-            assert time.monotonic() < deadline, "no answer"
-            time.sleep(0.01)
-        assert row["status"] == "done", row
-        return row
+    answer = functools.partial(_done, tinker_api)
     # its forward_backward waits in the queue for the forward before it
     waiting = tinker_api.submit_pass("alice", model, seq + 1, [datum], "cross_entropy", {}, backward=True)
     for seed in (62, 63):  # other models, over the budget, each with a request waiting too (else they would go
@@ -396,19 +413,6 @@ def test_a_killed_service_has_the_steps_written_when_models_left_memory(served_f
         terminate(process)
 
 
-def _answer(tinker_api, request_id: str, timeout: float = 30) -> dict:
-    deadline = time.monotonic() + timeout
-    while (row := tinker_api.store.request("alice", request_id))["status"] == "pending" and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return row
-
-
-def _raw_datum(training) -> Datum:
-    ids = training.get_tokenizer()(TEXT)["input_ids"]
-    return Datum(ids[:-1], {"target_tokens": torch.tensor(ids[1:]),
-                            "weights": torch.ones(len(ids) - 1, dtype=torch.float64)})
-
-
 def test_a_replayed_create_model_leaves_the_trained_model_alone(budget_server, service, monkeypatch):
     """A create_model resent after its answer was pruned (so accepted as new) fails as existing, and writes
     nothing: the model keeps its trained state, in memory and once read back."""
@@ -491,10 +495,7 @@ def test_a_model_with_a_request_queued_leaves_memory_after_the_idle_ones(budget_
     however recently used."""
     tinker_api = budget_server.service.tinker
     monkeypatch.setattr(tinker_api, "resident_models", 2)
-    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=71).result()
-    model, ids = training.model_id, training.get_tokenizer()(TEXT)["input_ids"]
-    datum = Datum(ids[:-1], {"target_tokens": torch.tensor(ids[1:]),
-                             "weights": torch.ones(len(ids) - 1, dtype=torch.float64)})
+    model, datum = _model_and_datum(service, 71)
     # a request behind one not sent yet: queued, holding nothing
     queued = tinker_api.submit_pass("alice", model, tinker_api.queue.next_seq(model) + 1, [datum], "cross_entropy",
                                     {}, backward=False)
@@ -504,10 +505,7 @@ def test_a_model_with_a_request_queued_leaves_memory_after_the_idle_ones(budget_
         other.forward([_datum(other)], "cross_entropy").result()
         others.append(other.model_id)
     assert set(in_memory(tinker_api)) == {model, others[1]}
-    tinker_api.submit_pass("alice", model, tinker_api.queue.next_seq(model), [datum], "cross_entropy", {},
-                           backward=False)
-    deadline = time.monotonic() + 60
-    while tinker_api.store.request("alice", queued)["status"] == "pending":
-        assert time.monotonic() < deadline, "no answer"
-        time.sleep(0.01)
+    _done(tinker_api, tinker_api.submit_pass("alice", model, tinker_api.queue.next_seq(model), [datum],
+                                             "cross_entropy", {}, backward=False))
+    _done(tinker_api, queued)
     assert model not in loads  # never read back
