@@ -197,13 +197,14 @@ class DeviceMemory:
             _driver().cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
     def __del__(self):
-        if self.pointer is not None:
-            with self._current():
-                _driver().cuMemFree_v2(ctypes.c_uint64(self.pointer))  # (waits for work on it to end)
-            self.pointer = None
-        if self._device is not None:
-            _driver().cuDevicePrimaryCtxRelease_v2(self._device)
-            self._device = None
+        # (at the interpreter's exit the driver may be gone already: then there is nothing left to free)
+        with contextlib.suppress(Exception):
+            if self.pointer is not None:
+                with self._current():
+                    _driver().cuMemFree_v2(ctypes.c_uint64(self.pointer))  # (waits for work on it to end)
+            if self._device is not None:
+                _driver().cuDevicePrimaryCtxRelease_v2(self._device)
+        self.pointer = self._device = None
 
 
 @functools.cache
