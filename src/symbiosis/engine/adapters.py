@@ -487,15 +487,18 @@ class AdapterStore:
     def release(self, slot: int) -> None:
         self._slots[slot].users -= 1
 
-    def prefetch(self, adapters: list[HostAdapter]) -> int:
+    def prefetch(self, adapters: list[HostAdapter], until=None) -> int:
         """Place the adapters of requests about to be admitted (in their order) while the step just launched runs,
         into free slots or those of unpinned adapters that none of them is (least recently used first): their
         copies and the host's issuing them then come before the next step's launch, not on its path. Nothing is
-        pinned (admission's `acquire` finds them in their slots). Returns how many were placed."""
+        pinned (admission's `acquire` finds them in their slots). `until()`, asked before each placement: stop.
+        Returns how many were placed."""
         wanted, placed = {adapter.key for adapter in adapters}, 0
         for adapter in adapters:
             if adapter.key in self._by_key:
                 continue
+            if until is not None and until():
+                break
             free = self._free_slot(keep=wanted)
             if free is None:
                 break

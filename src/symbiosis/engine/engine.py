@@ -202,6 +202,9 @@ class Engine:
         self._arrivals = threading.Event()  # set by `submit` for a request whose adapter is not on the device
         self._placer: threading.Thread | None = None
         self._placer_stopping = False
+        # set while the engine's thread, its wait over, waits for `_stepping`: the placer stops between placements
+        # then, so that the next launch waits for one placement at most (the rest go after it, in `_prefetch`)
+        self._wants_stepping = False
         self.steps = 0
         # Whether a reader's `events` with `put_quietly` and `flush` (the service's, serve/generation.py) is woken
         # only as the engine's thread is about to wait for the device, once for a step's events, not at the first
@@ -338,13 +341,16 @@ class Engine:
         try:
             step.choices.wait()
         finally:
+            self._wants_stepping = True
             self._stepping.acquire()
+            self._wants_stepping = False
 
     def _place_arrivals(self) -> None:
         """The placer thread. A request that arrives while the engine's thread waits for the device (most of a
         replayed decode step) came after that step's `_prefetch`: its adapter would be placed by the next step's
         admission, on that launch's path (~1 ms of host time for a 91 MB adapter on an H200, the whole of what a new
-        adapter added to its first step: docs/PERFORMANCE.md section 12). Here it is placed during the wait."""
+        adapter added to its first step: docs/PERFORMANCE.md section 12). Here it is placed during the wait; the placer
+        stops between placements once the wait is over (`_wants_stepping`), leaving the rest to the engine's thread."""
         while True:
             self._arrivals.wait()
             if self._placer_stopping:
@@ -354,14 +360,15 @@ class Engine:
                 if self._placer_stopping:
                     return
                 try:
-                    self._prefetch()
+                    self._prefetch(until=lambda: self._wants_stepping)
                 except Exception:  # noqa: BLE001 -- its placement is left to admission, which fails that request
                     log.exception("placing an arriving request's adapter failed; admission will place it")
 
-    def _prefetch(self) -> None:
+    def _prefetch(self, until=None) -> None:
         """While the step just launched runs: place the adapters of the requests that may join the next one (those
         waiting, then those arrived since this step took them in, as many as may be admitted), so that their
-        placement is not on the next launch's path (docs/PERFORMANCE.md section 12)."""
+        placement is not on the next launch's path (docs/PERFORMANCE.md section 12); stopping between placements
+        once `until()` says so."""
         room = self.scheduler.max_running - len(self.scheduler.running)
         if room <= 0:
             return
@@ -370,7 +377,7 @@ class Engine:
         adapters = [r.adapter for r in itertools.chain(self.scheduler.waiting, arrived)
                     if r.adapter is not None and not r.cancelled]
         if adapters:
-            self.adapters.prefetch(adapters[:room])
+            self.adapters.prefetch(adapters[:room], until)
 
     def _launch(self, chunks: list) -> int:
         """Queue the step on the device (its sampled tokens become `_in_flight`); returns its token count, 0 if it

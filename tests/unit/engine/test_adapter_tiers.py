@@ -325,6 +325,69 @@ def test_a_request_arriving_while_the_engine_waits_for_the_device_has_its_adapte
         engine.close()
 
 
+def test_the_placer_stops_between_placements_once_the_engines_wait_is_over(models, monkeypatch):
+    """Two arrivals placed by the placer during the engine's wait for the device: the wait ends during the first
+    placement, so the placer leaves the second to the engine's thread (its next step's admission or `_prefetch`),
+    and the engine's next launch waits for one placement, not for all of them."""
+    import threading
+
+    from symbiosis.engine import sampling
+
+    checkpoint, adapters = models("llama")
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=64, block_size=4, adapter_slots=3)
+    store, placers = engine.adapters, {}
+    hold, waiting, release = threading.Event(), threading.Event(), threading.Event()
+    both_sent, in_placement, finish = threading.Event(), threading.Event(), threading.Event()
+    device_wait, place, prefetch = sampling.Launched.wait, store._place, engine._prefetch
+
+    def held_wait(launched):
+        if hold.is_set():
+            waiting.set()
+            assert release.wait(30)
+        device_wait(launched)
+
+    def placer_prefetch(*args, **kwargs):  # the placer's pass during the wait sees both arrivals
+        if threading.current_thread().name == "symbiosis-engine-placer" and waiting.is_set():
+            assert both_sent.wait(30)
+        prefetch(*args, **kwargs)
+
+    def placing(slot, adapter, evicted=None):
+        placers[adapter.name] = threading.current_thread().name
+        if adapter.name == "mlp_r8" and placers[adapter.name] == "symbiosis-engine-placer":
+            in_placement.set()
+            assert finish.wait(30)
+        place(slot, adapter, evicted)
+
+    monkeypatch.setattr(sampling.Launched, "wait", held_wait)
+    monkeypatch.setattr(store, "_place", placing)
+    monkeypatch.setattr(engine, "_prefetch", placer_prefetch)
+    engine.start()
+    try:
+        hold.set()
+        running = engine.submit(PROMPT, PARAMS, ("attn_r2", adapters["attn_r2"]))
+        assert waiting.wait(30)
+        first = engine.submit(PROMPT, PARAMS, ("mlp_r8", adapters["mlp_r8"]))
+        second = engine.submit(PROMPT, PARAMS, ("everything_rs", adapters["everything_rs"]))
+        both_sent.set()
+        assert in_placement.wait(30)  # the placer is in its first placement, the engine's thread in its wait
+        hold.clear()
+        release.set()
+        deadline = time.monotonic() + 30
+        while not engine._wants_stepping:  # the wait is over: the engine's thread waits for the step lock
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        finish.set()
+        for handle in (running, first, second):
+            assert handle.result(timeout=60).finish_reason == "length"
+        assert placers == {"attn_r2": placers["attn_r2"], "mlp_r8": "symbiosis-engine-placer",
+                           "everything_rs": "symbiosis-engine"}
+    finally:
+        release.set()
+        finish.set()
+        both_sent.set()
+        engine.close()
+
+
 def test_a_placement_that_fails_part_way_leaves_nothing_in_its_slot_for_the_next(models, monkeypatch):
     """A placement that raises after its first wave (every scale of its layers written, some matrices) leaves its
     slot free; the next adapter placed there (one on fewer layers, which overwrites fewer scales) finds every other
