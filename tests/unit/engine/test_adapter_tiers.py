@@ -86,6 +86,10 @@ def test_an_adapter_of_the_evicted_ones_layout_overwrites_its_scales_and_zeroes_
     zeroed = {(key[1] == key[3], len(key[1].layers) > len(key[3].layers)): len(scales) for key, (scales, _) in store._clears.items()}
     assert zeroed == {(True, False): 0, (False, False): 0, (False, True): zeroed[False, True]}  # evicted, placed
     assert zeroed[False, True] > 0  # everything_rs's MLP scales, which attn_r2 does not write
+    # adapters alike share one layout object, made as they were read: the placing caches' keys hash it once
+    layouts = {name: store.load(name, adapters[name]).layout for name in names}
+    assert layouts["attn_r2"] is layouts["twin"] and layouts["attn_r2"] != layouts["everything_rs"]
+    assert {key[1] for key in store._waves} == {layouts["attn_r2"], layouts["everything_rs"]}
 
 
 def test_the_host_tier_keeps_to_its_byte_budget_least_recently_used_first(models):
