@@ -38,6 +38,7 @@ nothing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -813,18 +814,24 @@ def _scatter(wave: "_Wave", zero: bool) -> None:
         torch._foreach_zero_(wave.zeros)
 
 
-def wave_bounds(count: int, nbytes: int) -> list[tuple[int, int]]:
+def wave_bounds(count: int, nbytes: int) -> tuple[tuple[int, int], ...]:
     """A placement's waves over its `count` layers (in the model's order) of `nbytes`: (first, end) each. One per
     WAVE_BYTES, at most PLACEMENT_WAVES, with lengths in parts 1, 1, 2, 4, ..: each wave as long as all before it, so
     while it copies, the layers before it compute (a copy no slower than the layers it feeds is hidden but for the
-    first wave), and the first is short (at 335 MB over 32 layers: 1, 1, 2, 4, 8, 16 layers)."""
-    waves = max(1, min(PLACEMENT_WAVES, count, nbytes // WAVE_BYTES))
+    first wave), and the first is short (at 335 MB over 32 layers: 1, 1, 2, 4, 8, 16 layers). Worked out once per
+    size (it is on every placement's path)."""
+    return _wave_bounds(count, nbytes, PLACEMENT_WAVES, WAVE_BYTES)
+
+
+@functools.lru_cache(maxsize=4096)
+def _wave_bounds(count: int, nbytes: int, most: int, wave_bytes: int) -> tuple[tuple[int, int], ...]:
+    waves = max(1, min(most, count, nbytes // wave_bytes))
     ends, parts = [], 1 << (waves - 1)
     for index in range(1, waves):
         share = round(count * (1 << (index - 1)) / parts)  # the parts of waves 0..index-1: 1, 2, 4, ..
         ends.append(min(max(share, (ends[-1] if ends else 0) + 1), count - (waves - index)))
     bounds = [0] + ends + [count]
-    return list(zip(bounds[:-1], bounds[1:]))
+    return tuple(zip(bounds[:-1], bounds[1:]))
 
 
 def _check_dtypes(name: str, module: str, *tensors: torch.Tensor) -> None:
