@@ -97,9 +97,13 @@ def burst(engine: Engine, directories: list[Path], clients: int, requests: int, 
             "host_rss_gib": host_rss_gib(), "tiers": engine.adapters.tiers()}
 
 
-def prefill_ms(engine: Engine, directory: Path, name: str, prompt: list[int]) -> float:
+def prefill_ms(engine: Engine, directory: Path, name: str, prompt: list[int], before=None) -> float:
+    """One prompt's prefill on an idle engine, the device synchronized around it; `before()` issued just before the
+    clock starts."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
+    if before is not None:
+        before()
     started = time.perf_counter()
     engine.generate([prompt], SamplingParams(max_tokens=1), [(name, directory)])
     sync()
@@ -252,7 +256,6 @@ def contention(engine: Engine, directories: list[Path], vocab: int, prompt_len: 
     source = store.load("t2", directories[2]).buffer  # (pinned on a GPU engine)
     target = torch.empty_like(source, device=store.device)
     side = torch.cuda.Stream(store.device) if store.device.type == "cuda" else None
-    sync = torch.cuda.synchronize if side is not None else (lambda: None)
     piece = max(1, piece_bytes // source.element_size())
 
     def copy(way: str) -> None:
@@ -263,13 +266,8 @@ def contention(engine: Engine, directories: list[Path], vocab: int, prompt_len: 
                 for lo in range(0, source.numel(), piece):
                     target[lo:lo + piece].copy_(source[lo:lo + piece], non_blocking=True)
 
-    def idle(way: str) -> float:
-        sync()
-        copy(way)  # issued before the clock starts: only what the copy does to the step is timed
-        started = time.perf_counter()
-        engine.generate([prompt], SamplingParams(max_tokens=1), [("t1", directories[1])])
-        sync()
-        return (time.perf_counter() - started) * 1000
+    def idle(way: str) -> float:  # (the copy issued before the clock starts: only what it does to the step is timed)
+        return prefill_ms(engine, directories[1], "t1", prompt, before=lambda: copy(way))
 
     def loaded(way: str) -> float:
         copy(way)

@@ -49,6 +49,23 @@ def store_for(config: dict, device: torch.device, slots: int, max_rank: int = 16
                                       slots=slots, groups=groups)
 
 
+def placements(store, adapters: list, count: int, sync, profiler=None) -> list[float]:
+    """`count` placements of `adapters` in turn (8 over 4 slots: each evicts another), their copies waited for
+    untimed: each one's host time in microseconds, inside `profiler` where given."""
+    times = []
+    for i in range(count):
+        if profiler is not None:
+            profiler.enable()
+        started = time.perf_counter()
+        store.release(store.acquire(adapters[i % len(adapters)]))
+        times.append((time.perf_counter() - started) * 1e6)
+        if profiler is not None:
+            profiler.disable()
+        store.wait_all()
+        sync()
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", help="a real model's widths and layers (common.CONFIGS), not the tiny model's")
@@ -74,22 +91,10 @@ def main() -> None:
         adapter_store.PLACEMENT_WAVES = cap
         store = store_for(common.CONFIGS[name], device, slots=4, max_rank=args.max_rank)
         adapters = [store.load(f"t{i}", d) for i, d in enumerate(directories)]
-        times = []
-        for i in range(50 + args.samples):  # 8 adapters over 4 slots: every placement evicts one
-            started = time.perf_counter()
-            store.release(store.acquire(adapters[i % len(adapters)]))
-            if i >= 50:
-                times.append((time.perf_counter() - started) * 1e6)
-            store.wait_all()
-            sync()
+        times = placements(store, adapters, 50 + args.samples, sync)[50:]  # (the first 50 warm up)
         if args.profile and run == len(caps) - 1:  # a further pass, profiled (the timed one is not)
             profiler = cProfile.Profile()
-            for i in range(args.samples):
-                profiler.enable()
-                store.release(store.acquire(adapters[i % len(adapters)]))
-                profiler.disable()
-                store.wait_all()
-                sync()
+            placements(store, adapters, args.samples, sync, profiler)
             Path(args.profile).write_text(f"{args.samples} placements, waves <= {cap}\n"
                                           + common.call_table(profiler, args.samples))
         waves = len(adapter_store.wave_bounds(len(adapters[0].layers), adapters[0].buffer.nbytes))

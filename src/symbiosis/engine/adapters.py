@@ -575,13 +575,8 @@ class AdapterStore:
         embedding = evicted.adapter.embedding is not None and adapter.embedding is None
         if embedding:
             self.embedding_pool[2][slot] = 0.0
-        if stream is not None and (cleared or embedding):
-            ready = _Ready(stream)
-            for pools in cleared:  # a wave of this placement may set a later event (copy-stream order keeps both)
-                pools.ready = ready
-            self._pending += cleared
-            if embedding:
-                self.embedding_ready = ready
+        if cleared or embedding:  # (a wave of this placement may set a later event: copy-stream order keeps both)
+            self._ready_after(stream, cleared, embedding)
 
     def _pool(self, pool_id: str) -> Pools:
         pools = self.pools[pool_id]
@@ -697,11 +692,7 @@ class AdapterStore:
                 graph = wave.graphs[zero] = self._record(wave, zero)
             graph.replay()
         members.update(wave.members)
-        if stream is not None:
-            ready = _Ready(stream)
-            for pools in wave.pools:  # a fused group's pool once
-                pools.ready = ready
-                self._pending.append(pools)
+        self._ready_after(stream, wave.pools)  # (a fused group's pool once)
 
     def _record(self, wave: "_Wave", zero: bool) -> torch.cuda.CUDAGraph:
         """`_scatter(wave, zero)` recorded as a CUDA graph (on a stream of its own: nothing runs while recording;
@@ -736,13 +727,19 @@ class AdapterStore:
             pools.scales[slot].zero_()
         if self.embedding_pool is not None:
             self.embedding_pool[2][slot] = 0.0
-        if stream is not None:
-            ready = _Ready(stream)
-            for pools in written:
-                pools.ready = ready
-            self._pending += written
-            if self.embedding_pool is not None:
-                self.embedding_ready = ready
+        self._ready_after(stream, written, self.embedding_pool is not None)
+
+    def _ready_after(self, stream, pools: list, embedding: bool = False) -> None:
+        """On a GPU, one event after what the copy stream was just given, which `pools` (and the embedding pool, if
+        `embedding`) wait for at their next use (`_Copied.wait`, `wait_all`)."""
+        if stream is None:
+            return
+        ready = _Ready(stream)
+        for each in pools:
+            each.ready = ready
+        self._pending += pools
+        if embedding:
+            self.embedding_ready = ready
 
     def _place_into(self, slot: int, adapter: HostAdapter, evicted: Slot | None) -> None:
         stream = self._copy_stream
@@ -779,9 +776,7 @@ class AdapterStore:
                 pools.up_bias[slot].copy_(layer.up_bias, non_blocking=True)
                 pools.scales[slot], pools.acts[slot] = layer.scale, layer.act
                 members.add((layer_id, "bottleneck"))
-                if stream is not None:
-                    pools.ready = _Ready(stream)
-                    self._pending.append(pools)
+                self._ready_after(stream, [pools])
             if adapter.embedding is not None:
                 if self.embedding_pool is None:
                     _, vocab, dim = self.embedding_module
@@ -796,8 +791,7 @@ class AdapterStore:
                 b_pool[slot, :r].copy_(lora.b.t(), non_blocking=True)
                 b_pool[slot, r:].zero_()
                 scales[slot] = lora.scale
-                if stream is not None:
-                    self.embedding_ready = _Ready(stream)
+                self._ready_after(stream, [], embedding=True)
         self._slots[slot] = Slot(adapter, members=members)
         self._by_key[adapter.key] = slot
 

@@ -31,6 +31,9 @@ GOOD = {"kind": "cuda", "nbytes": 4096, "handle": HANDLE}
 def test_a_malformed_description_is_refused_before_anything_is_mapped(change, named):
     with pytest.raises(BadCall, match=named):
         SharedBuffer.open_cuda({**GOOD, **change}, torch.device("cuda", 0))
+
+
+def test_a_description_without_a_handle_is_refused():
     with pytest.raises(BadCall, match="handle"):
         SharedBuffer.open_cuda({k: v for k, v in GOOD.items() if k != "handle"}, torch.device("cuda", 0))
 

@@ -338,6 +338,8 @@ class TinkerService:
         Models with requests queued go last: such a request binds its model when the queue comes to it (a loop's
         optimizer step sent behind its forward_backward, say), and a model evicted in between would be read back
         then, on the training thread, holding up that round."""
+        if len(self.loras) <= self.resident_models:  # (every answer asks: most find nothing to do, and read no queue)
+            return
         waiting = self.queue.waiting()  # (a hint: read before our lock, which the queue's callbacks take)
         while True:
             with self._resident:

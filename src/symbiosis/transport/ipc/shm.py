@@ -153,7 +153,7 @@ def _open_cuda(d: dict, device: torch.device) -> torch.Tensor:
     if len(handle) != IPC_HANDLE_BYTES:
         raise ValueError(f"a CUDA IPC handle of a driver allocation is {IPC_HANDLE_BYTES} bytes, not {len(handle)}")
     torch.cuda.init()
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     storage = torch.UntypedStorage._new_shared_cuda(index, handle, nbytes, 0, NO_REF_COUNTER, 0, b"", False)
     pointer = storage.data_ptr()
     base, size, ordinal = _allocation(pointer)
@@ -173,7 +173,7 @@ class DeviceMemory:
     def __init__(self, nbytes: int, device: torch.device):
         self.pointer, self._device = None, None
         torch.cuda.init()
-        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        self.device = torch.device("cuda", _index(device))
         driver, ordinal = _driver(), ctypes.c_int()
         self._context, pointer, handle = ctypes.c_void_p(), ctypes.c_uint64(), ctypes.create_string_buffer(64)
         _check(driver.cuDeviceGet(ctypes.byref(ordinal), self.device.index), "cuDeviceGet")
@@ -205,6 +205,11 @@ class DeviceMemory:
             if self._device is not None:
                 _driver().cuDevicePrimaryCtxRelease_v2(self._device)
         self.pointer = self._device = None
+
+
+def _index(device: torch.device) -> int:
+    """`device`'s index, the current device's for a bare "cuda"."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.cache
