@@ -167,6 +167,7 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
         # the placement's host time in each new step: in `acquire` (on the step's path), in `prefetch` (beside the
         # step before it, loaded only)
         placing = {(layerwise, way): [] for layerwise in (True, False) for way in ("acquire", "prefetch")}
+        placing_cpu = {key: [] for key in placing}  # the placing thread's CPU time in them
         # the collections that remain, during the timed samples
         profiler = cProfile.Profile() if calls else None
         with GcPauses() as pauses, PlacementClock(store, profiler) as clock:
@@ -187,11 +188,12 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
                     # apart, which is what the medians' intervals measured.) Which goes first still alternates.
                     measure(engine, directories[1], "t1", prompt)
                     for kind, directory, name in pair if sample % 2 == 0 else pair[::-1]:
-                        before = dict(clock.seconds)
+                        before, cpu_before = dict(clock.seconds), dict(clock.cpu_seconds)
                         times[layerwise, kind].append(measure(engine, directory, name, prompt))
                         if kind == "new":
                             for way in before:
                                 placing[layerwise, way].append((clock.seconds[way] - before[way]) * 1000)
+                                placing_cpu[layerwise, way].append((clock.cpu_seconds[way] - cpu_before[way]) * 1000)
         result[f"{load}gc_pauses"] = pauses.by_generation  # generation -> [collections, ms], every thread's
         if profiler is not None:
             with open(calls, "a") as file:
@@ -215,6 +217,8 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
                            # the host's issuing of the new adapter's copies on the engine's thread: what a
                            # host-bound step adds however well its copies are hidden
                            **{f"{key}_{way}_host_ms": float(np.median(placing[layerwise, way]))
+                              for way in ("acquire", "prefetch")},
+                           **{f"{key}_{way}_host_cpu_ms": float(np.median(placing_cpu[layerwise, way]))
                               for way in ("acquire", "prefetch")},
                            f"{key}_hidden": 1 - added / result["copy_ms"],
                            f"{key}_hidden_ci95": [1 - high / result["copy_ms"], 1 - low / result["copy_ms"]]})
@@ -297,10 +301,13 @@ def contention(engine: Engine, directories: list[Path], vocab: int, prompt_len: 
 
 class PlacementClock:
     """The host time the store's placing calls take while open, summed per call: `seconds` {"acquire": s,
-    "prefetch": s}; `profiler` (a cProfile.Profile) is enabled inside them (on the engine's thread, or the placer's)."""
+    "prefetch": s} of wall time, `cpu_seconds` of the calling thread's CPU time (less than the wall time by what the
+    call waited: for the GIL, say, while another thread held it); `profiler` (a cProfile.Profile) is enabled inside
+    them (on the engine's thread, or the placer's)."""
 
     def __init__(self, store, profiler=None):
-        self.store, self.seconds, self.profiler = store, {"acquire": 0.0, "prefetch": 0.0}, profiler
+        self.store, self.profiler = store, profiler
+        self.seconds, self.cpu_seconds = {"acquire": 0.0, "prefetch": 0.0}, {"acquire": 0.0, "prefetch": 0.0}
 
     def _timed(self, name: str):
         method = getattr(self.store, name)
@@ -308,11 +315,12 @@ class PlacementClock:
         def call(*args):
             if self.profiler is not None:
                 self.profiler.enable()
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             try:
                 return method(*args)
             finally:
                 self.seconds[name] += time.perf_counter() - started
+                self.cpu_seconds[name] += time.thread_time() - cpu_started
                 if self.profiler is not None:
                     self.profiler.disable()
         return call
@@ -431,7 +439,11 @@ def main() -> None:
                         "against new, into this file (and chrome traces beside it)")
     parser.add_argument("--host-gib", type=float, default=256,
                         help="the host tier's budget (large adapters: `prefetch` loads 5 new ones a sample)")
+    parser.add_argument("--switch-interval", type=float,
+                        help="sys.setswitchinterval for the run (`symbiosis serve` sets 5e-4; Python's default is 5e-3)")
     args = parser.parse_args()
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
 
     workdir = Path(args.workdir)
     model_dir = checkpoint(args.model)
@@ -444,7 +456,7 @@ def main() -> None:
                                     adapter_host_bytes=int(args.host_gib * 2**30))
     engine.start()
     common = dict(bench="hmi", model=args.model, tenants=args.tenants, distinct=args.distinct, rank=args.rank,
-                  targets=args.targets,
+                  targets=args.targets, switch_interval=sys.getswitchinterval(),
                   clients=args.clients, prompt=args.prompt, output=args.output, slots=args.slots,
                   gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     phases = args.phases.split(",")
