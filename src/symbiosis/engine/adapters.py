@@ -44,7 +44,7 @@ import math
 import os
 import threading
 import weakref
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,7 +53,6 @@ from peft.utils.other import get_pattern_key
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from symbiosis import cuda_driver
 from symbiosis.client.adapter_files import check_adapter_directory
 from symbiosis.client.generate import check_base_fingerprint
 from symbiosis.errors import AdapterError, UnsupportedAdapter
@@ -138,10 +137,8 @@ class _Wave:
     pools: list  # the pools written, each once
     span: tuple[int, int]  # where the wave's tensors are in an adapter's buffer (elements)
     # on a GPU, the wave's device copies (staging -> pools) recorded once as a CUDA graph, by whether they zero
-    # the rows beyond each rank: (the graph, its raw exec handle, launched through the driver, or None on a torch
-    # that does not give it); replaying one
-    # through torch cost the host ~30 us, the fused copies over a wave's tens of tensors 40-60 us (H200,
-    # docs/PERFORMANCE.md section 12)
+    # the rows beyond each rank: replaying one costs the host ~30 us, where the fused copies over a wave's tens of
+    # tensors cost it 40-60 us (H200, docs/PERFORMANCE.md section 12)
     graphs: dict = field(default_factory=dict)
 
 
@@ -152,15 +149,14 @@ class _Ready:
     """
     __slots__ = ("event", "waited")
 
-    def __init__(self, stream: int):
-        """`stream`: the copy stream's raw handle."""
-        self.event = cuda_driver.Event()
+    def __init__(self, stream: torch.cuda.Stream):
+        self.event = torch.cuda.Event()
         self.event.record(stream)
         self.waited = False
 
     def wait(self, device: torch.device) -> None:
         if not self.waited:
-            self.event.wait(torch.cuda.current_stream(device).cuda_stream)
+            torch.cuda.current_stream(device).wait_event(self.event)
             self.waited = True
 
 
@@ -266,14 +262,6 @@ class AdapterStore:
         self._dirty: set[int] = set()
         self._lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # On a GPU a placement's copies, graph launches and events go to the copy stream through the driver
-        # (cuda_driver.py: ~1-2 us of host time each, not torch's 10-30), in the device's primary context. Their host
-        # sources (pinned adapter buffers) are held here until the copies that read them ran: torch's pinned-memory
-        # cache, which would otherwise hand a freed buffer's pages to the next adapter read, knows nothing of them.
-        self._context = cuda_driver.PrimaryContext(
-            device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else None
-        self._copy_handle = self._copy_stream.cuda_stream if self._copy_stream is not None else None
-        self._sources_held: deque[tuple[_Ready, HostAdapter]] = deque()
         self._capture_stream = None  # where the waves' graphs are recorded (`_record`)
         self._rows_cache: dict[tuple, object] = {}  # (slot, layer id, rank) -> _rows; ("scale", slot, pool, member)
         self._waves: OrderedDict[tuple, _Wave] = OrderedDict()  # (slot, layout, wave) -> its lists, least recent first
@@ -686,38 +674,29 @@ class AdapterStore:
                                                device=self.device, dtype=torch.float32)
             self._waves.clear()  # their sources were views of the old buffers
 
-    def _place_wave(self, adapter: HostAdapter, wave: "_Wave", members: set, stream, zeroed: bool) -> _Ready | None:
+    def _place_wave(self, adapter: HostAdapter, wave: "_Wave", members: set, stream, zeroed: bool) -> None:
         """One wave of a placement: its range of the adapter's buffer to the device in one copy (the first wave
-        every scale too), then from there to the pools (`_scatter`; on a GPU launched from the wave's graph), then
-        one event that the wave's pools wait on (returned)."""
+        every scale too), then from there to the pools (`_scatter`; on a GPU replayed from the wave's graph), then
+        one event that the wave's pools wait on."""
         lo, hi = wave.span
+        self._staging[lo:hi].copy_(adapter.buffer[lo:hi], non_blocking=True)
+        if wave.scale_targets:
+            self._staging_scales[:len(wave.scale_sources)].copy_(adapter.scales[:len(wave.scale_sources)],
+                                                                 non_blocking=True)
         zero = bool(wave.zeros) and not zeroed
         if stream is None:
-            self._staging[lo:hi].copy_(adapter.buffer[lo:hi])
-            if wave.scale_targets:
-                self._staging_scales[:len(wave.scale_sources)].copy_(adapter.scales[:len(wave.scale_sources)])
             _scatter(wave, zero)
         else:
-            size = adapter.buffer.element_size()
-            cuda_driver.copy_to_device(self._staging.data_ptr() + lo * size, adapter.buffer.data_ptr() + lo * size,
-                                       (hi - lo) * size, self._copy_handle)
-            if wave.scale_targets:
-                cuda_driver.copy_to_device(self._staging_scales.data_ptr(), adapter.scales.data_ptr(),
-                                           len(wave.scale_sources) * adapter.scales.element_size(), self._copy_handle)
             graph = wave.graphs.get(zero)
             if graph is None:
                 graph = wave.graphs[zero] = self._record(wave, zero)
-            if graph[1] is None:  # (a torch without raw_cuda_graph_exec: its replay, on the copy stream)
-                graph[0].replay()
-            else:
-                cuda_driver.launch_graph(graph[1], self._copy_handle)
+            graph.replay()
         members.update(wave.members)
-        return self._ready_after(stream, wave.pools)  # (a fused group's pool once)
+        self._ready_after(stream, wave.pools)  # (a fused group's pool once)
 
-    def _record(self, wave: "_Wave", zero: bool) -> tuple[torch.cuda.CUDAGraph, int]:
+    def _record(self, wave: "_Wave", zero: bool) -> torch.cuda.CUDAGraph:
         """`_scatter(wave, zero)` recorded as a CUDA graph (on a stream of its own: nothing runs while recording;
-        thread_local: the process's other threads go on launching their work meanwhile): the graph and its exec
-        handle."""
+        thread_local: the process's other threads go on launching their work meanwhile)."""
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream(self.device)
         graph = torch.cuda.CUDAGraph()
@@ -729,7 +708,7 @@ class AdapterStore:
                 _scatter(wave, zero)
             finally:
                 graph.capture_end()
-        return graph, graph.raw_cuda_graph_exec() if hasattr(graph, "raw_cuda_graph_exec") else None
+        return graph
 
     def _place(self, slot: int, adapter: HostAdapter, evicted: Slot | None = None) -> None:
         """Copy `adapter` into `slot`'s rows of its pools, layer by layer in the model's order, after zeroing what
@@ -750,24 +729,19 @@ class AdapterStore:
             self.embedding_pool[2][slot] = 0.0
         self._ready_after(stream, written, self.embedding_pool is not None)
 
-    def _ready_after(self, stream, pools: list, embedding: bool = False) -> _Ready | None:
+    def _ready_after(self, stream, pools: list, embedding: bool = False) -> None:
         """On a GPU, one event after what the copy stream was just given, which `pools` (and the embedding pool, if
-        `embedding`) wait for at their next use (`_Copied.wait`, `wait_all`); returned."""
+        `embedding`) wait for at their next use (`_Copied.wait`, `wait_all`)."""
         if stream is None:
-            return None
-        ready = _Ready(self._copy_handle)
+            return
+        ready = _Ready(stream)
         for each in pools:
             each.ready = ready
         self._pending += pools
         if embedding:
             self.embedding_ready = ready
-        return ready
 
     def _place_into(self, slot: int, adapter: HostAdapter, evicted: Slot | None) -> None:
-        with self._context.current() if self._context is not None else contextlib.nullcontext():
-            self._place_into_current(slot, adapter, evicted)
-
-    def _place_into_current(self, slot: int, adapter: HostAdapter, evicted: Slot | None) -> None:
         stream = self._copy_stream
         reader = self._readers.pop(slot, None)
         if reader is not None:  # steps queued before may still read the slot's old adapter (engine.py overlaps)
@@ -791,10 +765,7 @@ class AdapterStore:
                 # own placement left them so (as every placement does), and nothing else writes a slot's rows
                 zeroed = evicted is not None and evicted.adapter.layout == adapter.layout
                 for index, (first, end) in enumerate(wave_bounds(len(adapter.layers), adapter.buffer.nbytes)):
-                    ready = self._place_wave(adapter, self._wave(slot, adapter, index, first, end), members, stream,
-                                             zeroed)
-                if ready is not None:  # the buffer read until the last wave's event
-                    self._hold_sources(ready, adapter)
+                    self._place_wave(adapter, self._wave(slot, adapter, index, first, end), members, stream, zeroed)
             for layer_id, layer in adapter.bottlenecks.items():
                 pools, r = self._bottleneck_pool(layer_id), layer.down.shape[0]
                 for pool, tensor in ((pools.down[slot], layer.down), (pools.down_bias[slot], layer.down_bias)):
@@ -823,15 +794,6 @@ class AdapterStore:
                 self._ready_after(stream, [], embedding=True)
         self._slots[slot] = Slot(adapter, members=members)
         self._by_key[adapter.key] = slot
-
-
-    def _hold_sources(self, ready: _Ready, adapter: HostAdapter) -> None:
-        """Keep `adapter` (its pinned buffers, which copies queued before `ready` read) until `ready` has passed;
-        drop those held for copies that ran."""
-        held = self._sources_held
-        while held and held[0][0].event.done():
-            held.popleft()
-        held.append((ready, adapter))
 
 
 def _scatter(wave: "_Wave", zero: bool) -> None:

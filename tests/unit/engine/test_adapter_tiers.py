@@ -209,39 +209,6 @@ def test_on_the_gpu_a_placement_waits_only_for_the_steps_that_read_its_slot(mode
     assert _run(engine, adapters, "mlp_r8") == expected
 
 
-@pytest.mark.gpu
-def test_on_the_gpu_an_adapter_dropped_while_its_copies_wait_keeps_its_pages_until_they_ran(models):
-    """A placement's copies go to the copy stream through the driver, which torch's pinned-memory cache does not
-    see: were the adapter's buffer freed with the copies still queued, the cache would hand its pages to the next
-    pinned allocation and the copies would read that. Here the copy stream is held up, the adapter is evicted from
-    its slot and from host memory and dropped, and pinned buffers of its size are filled with junk: the slot's rows
-    that nothing overwrote still hold the adapter's own values."""
-    checkpoint, adapters = models("llama")
-    engine = Engine.from_pretrained(checkpoint, device="cuda", dtype=torch.float32, kv_blocks=16, block_size=16,
-                                    adapter_slots=2, decode_graphs=False)
-    store = engine.adapters
-    load = lambda name: store.load(name, adapters[name])  # noqa: E731
-    first, last = load("everything_rs"), load("mlp_r8")
-    kept = {layer_id: (lora.a.clone(), lora.b.clone()) for layer_id, lora in first.layers.items()
-            if layer_id not in last.layers}  # rows the later placement into its slot leaves as they are
-    assert kept
-    nbytes = first.buffer.numel()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(store._copy_stream):
-        torch.cuda._sleep(2_000_000_000)  # ~1 s: the copies below wait behind it
-    store.release(store.acquire(first))  # slot 0
-    store.release(store.acquire(load("attn_r2")))  # slot 1
-    assert store.acquire(last) == 0  # evicts `first`
-    store.host_budget = 0  # ... and out of host memory: nothing of the store's refers to it but its copies
-    del first
-    junk = [torch.full((nbytes,), 1e30).pin_memory() for _ in range(4)]
-    torch.cuda.synchronize()
-    for layer_id, (a, b) in kept.items():
-        a_rows, b_rows, _ = store._rows(0, layer_id, a.shape[0])
-        assert torch.equal(a_rows.cpu(), a) and torch.equal(b_rows.cpu(), b), layer_id
-    del junk
-
-
 def test_a_placement_in_one_wave_or_in_several_gives_the_same_tokens(models, monkeypatch):
     """An adapter smaller than WAVE_BYTES goes in one wave; with WAVE_BYTES lowered the same adapter goes in
     PLACEMENT_WAVES waves, each its own range of the buffer: the same tokens and log-probabilities."""

@@ -24,13 +24,12 @@ import base64
 import contextlib
 import ctypes
 import fcntl
+import functools
 import os
 import secrets
 
 import torch
 
-from symbiosis import cuda_driver
-from symbiosis.cuda_driver import check, driver
 from symbiosis.errors import BadCall
 
 MAX_CACHED_VIEWS = 256
@@ -172,26 +171,40 @@ class DeviceMemory:
     expandable segments it shares memory by process id and descriptor numbers, which the executor refuses."""
 
     def __init__(self, nbytes: int, device: torch.device):
-        self.pointer = None
+        self.pointer, self._device = None, None
         torch.cuda.init()
         self.device = torch.device("cuda", _index(device))
-        self._context = cuda_driver.PrimaryContext(self.device.index)
-        pointer, handle = ctypes.c_uint64(), ctypes.create_string_buffer(64)
-        with self._context.current():
-            check(driver().cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(nbytes)), "cuMemAlloc")
+        driver, ordinal = _driver(), ctypes.c_int()
+        self._context, pointer, handle = ctypes.c_void_p(), ctypes.c_uint64(), ctypes.create_string_buffer(64)
+        _check(driver.cuDeviceGet(ctypes.byref(ordinal), self.device.index), "cuDeviceGet")
+        _check(driver.cuDevicePrimaryCtxRetain(ctypes.byref(self._context), ordinal), "cuDevicePrimaryCtxRetain")
+        self._device = ordinal
+        with self._current():
+            _check(driver.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(nbytes)), "cuMemAlloc")
             self.pointer = pointer.value
-            check(driver().cuIpcGetMemHandle(handle, pointer), "cuIpcGetMemHandle")
+            _check(driver.cuIpcGetMemHandle(handle, pointer), "cuIpcGetMemHandle")
         self.handle = handle.raw
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (self.pointer, False),
                                          "version": 3, "strides": None}
+
+    @contextlib.contextmanager
+    def _current(self):
+        """The device's primary context current on this thread (a collector's thread may have none)."""
+        _check(_driver().cuCtxPushCurrent_v2(self._context), "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            _driver().cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
     def __del__(self):
         # (at the interpreter's exit the driver may be gone already: then there is nothing left to free)
         with contextlib.suppress(Exception):
             if self.pointer is not None:
-                with self._context.current():
-                    driver().cuMemFree_v2(ctypes.c_uint64(self.pointer))  # (waits for work on it to end)
-        self.pointer = None  # (the context is released with self._context)
+                with self._current():
+                    _driver().cuMemFree_v2(ctypes.c_uint64(self.pointer))  # (waits for work on it to end)
+            if self._device is not None:
+                _driver().cuDevicePrimaryCtxRelease_v2(self._device)
+        self.pointer = self._device = None
 
 
 def _index(device: torch.device) -> int:
@@ -199,13 +212,23 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _check(status: int, call: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{call} failed (CUresult {status})")
+
+
 def _allocation(pointer: int) -> tuple[int, int, int]:
     """(base, size, device ordinal) of the device allocation holding `pointer`, as the driver knows it."""
-    lib, base, size, ordinal = driver(), ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_int()
+    driver, base, size, ordinal = _driver(), ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_int()
     try:
-        check(lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(pointer)),
+        _check(driver.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(pointer)),
                "cuMemGetAddressRange")
-        check(lib.cuPointerGetAttribute(ctypes.byref(ordinal), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+        _check(driver.cuPointerGetAttribute(ctypes.byref(ordinal), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
                                             ctypes.c_uint64(pointer)), "cuPointerGetAttribute")
     except RuntimeError as e:
         raise ValueError(f"the CUDA driver cannot describe the mapped buffer: {e}") from e
