@@ -43,6 +43,7 @@ from common import CONFIGS, GcPauses, call_table, checkpoint, device, dtype, emi
 from engine import write_adapters  # noqa: E402
 
 from symbiosis.engine import Engine, SamplingParams  # noqa: E402
+from symbiosis.engine import adapters as adapter_store  # noqa: E402
 
 
 def tenant_directories(distinct: list[Path], tenants: int, root: Path) -> list[Path]:
@@ -439,11 +440,15 @@ def main() -> None:
                         "against new, into this file (and chrome traces beside it)")
     parser.add_argument("--host-gib", type=float, default=256,
                         help="the host tier's budget (large adapters: `prefetch` loads 5 new ones a sample)")
+    parser.add_argument("--wave-bytes", type=int, default=adapter_store.WAVE_BYTES,
+                        help="engine.adapters.WAVE_BYTES: the least of an adapter a wave takes (a 91 MB adapter goes in "
+                        "one wave at 100000000, in five at the default); each wave costs the placing thread ~25 us")
     parser.add_argument("--switch-interval", type=float,
                         help="sys.setswitchinterval for the run (`symbiosis serve` sets 5e-4; Python's default is 5e-3)")
     args = parser.parse_args()
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
+    adapter_store.WAVE_BYTES = args.wave_bytes
 
     workdir = Path(args.workdir)
     model_dir = checkpoint(args.model)
@@ -456,7 +461,7 @@ def main() -> None:
                                     adapter_host_bytes=int(args.host_gib * 2**30))
     engine.start()
     common = dict(bench="hmi", model=args.model, tenants=args.tenants, distinct=args.distinct, rank=args.rank,
-                  targets=args.targets, switch_interval=sys.getswitchinterval(),
+                  targets=args.targets, switch_interval=sys.getswitchinterval(), wave_bytes=args.wave_bytes,
                   clients=args.clients, prompt=args.prompt, output=args.output, slots=args.slots,
                   gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     phases = args.phases.split(",")
