@@ -131,6 +131,8 @@ def _params(service, body, prompt_length: int, index: int, chat: bool) -> Sampli
         limit = body.max_completion_tokens or body.max_tokens
         if limit is None:  # a chat runs to the end of the context (at most max_chat_tokens)
             limit = max(1, min(service.max_chat_tokens, service.context_limit - prompt_length))
+        if body.top_logprobs is not None and not body.logprobs:  # (OpenAI refuses it too)
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
         limit = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default for completions

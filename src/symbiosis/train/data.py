@@ -22,6 +22,7 @@ from symbiosis.errors import BadCall
 
 MAX_FILE_BYTES = 64 << 20  # one uploaded file
 MAX_LINES = 100_000
+MAX_TRAINED_TURNS = 256  # assistant turns trained in one chat: each is the chat rendered twice, up to it
 ROLES = {"system", "developer", "user", "assistant"}
 
 
@@ -49,12 +50,18 @@ def _text(content, where: str) -> str:
     return content
 
 
-def parse_line(line: str) -> dict:
-    """One example, checked: {"messages": [...]} (roles, texts, weights) or {"prompt", "completion"}."""
+def _json(line: str):
     try:
-        record = json.loads(line)
+        return json.loads(line)
     except ValueError as e:
         raise ValueError(f"not JSON ({e})") from None
+    except RecursionError:  # (arrays nested past the parser's depth)
+        raise ValueError("not JSON this service reads: nested too deep") from None
+
+
+def parse_line(line: str) -> dict:
+    """One example, checked: {"messages": [...]} (roles, texts, weights) or {"prompt", "completion"}."""
+    record = _json(line)
     if not isinstance(record, dict):
         raise ValueError("not a JSON object")
     if "messages" in record:
@@ -70,8 +77,12 @@ def parse_line(line: str) -> dict:
                 raise ValueError(f"message {i}: weight must be 0 or 1, on assistant messages")
             checked.append({"role": "system" if message["role"] == "developer" else message["role"],
                             "content": _text(message.get("content"), f"message {i}"), "weight": weight})
-        if not any(m["role"] == "assistant" and m["weight"] for m in checked):
+        trained = sum(m["role"] == "assistant" and m["weight"] == 1 for m in checked)
+        if not trained:
             raise ValueError("no assistant message to train on")
+        if trained > MAX_TRAINED_TURNS:
+            raise ValueError(f"{trained} assistant messages to train on, more than {MAX_TRAINED_TURNS} in one "
+                             "example: split the chat")
         return {"messages": checked}
     if "prompt" in record or "completion" in record:
         if not isinstance(record.get("prompt"), str) or not isinstance(record.get("completion"), str):
@@ -85,10 +96,7 @@ def parse_line(line: str) -> dict:
 def parse_text_line(line: str) -> dict:
     """One line of a domain corpus or an HMI task's data: {"text": ...}, with an integer "label" (0..1023) for a
     classifier."""
-    try:
-        record = json.loads(line)
-    except ValueError as e:
-        raise ValueError(f"not JSON ({e})") from None
+    record = _json(line)
     if not isinstance(record, dict) or not isinstance(record.get("text"), str) or not record["text"].strip():
         raise ValueError('each line must be an object with a non-empty "text"')
     label = record.get("label")
@@ -106,7 +114,9 @@ def check_lines(data: bytes, parse: Callable[[str], dict] = parse_line) -> list[
     except UnicodeDecodeError as e:
         raise DataError(None, f"the file is not UTF-8 ({e})") from None
     examples = []
-    for number, line in enumerate(text.splitlines(), 1):
+    # lines end at "\n" alone: str.splitlines would also split at U+2028, U+0085 and the like, which JSON strings
+    # may hold raw
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         if len(examples) >= MAX_LINES:
@@ -127,7 +137,7 @@ def tokenize(records: list[dict], tokenizer, context: int | None, vocab: int | N
     examples = []
     for number, record in enumerate(records, 1):
         if "messages" in record:
-            example = _chat(record["messages"], tokenizer, number)
+            example = _chat(record["messages"], tokenizer, number, context)
         else:
             prompt = tokenizer(record["prompt"], add_special_tokens=True)["input_ids"] if record["prompt"] else []
             completion = tokenizer(record["completion"], add_special_tokens=False)["input_ids"]
@@ -145,9 +155,10 @@ def tokenize(records: list[dict], tokenizer, context: int | None, vocab: int | N
     return examples
 
 
-def _chat(messages: list[dict], tokenizer, number: int) -> Example:
+def _chat(messages: list[dict], tokenizer, number: int, context: int | None = None) -> Example:
     """The chat's tokens; an assistant turn's own tokens (the rendering of the chat up to it, less the rendering up
-    to the turn before with the generation prompt) are trained on unless its weight is 0."""
+    to the turn before with the generation prompt) are trained on unless its weight is 0. A chat longer than
+    `context` fails before its turns are rendered one by one (that is two renderings a trained turn)."""
     def render(turns, generation_prompt):
         plain = [{"role": m["role"], "content": m["content"]} for m in turns]
         try:
@@ -157,6 +168,8 @@ def _chat(messages: list[dict], tokenizer, number: int) -> Example:
             raise DataError(number, f"the chat template cannot render this chat ({e})") from None
 
     tokens = render(messages, False)
+    if context is not None and len(tokens) > context:
+        raise DataError(number, f"{len(tokens)} tokens, more than the model's context of {context}")
     weights = [0.0] * len(tokens)
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or not message["weight"]:

@@ -14,6 +14,7 @@ LoRA r 16, alpha 32, every linear layer). Errors in OpenAI's envelope (errors.py
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from symbiosis.serve.errors import ApiError, json_object
@@ -35,7 +36,8 @@ def router(service, tenant_dependency) -> APIRouter:
         data = await file.read(MAX_FILE_BYTES + 1)
         if len(data) > MAX_FILE_BYTES:
             raise ApiError(413, f"a file is at most {MAX_FILE_BYTES} bytes", "file")
-        return jobs.upload(tenant, file.filename or "", purpose, data)
+        # (checking a file's lines is seconds of CPU for a large one: not on the event loop, which every request needs)
+        return await run_in_threadpool(jobs.upload, tenant, file.filename or "", purpose, data)
 
     @api.get("/files")
     def list_files(purpose: str | None = None, tenant: str = caller):

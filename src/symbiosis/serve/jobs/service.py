@@ -40,6 +40,17 @@ ACTIVE = ("validating_files", "queued", "running")
 PURPOSES = {"fine-tune": parse_line, "hmi": parse_text_line}
 # the keys a LoRA config may hold for the batched trainer; any other (dropout, DoRA, biases, ...) runs on a split client
 HOSTED_LORA_KEYS = {"r", "lora_alpha", "target_modules", "use_rslora", "lora_dropout", "task_type"}
+# A tenant's PEFT config is hostile input: PEFT reads some fields as files or hub repositories to load (a tokenizer,
+# a pickled state dict, other adapters), some as sizes of what it allocates. A config must be plain JSON of bounded
+# size; the fields that load anything are refused, and those that size the trained tensors are bounded.
+LOADING_FIELDS = re.compile(r"path|tokenizer|^adapters$|_config$")  # files, hub repos, nested configs (LoftQ, EVA, ...)
+SAFE_INITS = {"prompt_tuning_init": {"RANDOM", "SAMPLE_VOCAB"}, "init_lora_weights": {True, False, "gaussian"}}
+MODEL_SIZES = {"token_dim", "num_transformer_submodules", "num_attention_heads", "num_layers"}  # PEFT's, from the model
+SIZE_BOUNDS = {"num_virtual_tokens": 1024, "encoder_hidden_size": 8192, "encoder_num_layers": 8, "num_tasks": 256,
+               "num_ranks": 64, "num_vectors": 4096, "shadow_hidden_size": 8192, "shadow_intermediate_size": 32768,
+               "shadow_num_attention_heads": 64, "shadow_num_hidden_layers": 8, "update_hidden_size": 8192,
+               "xlora_size": 8192, "hidden_size": 8192, "adapter_len": 1024, "adapter_layers": 256}
+MAX_FILE_CHECKS = 2
 MAX_FILES_PER_TENANT = 1000  # what one tenant may keep uploaded (files and bytes): the service's disk is shared
 MAX_FILE_BYTES_PER_TENANT = 16 << 30
 
@@ -57,6 +68,7 @@ def _peft_config(method: str, options: dict):
     if kind in REFUSED or kind not in EXACT:
         raise ApiError(400, f"PEFT method {method!r} is not one this service trains (it trains "
                             f"{', '.join(sorted(m.lower() for m in EXACT))}, rslora and dora)", "peft.method")
+    _check_peft_options(options)
     config_class = peft.PEFT_TYPE_TO_CONFIG_MAPPING[kind]
     defaults = {"LORA": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}}.get(kind, {})
     try:
@@ -66,11 +78,47 @@ def _peft_config(method: str, options: dict):
     # a rank's memory is the service's: bounded whichever path trains it (VeRA's r is its shared projections',
     # usually 256-1024; OFT's r 0 means "by block size")
     most = 4 * MAX_RANK if kind in ("VERA", "PVERA") else MAX_RANK
-    for field in ("r", "init_r", "target_r"):
-        rank = getattr(config, field, None)
+    ranks = [(field, getattr(config, field, None)) for field in ("r", "init_r", "target_r")]
+    ranks += [(f"rank_pattern.{key}", rank) for key, rank in (getattr(config, "rank_pattern", None) or {}).items()]
+    for field, rank in ranks:
         if rank is not None and (type(rank) is not int or not 0 <= rank <= most):  # noqa: E721 -- not bools
             raise ApiError(400, f"peft.config.{field} must be an integer in 0..{most}", f"peft.config.{field}")
     return config
+
+
+def _check_peft_options(options: dict) -> None:
+    """ApiError(400) for a PEFT config field that is not plain bounded JSON, loads anything, or sizes a tensor past
+    its bound (LOADING_FIELDS, SAFE_INITS, MODEL_SIZES, SIZE_BOUNDS)."""
+    def plain(value, depth: int = 0) -> bool:
+        if value is None or isinstance(value, (bool, int)) or (isinstance(value, float) and math.isfinite(value)):
+            return True
+        if isinstance(value, str):
+            return len(value) <= 1024
+        if isinstance(value, list):
+            return depth < 2 and len(value) <= 4096 and all(plain(v, depth + 1) for v in value)
+        if isinstance(value, dict):  # rank_pattern and the like: module name -> a number
+            return depth == 0 and len(value) <= 4096 and all(isinstance(k, str) and len(k) <= 1024 and
+                                                             plain(v, 2) and not isinstance(v, (list, dict))
+                                                             for k, v in value.items())
+        return False
+
+    for field, value in options.items():
+        where = f"peft.config.{str(field)[:80]}"
+        if not plain(value):
+            raise ApiError(400, f"{where}: a config holds numbers (finite), booleans, strings of at most 1024 "
+                                "characters and short lists of them", where)
+        if LOADING_FIELDS.search(field):
+            raise ApiError(400, f"{where}: a field that loads files, repositories or further configs is not taken "
+                                "(the service gives PEFT the base model itself)", where)
+        if field in SAFE_INITS and (not isinstance(value, (str, bool)) or value not in SAFE_INITS[field]):
+            raise ApiError(400, f"{where} must be one of {sorted(map(str, SAFE_INITS[field]))}", where)
+        if field == "target_modules" and isinstance(value, str) and value != "all-linear":
+            raise ApiError(400, f"{where}: a list of module names, or 'all-linear' (a regular expression is not "
+                                "taken: the service's LoRA trainer and PEFT would read it differently)", where)
+        if field in MODEL_SIZES:
+            raise ApiError(400, f"{where} is the base model's, set by the service", where)
+        if field in SIZE_BOUNDS and (type(value) is not int or not 0 <= value <= SIZE_BOUNDS[field]):  # noqa: E721
+            raise ApiError(400, f"{where} must be an integer in 0..{SIZE_BOUNDS[field]}", where)
 
 
 def _hosted_spec(config, seed: int) -> LoraSpec | None:
@@ -100,6 +148,9 @@ class JobService:
         self._lock = threading.Lock()
         self._threads: dict[str, threading.Thread] = {}
         self._asked: dict[str, str] = {}  # job id -> "pause" / "cancel" / "shutdown"
+        # jobs whose files are checked and tokenized at once (CPU work beside the engine's thread: however many
+        # jobs tenants create, the engine gives up no more than this many threads' share of the interpreter)
+        self._checking = threading.BoundedSemaphore(MAX_FILE_CHECKS)
         self._closing = False
         for job in self.store.jobs_in(*ACTIVE):  # what was under way when the service stopped goes on
             self.store.update_job(job["job_id"], status="validating_files")
@@ -239,16 +290,24 @@ class JobService:
     def _validate(self, job_id: str) -> None:
         job = self.store.job(None, job_id)
         try:
-            training, _ = self._examples(job)
+            with self._checking:
+                training, _ = self._examples(job)
         except DataError as e:
             param = "validation_file" if "validation file" in str(e) else "training_file"
-            return self._fail(job, f"invalid_{param}", str(e), param)
+            with self._lock:  # (unless it was cancelled meanwhile: that stands)
+                if self.store.job(None, job_id)["status"] == "validating_files":
+                    self._fail(job, f"invalid_{param}", str(e), param)
+            return
         hyper = self.hyperparameters(job, len(training))
         total = math.ceil(len(training) / hyper.batch_size) * hyper.n_epochs
-        self.store.update_job(job_id, status="queued", total_steps=total, hyperparameters={
-            "n_epochs": hyper.n_epochs, "batch_size": hyper.batch_size,
-            "learning_rate_multiplier": hyper.learning_rate_multiplier})
-        self.store.add_event(job_id, f"Files validated; the job is queued ({len(training)} examples, {total} steps)")
+        with self._lock:  # as `control`'s: a cancel that came while the files were checked stands
+            if self.store.job(None, job_id)["status"] != "validating_files":
+                return
+            self.store.update_job(job_id, status="queued", total_steps=total, hyperparameters={
+                "n_epochs": hyper.n_epochs, "batch_size": hyper.batch_size,
+                "learning_rate_multiplier": hyper.learning_rate_multiplier})
+            self.store.add_event(job_id, f"Files validated; the job is queued ({len(training)} examples, {total} "
+                                         "steps)")
         self._dispatch()
 
     @staticmethod
@@ -393,11 +452,11 @@ class JobService:
 
     def control(self, tenant: str, job_id: str, action: str) -> dict:
         """cancel, pause or resume a job, as its status allows (400 otherwise)."""
-        row = self.store.job(tenant, job_id)
-        if row is None:
-            raise ApiError(404, f"No such fine-tuning job: {job_id}", "fine_tuning_job_id", "job_not_found")
-        status = row["status"]
-        with self._lock:
+        with self._lock:  # the status read and changed under the lock `_validate` and `_dispatch` change it under
+            row = self.store.job(tenant, job_id)
+            if row is None:
+                raise ApiError(404, f"No such fine-tuning job: {job_id}", "fine_tuning_job_id", "job_not_found")
+            status = row["status"]
             running = job_id in self._threads
             if action == "cancel" and status in ("validating_files", "queued", "paused", "running"):
                 if running:
