@@ -8,13 +8,14 @@ import io
 import json
 import time
 
+import httpx
 import openai
 import peft
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import start, wait_for_job
+from conftest import KEYS, start, wait_for_job
 
 LINES = [{"prompt": "the cat", "completion": " sat on the mat"}, {"prompt": "a dog", "completion": " ran in the park"},
          {"messages": [{"role": "user", "content": "what sat?"}, {"role": "assistant", "content": "the cat sat"}]},
@@ -195,11 +196,39 @@ def test_bad_jobs_are_refused_or_fail_with_the_reason(jobs_server):
              # fields that are no objects were a server error
              ({"extra_body": {"hyperparameters": [1]}}, "must be JSON objects"),
              ({"method": {"type": "supervised", "supervised": [1]}}, "must be JSON objects"),
-             ({"method": {"type": "supervised", "supervised": {"hyperparameters": "x"}}}, "must be JSON objects")]
+             ({"method": {"type": "supervised", "supervised": {"hyperparameters": "x"}}}, "must be JSON objects"),
+             # fields PEFT reads as files or repositories to load (a tokenizer, a pickled state dict, adapters)
+             ({"extra_body": {"peft": {"method": "prompt_tuning", "config": {
+                 "prompt_tuning_init_text": "x", "tokenizer_name_or_path": "/etc"}}}},
+              "tokenizer_name_or_path: a field that loads"),
+             ({"extra_body": {"peft": {"method": "prompt_tuning", "config": {"prompt_tuning_init": "TEXT"}}}},
+              "prompt_tuning_init must be one of"),
+             ({"extra_body": {"peft": {"method": "multitask_prompt_tuning", "config": {
+                 "prompt_tuning_init_state_dict_path": "/etc/passwd"}}}}, "a field that loads"),
+             ({"extra_body": {"peft": {"method": "xlora", "config": {"adapters": {"0": "/tmp"}}}}}, "a field that loads"),
+             ({"extra_body": {"peft": {"method": "lora", "config": {"loftq_config": {"loftq_bits": 4}}}}},
+              "a field that loads"),
+             # sizes PEFT allocates by: bounded (a million virtual tokens took 8 GB of host memory)
+             ({"extra_body": {"peft": {"method": "prompt_tuning", "config": {"num_virtual_tokens": 10**6}}}},
+              "num_virtual_tokens must be an integer in 0..1024"),
+             ({"extra_body": {"peft": {"method": "prompt_tuning", "config": {"token_dim": 10**6}}}},
+              "the base model's"),
+             ({"extra_body": {"peft": {"method": "lora", "config": {"rank_pattern": {"q_proj": 10**5}}}}},
+              "rank_pattern.q_proj must be"),
+             # a regular expression: the service's trainer read it as a module name, PEFT as a pattern
+             ({"extra_body": {"peft": {"method": "lora", "config": {"target_modules": ".*v_proj"}}}},
+              "a regular expression is not taken")]
     for changes, message in cases:
         arguments = {"model": "tiny-llama", "training_file": training.id, **changes}
         with pytest.raises(openai.BadRequestError, match=message):
             client.fine_tuning.jobs.create(**arguments)
+    # NaN (which the client library will not write) was stored, and every later listing of the tenant's jobs failed
+    nan = httpx.post(jobs_server.url + "/v1/fine_tuning/jobs", headers={"Authorization": f"Bearer {KEYS['alice']}",
+                                                                         "content-type": "application/json"},
+                     content=json.dumps({"model": "tiny-llama", "training_file": training.id,
+                                         "peft": {"method": "lora", "config": {"lora_dropout": float("nan")}}}))
+    assert nan.status_code == 400 and "numbers (finite)" in nan.json()["error"]["message"], nan.text
+    client.fine_tuning.jobs.list()
     with pytest.raises(openai.NotFoundError):
         client.fine_tuning.jobs.create(model="tiny-llama", training_file="file-nothing")
     # too long for the model's context: found when the job checks its files, named by line
@@ -207,6 +236,29 @@ def test_bad_jobs_are_refused_or_fail_with_the_reason(jobs_server):
                                purpose="fine-tune")
     job = wait_for_job(client, client.fine_tuning.jobs.create(model="tiny-llama", training_file=long.id).id, ("failed",))
     assert job.error.code == "invalid_training_file" and "line 5" in job.error.message
+
+
+def test_lines_end_at_newlines_and_a_line_nested_too_deep_is_named(jobs_server):
+    client = jobs_server.client("alice")
+    # JSON strings may hold U+2028 and U+0085 raw; a reader splitting at them found two broken lines
+    raw = '{"prompt": "a\u2028b\u0085c", "completion": " d"}'.encode()
+    assert json.loads(raw)["prompt"] == "a\u2028b\u0085c"
+    assert client.files.create(file=("raw.jsonl", raw), purpose="fine-tune").bytes == len(raw)
+    with pytest.raises(openai.BadRequestError, match="line 2: not JSON this service reads: nested too deep"):
+        client.files.create(file=("deep.jsonl", raw + b"\n" + b"[" * 100_000), purpose="fine-tune")
+
+
+def test_a_job_cancelled_while_its_files_are_checked_stays_cancelled(jobs_server):
+    client = jobs_server.client("alice")
+    many = client.files.create(file=_jsonl(LINES * 500), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(model="tiny-llama", training_file=many.id,
+                                         method={"type": "supervised", "supervised": {"hyperparameters": {
+                                             "n_epochs": 1, "batch_size": 8}}})
+    assert client.fine_tuning.jobs.cancel(job.id).status == "cancelled"
+    time.sleep(3)  # the check's tokenizing of 2,000 lines is over by then; it used to queue the job again
+    assert client.fine_tuning.jobs.retrieve(job.id).status == "cancelled"
+    messages = [event.message for event in client.fine_tuning.jobs.list_events(job.id, limit=50).data]
+    assert not any("queued" in message for message in messages), messages
 
 
 def test_the_command_line_follows_a_job_to_its_end(jobs_server):

@@ -271,6 +271,10 @@ def test_errors_come_as_the_clients_exception_classes(loaded):
         alice.completions.create(model="tiny-llama", prompt="hi", echo=True)
     with pytest.raises(openai.BadRequestError):
         alice.completions.create(model="tiny-llama", prompt=[[1, 10**9]], max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as top:  # (was answered without any log-probabilities)
+        alice.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                      top_logprobs=2)
+    assert top.value.body["param"] == "top_logprobs"
     response = httpx.post(loaded.url + "/v1/completions", content=b"{not json",
                           headers={"Authorization": f"Bearer {KEYS['alice']}", "content-type": "application/json"})
     assert response.status_code == 400 and set(response.json()["error"]) == {"message", "type", "param", "code"}
