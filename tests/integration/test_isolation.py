@@ -190,6 +190,35 @@ def test_attaches_are_limited_per_tenant_and_in_all(executor_process):
     assert process.poll() is None
 
 
+def test_a_request_id_nested_deep_is_refused_and_a_refused_attach_keeps_no_descriptor(executor_process):
+    """Attacks: a request whose id is a list nested ~1,000 deep (echoing it in the reply overflowed the stack,
+    twice, and the second escaped the server's loop: every client dropped); and attaches with shared memory that the
+    data plane then refuses (each left the four descriptors made for the client open: ~500 of them and ZeroMQ
+    aborted the executor)."""
+    url, local, process = executor_process
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    auth.secure_client(sock, TENANTS["mallory"])
+    sock.connect(url)
+    try:
+        for depth in range(600, 1100, 3):  # (where reading stops and echoing would fail depends on the stack)
+            sock.send(b'{"op": "describe", "id": ' + b"[" * depth + b"]" * depth + b"}")
+            assert sock.poll(10_000), depth
+            reply = wire.decode_header(sock.recv_multipart()[0])
+            assert not reply["ok"] and reply["id"] is None, depth
+            assert "its id must be" in reply["message"] or "not JSON that can be read" in reply["message"]
+    finally:
+        sock.close()
+    descriptors = len(os.listdir(f"/proc/{process.pid}/fd"))
+    for _ in range(40):
+        refused = _raw_attach(url, local.fingerprint, TENANTS["mallory"], shared={"nbytes": 4096},
+                              collective={"backend": "mpi"})
+        assert not refused["ok"]
+    assert len(os.listdir(f"/proc/{process.pid}/fd")) < descriptors + 20
+    _healthy_call(url, local)
+    assert process.poll() is None
+
+
 def test_a_tenant_can_neither_use_nor_keep_alive_nor_watch_another_tenants_clients(executor_process):
     """Attack: heartbeats and pings needed no token, so anyone who knew a client id (and --stats listed them all,
     with per-layer token counts) could keep a dead client attached for ever, slowing every tenant that waits

@@ -414,8 +414,10 @@ class DataPlanes:
         rows, cols = header.get("rows"), header.get("cols")
         op, layer_id = header.get("op"), str(header.get("layer"))
         try:
-            if type(rows) is not int or type(cols) is not int or rows < 0 or cols < 1:  # noqa: E721 -- not bools
-                raise BadCall(f"a call over the data plane needs integer rows and cols, got {rows!r} and {cols!r}")
+            if type(rows) is not int or type(cols) is not int or not 0 <= rows <= max_call_tokens or \
+                    not 1 <= cols <= 1 << 24:  # noqa: E721 -- not bools; bounded before any tensor is shaped by them
+                raise BadCall(f"a call over the data plane needs integer rows (0..{max_call_tokens}) and cols, got "
+                              f"{str(rows)[:40]} and {str(cols)[:40]}")
             if header.get("dtype") != wire.dtype_name(self.executor.dtype):
                 raise BadCall(f"calls over the data plane are in {self.executor.dtype}, not {header.get('dtype')!r}")
             layer = self.executor.weights.get(layer_id) if "counts" not in header else \

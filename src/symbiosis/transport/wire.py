@@ -87,6 +87,10 @@ def decode_header(frame) -> dict:
         raise errors.BadCall(f"malformed message: header is not JSON that can be read ({str(e)[:200]})") from e
     if not isinstance(header, dict):
         raise errors.BadCall("malformed message: header must be a JSON object")
+    call_id = header.get("id")  # echoed in the reply, even an error's: a scalar, or the reply could not be written
+    if not (call_id is None or (type(call_id) is int and abs(call_id) < 2**63) or  # noqa: E721 -- not bools
+            (isinstance(call_id, str) and len(call_id) <= 256)):
+        raise errors.BadCall("malformed message: its id must be an integer or a string of at most 256 characters")
     return header
 
 

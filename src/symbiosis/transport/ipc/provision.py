@@ -28,10 +28,10 @@ class Provisioner:
 
     def buffer_bytes(self, nbytes, at_least=None) -> int:
         """A host buffer's size, checked before anything is made: at most what the largest call needs."""
-        try:
-            nbytes, at_least = int(nbytes), int(at_least if at_least is not None else nbytes)
-        except (TypeError, ValueError) as e:
-            raise BadCall(f"shared buffer size must be a number of bytes: {e}") from e
+        at_least = at_least if at_least is not None else nbytes
+        if type(nbytes) is not int or type(at_least) is not int:  # noqa: E721 -- JSON integers: not bools, floats
+            raise BadCall(f"shared buffer size must be a number of bytes, not {str(nbytes)[:40]!r} / "
+                          f"{str(at_least)[:40]!r}")
         if at_least > self.max_buffer_bytes or at_least < 0:
             raise BadCall(f"a shared buffer of {at_least} bytes is more than this executor's largest call needs "
                           f"({self.max_buffer_bytes} bytes); send fewer tokens per call")
