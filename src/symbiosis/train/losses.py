@@ -14,6 +14,7 @@ Each returns the loss (a sum: Tinker's reduction) and the datum's outputs: `logp
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -70,5 +71,13 @@ def check(loss_fn: str, tokens: int, inputs: dict[str, torch.Tensor], config: di
     for key, value in (config or {}).items():
         if key not in merged:
             raise BadCall(f"loss_fn {loss_fn!r} has no config {key!r}")
-        merged[key] = float(value)
+        try:
+            merged[key] = float(value)
+        except (TypeError, ValueError):
+            raise BadCall(f"loss_fn_config[{key!r}] must be a number") from None
+        if not math.isfinite(merged[key]):
+            raise BadCall(f"loss_fn_config[{key!r}] must be finite, not {value}")
+    if "clip_low_threshold" in merged and merged["clip_low_threshold"] > merged.get("clip_high_threshold", math.inf):
+        raise BadCall(f"loss_fn_config: clip_low_threshold {merged['clip_low_threshold']} is above "
+                      f"clip_high_threshold {merged['clip_high_threshold']}")
     return merged

@@ -418,14 +418,19 @@ class TrainingQueue:
         behind it the optimizer steps of the loops that wait for both answers (`_waited_steps`)."""
         began = time.monotonic()
         share = max(1, self.max_pass_tokens // len(operations))
+        # A pass pads every datum to its longest (trainer.py): what it costs is rows x that length, not the tokens.
+        # The longest is that of the operations' first datums (each takes at least its first); an operation stops at
+        # a longer datum (the first of its next pass) and at its share of padded rows. (Counting tokens alone, one
+        # 120-token datum beside 2,000 one-token ones made a 240,000-token pass of 15 GB.)
+        longest = max((len(op.work.datums[op.next_datum].tokens) for op in operations.values()
+                       if op.next_datum < len(op.work.datums)), default=1)
         parts = []
         for key, op in operations.items():
-            datums, tokens = [], 0
+            datums = []
             for datum in op.work.datums[op.next_datum:]:
-                if datums and tokens + len(datum.tokens) > share:
+                if datums and ((len(datums) + 1) * longest > share or len(datum.tokens) > longest):
                     break
                 datums.append(datum)
-                tokens += len(datum.tokens)
             parts.append((key, op, Work(op.work.lora, datums, op.work.loss_fn, op.work.config, op.work.backward)))
         try:
             pending = self.trainer.launch([work for _, _, work in parts])
@@ -508,7 +513,15 @@ class TrainingQueue:
 
     def _finish(self, key: str, op: Operation, result=None, error: Exception | None = None) -> None:
         self._release(key, op)
-        if error is not None:
-            op.fail(error)
-        else:
-            op.done(result)
+        try:
+            if error is not None:
+                op.fail(error)
+            else:
+                op.done(result)
+        except Exception as e:  # noqa: BLE001 -- the answer could not be kept: this request fails, the thread goes on
+            log.exception("answering a %s request failed", "failed" if error is not None else "finished")
+            if error is None:
+                try:
+                    op.fail(e)
+                except Exception:  # noqa: BLE001
+                    log.exception("failing that request failed too")

@@ -241,6 +241,28 @@ def test_bad_requests_are_the_sdks_errors(training_server):
     service.close("success")
 
 
+def test_a_malformed_sampling_prompt_and_a_sampler_save_without_its_seq_are_refused_before_anything_runs(
+        training_server):
+    """Prompts not shaped as chunks of tokens were server errors; a sampler save without its sampling session's seq
+    wrote the checkpoint (counted against the tenant's quota) before the missing field failed the request."""
+    from conftest import httpx
+
+    service = _client(training_server)
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=6).result()
+    url, headers = training_server.url + "/api/v1/", {"X-API-Key": TINKER_KEYS["alice"]}
+    for prompt in ([1, 2], "abc", 5, {"chunks": [{"type": "encoded_text", "tokens": 5}]},
+                   {"chunks": [{"type": "encoded_text", "tokens": None}]},
+                   {"chunks": [{"type": "encoded_text", "tokens": [True, 1]}]}):
+        refused = httpx.post(url + "asample", headers=headers, json={"prompt": prompt, "num_samples": 1,
+                                                                      "sampling_params": {}, "seq_id": 1})
+        assert refused.status_code == 400 and "prompt" in refused.json()["error"], (prompt, refused.text)
+    checkpoints = len(training_server.service.tinker.store.checkpoints("alice"))
+    refused = httpx.post(url + "save_weights_for_sampler", headers=headers,
+                         json={"model_id": training.model_id, "seq_id": 1})
+    assert refused.status_code == 400 and "sampling_session_seq_id" in refused.json()["error"], refused.text
+    assert len(training_server.service.tinker.store.checkpoints("alice")) == checkpoints
+
+
 def test_a_resubmitted_request_gets_the_first_ones_answer_and_runs_once(training_server):
     """The SDK retries a submission with the same seq_id (and a new idempotency key): it is one request."""
     from conftest import httpx

@@ -66,6 +66,46 @@ def test_a_small_request_is_not_held_up_by_a_big_one_and_the_big_one_is_unchange
         torch.testing.assert_close(tensor.grad, reference_grads[name], rtol=1e-12, atol=1e-14)
 
 
+def test_a_pass_is_bounded_by_its_padded_rows_not_its_tokens(trainer, monkeypatch):
+    """A pass pads every datum to its longest. One 12-token datum before 40 one-token datums was one pass of 41
+    rows x 12 (every datum's tokens, 52, under the bound of 24): rows x the longest is what is bounded now."""
+    queue = TrainingQueue(trainer, max_pass_tokens=24)
+    ragged = _work(trainer, 3, 1, length=12)
+    ragged.datums += _work(trainer, 4, 40, length=1).datums
+    padded, launch = [], trainer.launch
+
+    def counting(works):
+        datums = [d for work in works for d in work.datums]
+        padded.append(len(datums) * max(len(d.tokens) for d in datums))
+        return launch(works)
+    monkeypatch.setattr(trainer, "launch", counting)
+    queue.open("ragged", 0)
+    log = []
+    queue.submit("ragged", _operation(0, log, work=ragged))
+    while queue.round():
+        pass
+    assert len(log) == 1 and not isinstance(log[0][1], Exception) and len(log[0][1].losses) == 41
+    assert max(padded) <= 24 and padded[0] == 24, padded  # the long datum with one short one, then the short alone
+
+
+def test_an_answer_that_cannot_be_kept_fails_its_request_and_the_queue_goes_on(trainer):
+    queue = TrainingQueue(trainer, max_pass_tokens=24)
+    log = []
+
+    def unkept(result):
+        raise OverflowError("string or blob too big")  # (as SQLite said of a 1 GB answer)
+    queue.open("a", 0)
+    queue.submit("a", Operation(0, done=unkept, fail=lambda e: log.append(("a", e)), work=_work(trainer, 5, 1)))
+    while queue.round():
+        pass
+    assert len(log) == 1 and isinstance(log[0][1], OverflowError)
+    queue.open("b", 0)
+    queue.submit("b", _operation(0, log, work=_work(trainer, 6, 1)))
+    while queue.round():
+        pass
+    assert log[1][0] == 0 and log[1][1].losses
+
+
 def expected_grads(trainer, seed):
     work = _work(trainer, seed, 20)
     trainer.run([work])

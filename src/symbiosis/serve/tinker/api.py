@@ -261,6 +261,8 @@ def routes(service, tinker: TinkerService) -> tuple[APIRouter, dict]:
         name = fields.get("path")
         if name is not None:
             run(lambda: check_name(name, "path"))
+        else:  # checked now: the checkpoint is written before the sampler is made of it
+            _int(fields, "sampling_session_seq_id")
 
         def save():
             if name is not None:
@@ -305,11 +307,14 @@ def routes(service, tinker: TinkerService) -> tuple[APIRouter, dict]:
     @api.post("/asample")
     async def asample(request: Request):
         tenant, fields = await body(request)
-        chunks = (fields.get("prompt") or {}).get("chunks")
-        if not isinstance(chunks, list) or any(not isinstance(c, dict) or c.get("type") != "encoded_text" for c in chunks):
-            raise Refused(400, "the prompt must be encoded_text chunks (no images)")
+        prompt = fields.get("prompt")
+        chunks = prompt.get("chunks") if isinstance(prompt, dict) else None
+        if not isinstance(chunks, list) or any(not isinstance(c, dict) or c.get("type") != "encoded_text" or
+                                               not isinstance(c.get("tokens", []), list) for c in chunks):
+            raise Refused(400, "the prompt must be {\"chunks\": [encoded_text chunks with a list of tokens]} (no "
+                               "images)")
         prompt = [t for c in chunks for t in c.get("tokens", [])]
-        if any(not isinstance(t, int) for t in prompt):
+        if any(type(t) is not int for t in prompt):  # noqa: E721 -- not bools
             raise Refused(400, "prompt tokens must be integers")
         params = fields.get("sampling_params") or {}
         if not isinstance(params, dict):

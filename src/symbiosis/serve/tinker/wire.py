@@ -67,6 +67,10 @@ ENUMS = {"DType": ["DTYPE_UNSPECIFIED", "DTYPE_FLOAT32", "DTYPE_INT64", "DTYPE_I
 DTYPE_FLOAT32, DTYPE_INT64, DTYPE_INT32 = 1, 2, 3
 NUMPY = {DTYPE_FLOAT32: np.float32, DTYPE_INT64: np.int64, DTYPE_INT32: np.int32}
 MAX_TENSOR_ELEMENTS = 1 << 24  # a sparse tensor's dense size is claimed, not sent: bound it before allocating
+# ... and a request's, all its datums' tensors together (each may claim its bound: 16 sparse [1, 2^24] targets of
+# one token each were a 1.7 kB request whose 1 GB answer could not be stored, and that failure ended the training
+# thread). The answer's log-probabilities are shaped as the targets: bounded with them.
+MAX_REQUEST_ELEMENTS = 1 << 24
 
 
 def _field(message, name, number, kind, label=None, type_name=None, oneof=None, optional=False):
@@ -132,7 +136,7 @@ def tensor(message, what: str) -> torch.Tensor:
         rows = _array(message.sparse_csr.crow_indices, DTYPE_INT64, what)
         columns = _array(message.sparse_csr.col_indices, DTYPE_INT64, what)
         if len(rows) != shape[0] + 1 or len(columns) != len(values) or rows[0] != 0 or rows[-1] != len(values) \
-                or np.any(np.diff(rows) < 0) or np.any((columns < 0) | (columns >= max(shape[1], 1))):
+                or np.any(np.diff(rows) < 0) or np.any((columns < 0) | (columns >= shape[1])):
             raise BadCall(f"{what}: sparse indices that do not fit shape {shape}")
         dense = np.zeros(shape, dtype=values.dtype)
         dense[np.repeat(np.arange(shape[0]), np.diff(rows)), columns] = values
@@ -160,8 +164,12 @@ def forward_backward_request(body: bytes):
         if value.WhichOneof("value") == "text":
             raise BadCall(f"loss_fn_config[{key!r}] is text; this service's losses take numbers")
     config = config or dict(request.loss_fn_config)
-    datums = []
+    datums, claimed = [], 0
     for index, datum in enumerate(request.data):
+        claimed += sum(math.prod(value.shape) for value in datum.loss_fn_inputs.values())
+        if claimed > MAX_REQUEST_ELEMENTS:
+            raise BadCall(f"datum {index}: the request's loss_fn_inputs hold more than {MAX_REQUEST_ELEMENTS} elements "
+                          "in all; send fewer datums a request")
         tokens = []
         for chunk in datum.model_input:
             if chunk.WhichOneof("chunk") != "encoded_text":
@@ -169,6 +177,11 @@ def forward_backward_request(body: bytes):
             tokens.extend(_array(chunk.encoded_text.tokens, DTYPE_INT32, f"datum {index} tokens").tolist())
         inputs = {key: tensor(value, f"datum {index} loss_fn_inputs[{key!r}]") for key, value in datum.loss_fn_inputs.items()}
         datums.append(Datum(tokens, inputs))
+    # the answer is one record of the log-probabilities, whose shape past the first dimension is one for all datums
+    shapes = {tuple(d.inputs["target_tokens"].shape[1:]) for d in datums if "target_tokens" in d.inputs}
+    if len(shapes) > 1:
+        raise BadCall(f"the datums' target_tokens differ in shape past their first dimension ({sorted(shapes)}); "
+                      "send those of each shape in a request of their own")
     return request.model_id, request.seq_id, request.loss_fn, config, request.forward_only, datums
 
 
