@@ -332,6 +332,11 @@ def test_the_training_loops_plain_routes_refuse_bad_requests_as_the_other_routes
               "lora_config must be a JSON object"),
              ("create_model", alice, b'{"session_id": "s", "model_seq_id": 0, "optimizer_config": "adamw"}', 400,
               "optimizer_config must be a JSON object"),
+             # (a rank of 2.9 was taken as 2, "false" as true)
+             ("create_model", alice, b'{"session_id": "s", "model_seq_id": 0, "lora_config": {"rank": 2.9}}', 400,
+              "rank and seed are integers"),
+             ("create_model", alice, b'{"session_id": "s", "model_seq_id": 0, "lora_config": {"train_attn": "false"}}',
+              400, "booleans"),
              ("forward_backward", alice, b"\xff\x00 not a protobuf", 400, ""),
              ("forward_backward", {**alice, "Content-Encoding": "zstd"}, b"", 400, "uncompressed")]
     with caplog.at_level("INFO", logger="symbiosis.serve.access"):

@@ -449,17 +449,19 @@ class TinkerService:
 
     def create_model(self, tenant: str, session_id: str, model_seq_id: int, base_model: str, lora_config: dict,
                      optimizer: str | None = None) -> str:
+        # JSON as it is: a rank of 2.9 was taken as 2, "false" as true
+        rank, seed = lora_config.get("rank", 32), lora_config.get("seed")
+        flags = {name: lora_config.get(name, True) for name in ("train_attn", "train_mlp", "train_unembed")}
+        if type(rank) is not int or (seed is not None and type(seed) is not int) or \
+                not all(isinstance(flag, bool) for flag in flags.values()):  # noqa: E721 -- ints, not bools
+            raise UserError("lora_config: rank and seed are integers, train_attn / train_mlp / train_unembed booleans")
         self._check_session(tenant, session_id)
         self._check_base(base_model)
         if optimizer not in (None, "adamw"):
             raise UserError(f"this service trains with AdamW, not {str(optimizer)[:40]!r}")
         try:
-            seed = lora_config.get("seed")
-            spec = LoraSpec(rank=int(lora_config.get("rank", 32)),
-                            seed=secrets.randbits(62) if seed is None else int(seed),  # None: a random seed
-                            train_attn=bool(lora_config.get("train_attn", True)),
-                            train_mlp=bool(lora_config.get("train_mlp", True)),
-                            train_unembed=bool(lora_config.get("train_unembed", True)))
+            spec = LoraSpec(rank=rank, seed=secrets.randbits(62) if seed is None else seed,  # None: a random seed
+                            **flags)
         except (TypeError, ValueError) as e:
             raise UserError(f"lora_config: {e}") from None
         model = make_model_id(session_id, int(model_seq_id))
