@@ -219,6 +219,42 @@ def test_a_request_id_nested_deep_is_refused_and_a_refused_attach_keeps_no_descr
     assert process.poll() is None
 
 
+def test_idle_handoff_connections_are_capped_and_a_client_writing_to_its_link_is_detached(executor_process):
+    """Attacks on `ipc://`'s handoff socket: thousands of connections that never present a ticket (each was held for
+    the ticket's 10 s: the descriptor table filled and ZeroMQ aborted the executor), and a client that keeps writing
+    into its handoff connection after the handoff (read a byte a pass: the I/O thread polled hot)."""
+    import socket as sockets
+
+    url, local, process = executor_process
+    handoff_path = url.removeprefix("ipc://") + ".handoff"
+    descriptors = len(os.listdir(f"/proc/{process.pid}/fd"))
+    idle = []
+    for _ in range(600):
+        connection = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+        try:
+            connection.connect(handoff_path)
+        except OSError:  # (the listen backlog full for a moment)
+            connection.close()
+            continue
+        idle.append(connection)
+    time.sleep(1)
+    assert len(os.listdir(f"/proc/{process.pid}/fd")) < descriptors + 300  # 256 held at most
+    _healthy_call(url, local)
+    for connection in idle:
+        connection.close()
+
+    spammer = symbiosis.connect(url, token=TENANTS["mallory"], timeout=10).attach(local.fingerprint, "spammer")
+    spammer.forward(LAYER, torch.randn(2, 64, dtype=torch.float64))
+    spammer.link.send(b"junk" * 1000)
+    deadline = time.monotonic() + 10
+    with pytest.raises(symbiosis.errors.SymbiosisError):
+        while time.monotonic() < deadline:  # detached: its calls fail from then on
+            spammer.forward(LAYER, torch.randn(2, 64, dtype=torch.float64))
+            time.sleep(0.05)
+    _healthy_call(url, local)
+    assert process.poll() is None
+
+
 def test_a_tenant_can_neither_use_nor_keep_alive_nor_watch_another_tenants_clients(executor_process):
     """Attack: heartbeats and pings needed no token, so anyone who knew a client id (and --stats listed them all,
     with per-layer token counts) could keep a dead client attached for ever, slowing every tenant that waits

@@ -23,11 +23,15 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from symbiosis.errors import ExecutorUnavailable
+from symbiosis.errors import BadCall, ExecutorUnavailable
 
 TICKET_BYTES = 16
 TICKET_S = 10.0  # a client that attached and did not claim its descriptors within this is dropped
 MAX_FDS = 4
+# connections not yet past their ticket: beyond this the oldest is closed for the newest (a flood of idle
+# connections, each held for TICKET_S, used up the descriptor table, and ZeroMQ then aborted the executor; a client
+# presents its ticket as soon as it connects, so only a flood newer than its own connection can close it)
+MAX_WAITING = 256
 
 
 def handoff_path(ipc_path: str) -> Path:
@@ -95,13 +99,18 @@ def send(connection: socket.socket, fds: list[int]) -> None:
 
 
 def peer_gone(connection: socket.socket) -> bool:
-    """For a connection that polled readable after the handoff: whether the other side is gone."""
+    """For a connection that polled readable after the handoff: whether the other side is gone. Nothing comes over it
+    after the handoff: a client that writes there is refused (BadCall), not read a byte at a time (its writes kept
+    the executor's I/O thread polling hot)."""
     try:
-        return connection.recv(1) == b""
+        data = connection.recv(1)
     except BlockingIOError:
         return False
     except OSError:
         return True
+    if data:
+        raise BadCall("the client wrote to its handoff connection, which carries nothing after the handoff")
+    return True
 
 
 def claim(path: str, ticket: bytes, count: int, timeout: float) -> tuple[socket.socket, list[int]]:
@@ -163,6 +172,10 @@ class Desk:
         descriptors (they are sent and closed here), for the server to keep as the client's link."""
         if fd == self.listener.fileno():
             while (connection := self.listener.accept()) is not None:
+                if len(self._waiting) >= MAX_WAITING:
+                    oldest = next(iter(self._waiting))
+                    self._poller.unregister(oldest)
+                    self._waiting.pop(oldest)[0].close()
                 self._waiting[connection.fileno()] = (connection, b"", time.monotonic() + TICKET_S)
                 self._poller.register(connection.fileno(), 1)
             return None
