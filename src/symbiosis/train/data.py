@@ -146,8 +146,7 @@ def tokenize(records: list[dict], tokenizer, context: int | None, vocab: int | N
             example = Example(prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion))
         if len(example.tokens) < 2:
             raise DataError(number, "fewer than two tokens")
-        if context is not None and len(example.tokens) > context:
-            raise DataError(number, f"{len(example.tokens)} tokens, more than the model's context of {context}")
+        _check_context(number, example.tokens, context)
         if vocab is not None and max(example.tokens) >= vocab:
             raise DataError(number, f"token id {max(example.tokens)} is outside the model's vocabulary of {vocab} "
                                     "(the tokenizer does not match the model)")
@@ -168,8 +167,7 @@ def _chat(messages: list[dict], tokenizer, number: int, context: int | None = No
             raise DataError(number, f"the chat template cannot render this chat ({e})") from None
 
     tokens = render(messages, False)
-    if context is not None and len(tokens) > context:
-        raise DataError(number, f"{len(tokens)} tokens, more than the model's context of {context}")
+    _check_context(number, tokens, context)
     weights = [0.0] * len(tokens)
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or not message["weight"]:
@@ -179,6 +177,11 @@ def _chat(messages: list[dict], tokenizer, number: int, context: int | None = No
             raise DataError(number, "the chat template does not render this chat one turn after another")
         weights[len(before):len(through)] = [1.0] * (len(through) - len(before))
     return Example(list(tokens), weights)
+
+
+def _check_context(number: int, tokens: list[int], context: int | None) -> None:
+    if context is not None and len(tokens) > context:
+        raise DataError(number, f"{len(tokens)} tokens, more than the model's context of {context}")
 
 
 def epoch_order(count: int, seed: int, epoch: int) -> list[int]:

@@ -13,9 +13,7 @@ executor's CUDA stream for pipelined clients (`streams.py`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import socket
 import threading
 import time
@@ -270,9 +268,8 @@ class ExecutorServer:
             plane = self._planes.admit(client_id, header["collective"]) if header.get("collective") else None
         except Exception:
             self._drop(client_id)
-            for fd in shared[3] if shared is not None else ():  # the client's ends, never handed over
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            if shared is not None:
+                handoff.close_all(shared[3])  # the client's ends, never handed over
             raise
         buffer, _, flags, fds = shared if shared is not None else (None, None, None, [])
         # Calls begin once the client has claimed its descriptors (_start_calls).

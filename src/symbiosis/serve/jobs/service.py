@@ -97,9 +97,8 @@ def _check_peft_options(options: dict) -> None:
         if isinstance(value, list):
             return depth < 2 and len(value) <= 4096 and all(plain(v, depth + 1) for v in value)
         if isinstance(value, dict):  # rank_pattern and the like: module name -> a number
-            return depth == 0 and len(value) <= 4096 and all(isinstance(k, str) and len(k) <= 1024 and
-                                                             plain(v, 2) and not isinstance(v, (list, dict))
-                                                             for k, v in value.items())
+            return depth == 0 and len(value) <= 4096 and all(isinstance(k, str) and len(k) <= 1024 and plain(v, 2)
+                                                             for k, v in value.items())  # (at 2: no list, no dict)
         return False
 
     for field, value in options.items():
@@ -293,16 +292,15 @@ class JobService:
             with self._checking:
                 training, _ = self._examples(job)
         except DataError as e:
-            param = "validation_file" if "validation file" in str(e) else "training_file"
-            with self._lock:  # (unless it was cancelled meanwhile: that stands)
-                if self.store.job(None, job_id)["status"] == "validating_files":
-                    self._fail(job, f"invalid_{param}", str(e), param)
-            return
-        hyper = self.hyperparameters(job, len(training))
-        total = math.ceil(len(training) / hyper.batch_size) * hyper.n_epochs
+            training, bad = None, e
         with self._lock:  # as `control`'s: a cancel that came while the files were checked stands
             if self.store.job(None, job_id)["status"] != "validating_files":
                 return
+            if training is None:
+                param = "validation_file" if "validation file" in str(bad) else "training_file"
+                return self._fail(job, f"invalid_{param}", str(bad), param)
+            hyper = self.hyperparameters(job, len(training))
+            total = math.ceil(len(training) / hyper.batch_size) * hyper.n_epochs
             self.store.update_job(job_id, status="queued", total_steps=total, hyperparameters={
                 "n_epochs": hyper.n_epochs, "batch_size": hyper.batch_size,
                 "learning_rate_multiplier": hyper.learning_rate_multiplier})

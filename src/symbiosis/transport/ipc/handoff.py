@@ -190,7 +190,7 @@ class Desk:
         if claim is None or not attached(claim[0]):  # no such ticket, or its client is gone: nothing is handed
             connection.close()
             if claim is not None:
-                _close_all(claim[1])
+                close_all(claim[1])
             return None
         client_id, fds, _ = claim
         try:
@@ -199,7 +199,7 @@ class Desk:
             connection.close()
             raise
         finally:
-            _close_all(fds)
+            close_all(fds)
         return client_id, connection
 
     def expired(self) -> list[str]:
@@ -209,7 +209,7 @@ class Desk:
         for ticket, (client_id, fds, deadline) in list(self._tickets.items()):
             if now > deadline:
                 del self._tickets[ticket]
-                _close_all(fds)
+                close_all(fds)
                 late.append(client_id)
         for fd, (connection, _, deadline) in list(self._waiting.items()):
             if now > deadline:
@@ -223,16 +223,17 @@ class Desk:
         for ticket, (owner, fds, _) in list(self._tickets.items()):
             if owner == client_id:
                 del self._tickets[ticket]
-                _close_all(fds)
+                close_all(fds)
 
     def close(self) -> None:
         for connection, _, _ in self._waiting.values():
             connection.close()
         for _, fds, _ in self._tickets.values():
-            _close_all(fds)
+            close_all(fds)
         self.listener.close()
 
 
-def _close_all(fds: list[int]) -> None:
+def close_all(fds: list[int]) -> None:
+    """Close descriptors made for a client that will not take them."""
     for fd in fds:
         os.close(fd)
