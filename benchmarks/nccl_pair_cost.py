@@ -33,7 +33,7 @@ def one_rank(rank: int, port: int, label: str) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
-    group = _group("nccl", "127.0.0.1", port, "pair", rank, 60.0, device, store=store)
+    group = _group("nccl", store, rank, 60.0, device)
     peer, figures = 1 - rank, {}
     send_s = recv_s = started = 0.0  # (the warm-up's rounds are added too, then reset)
     for rows, cols in SHAPES:

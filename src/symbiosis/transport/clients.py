@@ -106,11 +106,11 @@ class ClientTable(dict):
         return client_id
 
     def owned(self, client_id, tenant: str, identity: bytes, op: str) -> RemoteClient:
-        """The client a message names, if its tenant sent it (and, but for heartbeats and pings, over the
-        connection that attached it)."""
+        """The client a message names, if its tenant sent it (and, but for heartbeats, pings and its rendezvous
+        store's requests, each sent on a channel of their own, over the connection that attached it)."""
         client = self.get(client_id) if isinstance(client_id, str) else None  # (a list or object: no client's id)
         if client is None or client.tenant != tenant or \
-                (client.identity != identity and op not in ("heartbeat", "ping")):
+                (client.identity != identity and op not in ("heartbeat", "ping", "store")):
             raise UnknownClient(f"client {str(client_id)[:80]!r} is not attached to this executor (restarted, or "
                                 "timed out without heartbeats); attach again")
         return client

@@ -3,9 +3,10 @@ point-to-point, NCCL between GPUs (no copy through host memory), gloo where a si
 tests' `gloo://`). Requests, replies and errors go over the executor's ZeroMQ socket as for `tcp://`
 (`nccl://host:port` is the executor's `tcp://host:port`); only the tensors take the data plane.
 
-At attach the executor hosts a TCPStore (once, on a free port it names in the reply) and each such client gets
-a process group of its own, two ranks (the executor 0, the client 1), made from that store under the client's
-id: clients come and go without a world-wide group. Per call, in this order on both sides:
+At attach each such client gets a process group of its own, two ranks (the executor 0, the client 1), whose ranks
+meet through a store of that client's own on the executor, reached over the same authenticated ZeroMQ socket
+(`rendezvous.py`; no port of its own): clients come and go without a world-wide group. Per call, in this order
+on both sides:
 
     client:   post send(x)  ->  post request {op, layer, rows, cols}  ->  post recv(y)  ->  return y
     executor: recv(x) (the client's own worker thread)  ->  the executor computes  ->  reply, then post send(y)
@@ -32,8 +33,6 @@ import datetime
 import logging
 import os
 import queue
-import secrets
-import socket
 import threading
 import time
 import weakref
@@ -47,6 +46,7 @@ from symbiosis.errors import BadCall, ExecutorUnavailable, SymbiosisError
 from symbiosis.protocol import check_call, result_width
 from symbiosis.transport import wire
 from symbiosis.transport.ipc import pipelined
+from symbiosis.transport.rendezvous import ChannelStore, PairStore
 from symbiosis.transport.remote import RemoteSession, gpu_reached
 
 log = logging.getLogger("symbiosis")
@@ -69,12 +69,11 @@ def control_url(url: str) -> str:
     return f"tcp://{parsed.netloc}"
 
 
-def _group(backend: str, host: str, port: int, prefix: str, rank: int, timeout_s: float, device: torch.device,
-           store=None):
-    """This side's two-rank process group for one client (blocks until the other side joins)."""
+def _group(backend: str, store: dist.Store, rank: int, timeout_s: float, device: torch.device):
+    """This side's two-rank process group for one client, its ranks meeting in `store` (blocks until the other
+    side joins)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = store or dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    prefixed = dist.PrefixStore(prefix, store)
+    prefixed = dist.PrefixStore("pair", store)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         # NCCL's watchdog is the net under our own deadlines (`DataPlanes._watch`), which come first and say why
@@ -136,7 +135,7 @@ class CollectiveSession(RemoteSession):
         self.pipelined = self.backend == "gloo" or pipelined.claim(device)
         self._claim = weakref.finalize(self, pipelined.give_back, device.index) \
             if self.pipelined and self.backend == "nccl" else None
-        self.group = self._sending = None
+        self.group = self._sending = self.rendezvous = None
         self._unanswered: set[int] = set()  # ids of calls whose replies have not come yet
         super().__init__(executor, fingerprint, name, device)
 
@@ -147,13 +146,15 @@ class CollectiveSession(RemoteSession):
         plane = reply.get("collective")
         if not plane:
             raise ExecutorUnavailable("the executor did not open a data plane for this nccl:// client")
-        host = urlparse(self.executor.url).hostname
+        if self.rendezvous is not None:  # an earlier attach's (reconnect)
+            self.rendezvous.close()
+        # Kept while the group lives: a process group may look at its store again (NCCL's monitor, for a dump)
+        self.rendezvous = ChannelStore(self.executor.url, self.executor.timeout, self.executor.token, reply["client"])
         try:
-            self.group = _group(self.backend, host, int(plane["port"]), plane["prefix"], 1, self.executor.timeout,
-                                self.device)
-        except (RuntimeError, ValueError) as e:  # the store or the executor's rank never answered in time
+            self.group = _group(self.backend, self.rendezvous, 1, self.executor.timeout, self.device)
+        except (RuntimeError, ValueError, SymbiosisError) as e:  # the executor's rank never joined in time
             raise ExecutorUnavailable(f"the {self.backend}:// data plane could not be set up with the executor at "
-                                      f"{host}:{plane['port']}: {str(e).splitlines()[0] if str(e) else e!r}") from e
+                                      f"{self.executor.url}: {str(e).splitlines()[0] if str(e) else e!r}") from e
         _HOLDERS.add(self)
         self._unanswered.clear()
         self.wire_device = self.device if self.backend == "nccl" else torch.device("cpu")
@@ -244,6 +245,8 @@ class CollectiveSession(RemoteSession):
     def close(self) -> None:
         super().close()
         self.group = self._sending = None
+        if self.rendezvous is not None:
+            self.rendezvous.close()
         if self._claim is not None:
             self._claim()  # another session of this process may pipeline on this GPU now
 
@@ -260,8 +263,7 @@ def submit(executor, client_id: str, header: dict, tensor: torch.Tensor, **optio
 class _ClientPlane:
     """The executor's end for one client: its process group and a thread that serves its calls in order."""
 
-    def __init__(self, client_id: str, backend: str, group_factory: Callable, executor, answer: Callable,
-                 drop: Callable, timeout_s: float):
+    def __init__(self, client_id: str, backend: str, executor, answer: Callable, drop: Callable, timeout_s: float):
         self.client_id, self.backend, self.executor = client_id, backend, executor
         self.answer, self.drop, self.timeout = answer, drop, datetime.timedelta(seconds=timeout_s)
         self.wire_device = executor.device if backend == "nccl" else torch.device("cpu")
@@ -275,13 +277,14 @@ class _ClientPlane:
         if backend == "nccl":
             self._stream = torch.cuda.Stream(executor.device)
             self._arrived = torch.cuda.Event(blocking=True)
-        self._factory = group_factory
+        self.rendezvous = PairStore(timeout_s)  # where the client's rank meets this one (its requests: `serve`)
         self._thread = threading.Thread(target=self._serve, name=f"symbiosis-{client_id}", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
         try:
-            self.group = self._factory()
+            self.group = _group(self.backend, self.rendezvous.store, 0, self.timeout.total_seconds(),
+                                self.executor.device)
             _HOLDERS.add(self)
         except Exception as e:  # noqa: BLE001 -- the client never joined (died attaching): it goes
             log.warning("client %s: no data plane (%s): detaching it", self.client_id, e)
@@ -352,15 +355,12 @@ class _ClientPlane:
 
 
 class DataPlanes:
-    """The executor server's side of `nccl://`: its TCPStore (made at the first such client) and a plane per
-    client. `answer(identity, header)` replies on the server's socket (from any thread); `drop(client_id)`
-    detaches a client."""
+    """The executor server's side of `nccl://`: a plane per client. `answer(identity, header)` replies on the
+    server's socket (from any thread); `drop(client_id)` detaches a client."""
 
     def __init__(self, executor, answer: Callable, drop: Callable, timeout_s: float):
         self.executor, self.answer, self.drop, self.timeout_s = executor, answer, drop, timeout_s
         self.planes: dict[str, _ClientPlane] = {}
-        self._store = None
-        self._port = None
         self._watching = False
         self._watch_lock = threading.Lock()
 
@@ -386,24 +386,20 @@ class DataPlanes:
             raise BadCall(f"unknown data plane {backend!r}: nccl or gloo")
         if backend == "nccl" and self.executor.device.type != "cuda":
             raise BadCall("this executor computes on the CPU: attach over gloo:// or tcp://, not nccl://")
-        if self._store is None:
-            with socket.socket() as s:
-                s.bind(("", 0))
-                self._port = s.getsockname()[1]
-            self._store = dist.TCPStore("0.0.0.0", self._port, is_master=True, wait_for_workers=False,
-                                        timeout=datetime.timedelta(seconds=self.timeout_s))
-        # The store answers anyone who reaches its port: a client's group is found under a secret only its attach
-        # reply carries (to the tenant whose token was checked), so no other tenant can take the client's rank.
-        prefix = f"{client_id}/{secrets.token_hex(16)}"
-        factory = lambda: _group(backend, "", self._port, prefix, 0, self.timeout_s,  # noqa: E731
-                                 self.executor.device, store=self._store)
-        plane = _ClientPlane(client_id, backend, factory, self.executor, self.answer, self.drop, self.timeout_s)
+        plane = _ClientPlane(client_id, backend, self.executor, self.answer, self.drop, self.timeout_s)
         with self._watch_lock:
             self.planes[client_id] = plane
             if backend == "nccl" and not self._watching:
                 self._watching = True
                 threading.Thread(target=self._watch, name="symbiosis-data-planes", daemon=True).start()
-        return {"port": self._port, "prefix": prefix}
+        return {"backend": backend}  # the client's rank meets ours through `rendezvous`
+
+    def rendezvous(self, client_id: str, header: dict) -> dict:
+        """A client's request to its pair's store (the I/O thread: answered at once, never waited in)."""
+        plane = self.planes.get(client_id)
+        if plane is None:
+            raise BadCall("this client attached without a data plane: it has no rendezvous store")
+        return plane.rendezvous.serve(header)
 
     def call(self, identity: bytes, header: dict, max_call_tokens: int) -> None:
         """A call whose tensor comes over the data plane: checked here (before anything is received), served

@@ -233,6 +233,9 @@ class ExecutorServer:
             return None
         if op == "ping":
             return self._reply(identity, {"id": header.get("id"), "ok": True})
+        if op == "store":  # the client's rank of its nccl:// pair meeting ours (rendezvous.py)
+            return self._reply(identity, {"id": header.get("id"), "ok": True,
+                                          **self._planes.rendezvous(client_id, header)})
         if op in OPS and header.get("collective"):  # the tensor comes over the client's process group
             return self._planes.call(identity, header, self.executor.max_call_tokens)
         if op in OPS:
