@@ -27,7 +27,7 @@ declare -A LIMIT_S=(
   [policies]=300 [mixed]=240 [privacy]=320 [long_context]=330
   [engine_tests]=240 [sgmv]=180 [paged_attention]=240 [engine]=560 [hosted_training]=560 [hosted_fleet]=420 [hosted_training_ahead]=300 [hosted_training_profile]=300 [hosted_sdk_processes]=240 [hosted_sdk_fronts]=480
   [serve]=590 [serve_saturation]=590 [serve_fronts]=590 [http_layer]=300 [app_cost]=120 [tenant_fairness]=300 [fine_tuning_jobs]=560 [hmi_tiered]=580 [hmi_on_demand]=580 [hmi_prefetch_large]=560 [hmi_prefetch_one_wave]=560 [hmi_copy_contention]=300 [hmi_prefetch_8b]=580 [placement_store]=60 [plot]=580 [moe_train]=560 [moe_train_captured]=560 [moe_decode]=560
-  [gpu_tests_2gpu]=300 [remote_2gpu]=330 [remote_processes_2gpu]=330 [remote_threads_2gpu_queues]=300 [remote_tails_2gpu]=420 [remote_chain_2gpu]=150 [nccl_pair_cost_2gpu]=120 [sharded_13b_2gpu]=560 [processes_13b_2gpu]=480 [processes_13b_2gpu_compiled]=560 [sharded_13b_2gpu_columns]=560 [fsdp_13b_2gpu]=420 [hosted_13b_2gpu]=400 [hosted_13b_replicas]=400
+  [gpu_tests_2gpu]=300 [remote_2gpu]=330 [remote_processes_2gpu]=330 [remote_tails_2gpu]=420 [remote_chain_2gpu]=150 [nccl_pair_cost_2gpu]=120 [sharded_13b_2gpu]=560 [processes_13b_2gpu]=480 [processes_13b_2gpu_compiled]=560 [sharded_13b_2gpu_columns]=560 [fsdp_13b_2gpu]=420 [hosted_13b_2gpu]=400 [hosted_13b_replicas]=400
   [sharded_remote_8gpu]=590 [fsdp_27b_8gpu]=590
 )
 declare -A COMMAND=(
@@ -110,11 +110,9 @@ declare -A COMMAND=(
   [nccl_pair_cost_2gpu]="$PY benchmarks/nccl_pair_cost.py"
   # one remote client with decoder tails (nccl:) against MLP blocks alone (nccl-mlps:) and in process, alternated
   [remote_tails_2gpu]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1 --duration 8 --no-plain --clients threads --executor local --executor nccl-mlps:cuda:0 --executor nccl:cuda:0 --executor local --executor nccl-mlps:cuda:0 --executor nccl:cuda:0 --client-device cuda:1"
-  # the in-process clients' threads over nccl:// with 32 hardware queues a GPU, not 8 (four such threads hung under
-  # MPS, 2xH200, PERFORMANCE section 14: does a kernel spinning for its peer hold up the queue its peer's op is in?),
-  # and NCCL's flight recorder dumped under $OUT if the watchdog fires
-  [remote_threads_2gpu_queues]="env CUDA_DEVICE_MAX_CONNECTIONS=32 TORCH_NCCL_DEBUG_INFO_TEMP_FILE=$OUT/nccl_trace_ $PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 4,8 --duration 5 --no-plain --clients threads --executor nccl:cuda:0 --client-device cuda:1"
-  [remote_2gpu]="$PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,4,8 --duration 5 --no-plain --clients threads --executor local --executor nccl:cuda:0 --client-device cuda:1"
+  # client threads over nccl:// (and their in-process baseline) with 32 hardware queues a GPU, as the `symbiosis`
+  # command sets: at the default 8, four threads hung under MPS twice (2xH200, PERFORMANCE section 14)
+  [remote_2gpu]="env CUDA_DEVICE_MAX_CONNECTIONS=32 $PY benchmarks/multi_tenant.py --model llama-3.2-1b --tenants 1,4,8 --duration 5 --no-plain --clients threads --executor local --executor nccl:cuda:0 --client-device cuda:1"
   # the remote fleet as tenants deploy it, each client a process of its own (its own interpreter), over nccl:// from
   # GPU 1: run beside remote_2gpu, whose in-process fleet is the baseline, under MPS=1 (without it GPU 1 time-slices
   # the clients' contexts: 2xH200, 8 clients 7,576 tokens/s against 14,848 under MPS; PERFORMANCE section 14)

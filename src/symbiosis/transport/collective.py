@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import logging
 import os
 import queue
@@ -61,6 +62,7 @@ def _release_groups() -> None:
     for holder in list(_HOLDERS):
         holder.group = holder._sending = None
 SCHEMES = {"nccl": "nccl", "gloo": "gloo"}  # URL scheme -> backend of the data plane
+MIN_QUEUES = 32  # CUDA_DEVICE_MAX_CONNECTIONS for a process of several nccl:// sessions (`_warn_few_queues`)
 
 
 def control_url(url: str) -> str:
@@ -114,6 +116,16 @@ def _group(backend: str, store: dist.Store, rank: int, timeout_s: float, device:
     return group
 
 
+@functools.cache
+def _warn_few_queues() -> None:
+    """Once a process: its second nccl:// session on a GPU, with the GPU's streams sharing 8 hardware queues."""
+    if int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") or 8) < MIN_QUEUES:
+        log.warning("several nccl:// sessions in one process: set CUDA_DEVICE_MAX_CONNECTIONS=%d before CUDA starts "
+                    "(the `symbiosis` command does). Their send and receive kernels spin until their peer's match "
+                    "is posted, and with the default 8 hardware queues one can hold up another's: four client "
+                    "threads hung", MIN_QUEUES)
+
+
 class CollectiveSession(RemoteSession):
     """A client's session over `nccl://` (or `gloo://`): control over ZeroMQ, tensors over its process group.
     Pipelined (the first of its process on its GPU; always on gloo): a call posts its send, its request and its
@@ -133,6 +145,8 @@ class CollectiveSession(RemoteSession):
         # GPU: several of them, with their streams, outnumber the GPU's hardware queues (8 by default), a waiting
         # kernel then holds up other streams' work behind it, and sessions of one process deadlocked (8 threads).
         self.pipelined = self.backend == "gloo" or pipelined.claim(device)
+        if not self.pipelined:
+            _warn_few_queues()
         self._claim = weakref.finalize(self, pipelined.give_back, device.index) \
             if self.pipelined and self.backend == "nccl" else None
         self.group = self._sending = self.rendezvous = None
