@@ -34,10 +34,9 @@ MAX_STORE_BYTES = 256 << 10
 POLL_S = (0.001, 0.05)  # a wait asks again after 1 ms, backing off to 50 ms
 
 
-def _key(header: dict, field: str = "key") -> str:
-    key = header.get(field)
+def _key(key) -> str:
     if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_CHARS:
-        raise BadCall(f"a store request's {field} must be a string of 1..{MAX_KEY_CHARS} characters")
+        raise BadCall(f"a store request's key must be a string of 1..{MAX_KEY_CHARS} characters")
     return key
 
 
@@ -78,8 +77,8 @@ class PairStore:
             keys = header.get("keys")
             if not isinstance(keys, list) or not 0 < len(keys) <= MAX_KEYS:
                 raise BadCall(f"a store check names 1..{MAX_KEYS} keys")
-            return {"found": self.store.check([_key({"key": k}) for k in keys])}
-        key = _key(header)
+            return {"found": self.store.check([_key(k) for k in keys])}
+        key = _key(header.get("key"))
         with self._lock:
             if action == "get":  # only a key that is there: HashStore's get would wait for it on this thread
                 return {"value": self.store.get(key).hex() if self.store.check([key]) else None}
