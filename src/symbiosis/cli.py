@@ -27,6 +27,12 @@ def _read_token(token_file: str | None) -> str | None:
 
 def executor_command(args: argparse.Namespace) -> int:
     """Serve the base layers of --model on --listen until SIGTERM / Ctrl-C, or print --stats of a running one."""
+    # Read when the CUDA context is made: the hardware queues a GPU's streams share (8 by default). The executor
+    # keeps a stream and an NCCL pair a `nccl://` client, whose send and receive kernels spin until their peer's
+    # match is posted; past the queues a spinning kernel can hold up work queued behind it on a shared one: four
+    # client threads over nccl:// hung at 8 (two calls on 2xH200) and ran at 32 (PERFORMANCE 14). Only here:
+    # the other commands' GPU work was measured at the default.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     import torch
     import zmq
 
@@ -366,10 +372,6 @@ def main(argv: list[str] | None = None) -> int:
     # after each operation, taking the cores that the other processes of a deployment (executor, clients,
     # demo tenants, all inheriting this) are waiting for; ~10x per call on a 2-core host (README).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    # Read when a CUDA context is made: the hardware queues a GPU's streams share (8 by default). An `nccl://`
-    # send or receive kernel spins until its peer's match is posted, and a stream past the queues shares one with
-    # another: four client threads over nccl:// hung at 8 (two calls on 2xH200) and ran at 32 (PERFORMANCE 14).
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     return args.run(args)
 
 

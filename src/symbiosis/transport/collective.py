@@ -121,7 +121,7 @@ def _warn_few_queues() -> None:
     """Once a process: its second nccl:// session on a GPU, with the GPU's streams sharing 8 hardware queues."""
     if int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") or 8) < MIN_QUEUES:
         log.warning("several nccl:// sessions in one process: set CUDA_DEVICE_MAX_CONNECTIONS=%d before CUDA starts "
-                    "(the `symbiosis` command does). Their send and receive kernels spin until their peer's match "
+                    "(`symbiosis executor` does). Their send and receive kernels spin until their peer's match "
                     "is posted, and with the default 8 hardware queues one can hold up another's: four client "
                     "threads hung", MIN_QUEUES)
 
