@@ -312,3 +312,20 @@ executor.close()
 """)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_process_of_several_nccl_sessions_is_told_to_raise_the_gpus_hardware_queues(monkeypatch, caplog):
+    """Below 32 hardware queues a GPU (CUDA's default is 8), several nccl:// sessions of one process hung: the
+    second session warns, naming the setting; at 32 it says nothing."""
+    from symbiosis.transport import collective
+
+    warn = collective._warn_few_queues.__wrapped__  # (once a process otherwise)
+    for setting, warned in ((None, True), ("8", True), ("32", False)):
+        caplog.clear()
+        if setting is None:
+            monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", setting)
+        with caplog.at_level("WARNING", logger="symbiosis"):
+            warn()
+        assert ("CUDA_DEVICE_MAX_CONNECTIONS=32" in caplog.text) is warned, setting
