@@ -218,7 +218,8 @@ def test_bad_input_is_refused_with_its_reason(hmi_server):
     corpus = _upload(hmi_server, "bob", [{"text": t} for t in BIO_TEXTS])
     for body, field in (({"name": "../up", "corpus_file": corpus}, "name"),
                         ({"name": "a", "corpus_file": corpus, "alpha": 150}, "alpha"),
-                        ({"name": "a", "corpus_file": corpus, "steps": "many"}, "steps")):
+                        ({"name": "a", "corpus_file": corpus, "steps": "many"}, "steps"),
+                        ({"name": "..", "corpus_file": corpus}, "name")):  # a URL folds ".." away: unreachable
         answer = _api(hmi_server, "bob", "POST", "/domains", body)
         assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
     with pytest.raises(openai.BadRequestError, match="text"):
@@ -226,6 +227,16 @@ def test_bad_input_is_refused_with_its_reason(hmi_server):
     assert _api(hmi_server, "bob", "POST", "/models", {"name": "m", "domain": "nowhere",
                                                        "training_file": corpus}).status_code == 404
     assert _api(hmi_server, "bob", "POST", "/models/nothing/generate", {"prompt": "x"}).status_code == 404
+    # a line past the context: a step's work and memory grow with it (52,000 tokens took ~100 s a step)
+    long_line = _upload(hmi_server, "bob", [{"text": "the cell splits fast " * 200}])
+    answer = _api(hmi_server, "bob", "POST", "/models", {"name": "long", "training_file": long_line})
+    assert answer.status_code == 400 and "past the model's context" in answer.json()["error"]["message"], answer.text
+    # a domain's next version starts from the one before: not while that one is still queued or running
+    assert _api(hmi_server, "bob", "POST", "/domains", {"name": "growing", "corpus_file": corpus, "steps": 100_000,
+                                                       "batch_size": 1}).status_code == 200
+    answer = _api(hmi_server, "bob", "POST", "/domains/growing/versions", {"corpus_file": corpus, "steps": 1})
+    assert answer.status_code == 409, answer.text
+    assert _api(hmi_server, "bob", "DELETE", "/domains/growing").status_code == 200
 
 
 def test_a_domain_build_stopped_by_a_restart_resumes_to_the_uninterrupted_result(hmi_files, tmp_path):

@@ -39,7 +39,7 @@ from symbiosis.serve.hmi.store import DOMAINS_TABLE, KEY, MODELS_TABLE, HmiStore
 from symbiosis.worker import Worker
 
 log = logging.getLogger("symbiosis.serve.hmi")
-NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+NAME = re.compile(r"(?=.*[A-Za-z0-9])[A-Za-z0-9._-]{1,64}")  # not dots alone: URLs fold "." and ".." away
 ADMIN = "admin"
 LIMITS = {"steps": (1, 100_000), "batch_size": (1, 256), "window": (8, 8192), "rank": (1, 256)}
 
@@ -96,6 +96,7 @@ class HmiService:
         self._tasks: queue.Queue = queue.Queue()
         self._stopping: set[str] = set()  # ids whose step should stop (deleted, or the service closing)
         self._backlog: list[tuple[str, str, str]] = []  # the worker's: (table, id, tenant) taken from _tasks, queued
+        self._progressed = False  # the step running reported progress in its turn (`_stop`)
         self._slice_ends = float("inf")  # the worker's: when the step running yields to another tenant's waiting
         self._closing = False
         self._thread = threading.Thread(target=self._work, name="symbiosis-hmi", daemon=True)
@@ -141,7 +142,7 @@ class HmiService:
     def _name(self, body: dict) -> str:
         name = body.get("name")
         if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise ApiError(400, "name must be 1-64 of [A-Za-z0-9._-]", "name")
+            raise ApiError(400, "name must be 1-64 of [A-Za-z0-9._-], at least one a letter or digit", "name")
         return name
 
     def _texts(self, tenant: str, file_id, param: str) -> list[dict]:
@@ -160,8 +161,10 @@ class HmiService:
             name = self._name(body)
             if self.store.versions(DOMAINS_TABLE, tenant, name):
                 raise ApiError(400, f"you have a domain {name!r} already; add a version to it", "name")
-        elif not self.store.versions(DOMAINS_TABLE, tenant, name):
+        elif not (versions := self.store.versions(DOMAINS_TABLE, tenant, name)):
             raise ApiError(404, f"you have no domain {name[:80]!r}", "name", "domain_not_found")
+        elif versions[0]["status"] in ("queued", "running"):  # a version starts from the one before, when ready
+            raise ApiError(409, f"domain {name!r} version {versions[0]['version']} is {versions[0]['status']}")
         corpus = self._texts(tenant, body.get("corpus_file"), "corpus_file")
         tokens = sum(len(t) for t in self._tokens([line["text"] for line in corpus]))
         if tokens < self.min_corpus_tokens:
@@ -206,7 +209,12 @@ class HmiService:
                 raise ApiError(409, f"model {name!r} version {versions[0]['version']} is {versions[0]['status']}")
             domain_id, options = versions[0]["domain_id"], dict(versions[0]["options"])
             options["steps"] = _number(body, "steps", options["steps"])
-        self._texts(tenant, body.get("training_file"), "training_file")
+        lines = self._texts(tenant, body.get("training_file"), "training_file")
+        limit = getattr(self._config, "max_position_embeddings", None)
+        longest = max((len(ids) for ids in self._tokens([line["text"] for line in lines])), default=0)
+        if limit is not None and longest > limit:  # (a step's work and memory grow with its longest line)
+            raise ApiError(400, f"a line of training_file holds {longest} tokens, past the model's context of {limit}",
+                           "training_file")
         row = self.store.add(MODELS_TABLE, tenant, name, domain_id=domain_id, training_file=body["training_file"],
                              options=options)
         self._tasks.put((MODELS_TABLE, row["model_id"], tenant))
@@ -375,7 +383,7 @@ class HmiService:
             if row is None or row["status"] != "queued":
                 continue
             self.store.update(table, row_id, status="running")
-            self._slice_ends = time.monotonic() + SLICE_S
+            self._slice_ends, self._progressed = time.monotonic() + SLICE_S, False
             try:
                 (self._build_domain if table == DOMAINS_TABLE else self._train_model)(row)
             except Stopped:
@@ -397,13 +405,14 @@ class HmiService:
         self.store.update(table, row_id, stage=stage, done=0, total=0)
 
         def report(done: int, total: int, *_):
+            self._progressed = True  # a turn ends only after some progress: setup alone may outlast SLICE_S
             self.store.update(table, row_id, done=done, total=total)
         return report
 
     def _stop(self, row_id: str, tenant: str):
         """Whether the step running should stop now: deleted, the service closing, or its turn over."""
         return lambda: self._closing or row_id in self._stopping or \
-            (time.monotonic() > self._slice_ends and self._others_waiting(tenant))
+            (self._progressed and time.monotonic() > self._slice_ends and self._others_waiting(tenant))
 
     def _build_domain(self, row: dict) -> None:
         row_id, options = row["domain_id"], row["options"]
