@@ -109,6 +109,11 @@ class HmiService:
     def _config(self):
         return self.service.engine.config
 
+    @property
+    def _context(self) -> int | None:
+        """The model's context in tokens (None: it names none): bounds prompts and training lines alike."""
+        return getattr(self._config, "max_position_embeddings", None)
+
     def _new_upper(self, probe: bool = False) -> UpperModel:
         """The upper layers as a split client of the service's executor (their weights are the executor's)."""
         import symbiosis
@@ -210,7 +215,7 @@ class HmiService:
             domain_id, options = versions[0]["domain_id"], dict(versions[0]["options"])
             options["steps"] = _number(body, "steps", options["steps"])
         lines = self._texts(tenant, body.get("training_file"), "training_file")
-        limit = getattr(self._config, "max_position_embeddings", None)
+        limit = self._context
         longest = max((len(ids) for ids in self._tokens([line["text"] for line in lines])), default=0)
         if limit is not None and longest > limit:  # (a step's work and memory grow with its longest line)
             raise ApiError(400, f"a line of training_file holds {longest} tokens, past the model's context of {limit}",
@@ -260,7 +265,7 @@ class HmiService:
         row = ready[0]
         plot = self._plot(row)
         ids = self._tokens([prompt])[0]
-        limit = getattr(self._config, "max_position_embeddings", None)
+        limit = self._context
         if limit is not None and len(ids) + max_tokens > limit:
             raise ApiError(400, f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the model's context "
                                 f"of {limit}", "max_tokens")
