@@ -15,7 +15,7 @@ import torch
 from peft import PeftModel
 from transformers import PreTrainedModel, TextStreamer
 
-from symbiosis.client.adapter_files import check_adapter_directory
+from symbiosis.client.adapter_files import check_adapter_directory, read_json
 from symbiosis.errors import AdapterError, BadCall
 
 FINGERPRINT_FILE = "symbiosis.json"  # beside adapter_config.json; plain PEFT ignores it
@@ -33,10 +33,10 @@ def check_base_fingerprint(directory: Path, fingerprint: str) -> None:
     without the record (plain PEFT) passes."""
     marker = directory / FINGERPRINT_FILE
     if marker.is_file():
-        try:
-            recorded = json.loads(marker.read_text()).get("base_fingerprint")
-        except (ValueError, AttributeError) as e:  # not JSON, or not an object
-            raise AdapterError(f"{marker}: not a symbiosis adapter record ({e})") from e
+        record = read_json(marker, "a symbiosis adapter record")
+        if not isinstance(record, dict):
+            raise AdapterError(f"{marker}: not a symbiosis adapter record (not a JSON object)")
+        recorded = record.get("base_fingerprint")
         if recorded != fingerprint:
             raise AdapterError(f"{directory}: this adapter was trained on another base model (fingerprint "
                                f"{str(recorded)[:16]}…, this model {fingerprint[:16]}…)")

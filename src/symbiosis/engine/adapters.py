@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
 import os
 import threading
@@ -49,11 +48,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from peft.utils.other import get_pattern_key
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from symbiosis.client.adapter_files import check_adapter_directory
+from symbiosis.client.adapter_files import check_adapter_directory, check_pattern_keys, pattern_value, read_json
 from symbiosis.client.generate import check_base_fingerprint
 from symbiosis.errors import AdapterError, UnsupportedAdapter
 from symbiosis.model.partition import GROUP_SEPARATOR, BaseLayerSpec
@@ -307,15 +305,20 @@ class AdapterStore:
     # -- reading (any thread) --
 
     def load(self, name: str, directory: str | os.PathLike) -> HostAdapter:
-        directory = check_adapter_directory(directory)
-        weights_file, config_file = directory / "adapter_model.safetensors", directory / "adapter_config.json"
-        key = (str(directory.resolve()),) + tuple((s.st_mtime_ns, s.st_size) for s in
-                                                  (weights_file.stat(), config_file.stat()))
+        directory = Path(directory)
+        try:  # the files as they are now: an adapter rewritten in place is read again
+            key = (str(directory.resolve()),) + tuple((s.st_mtime_ns, s.st_size) for s in (
+                (directory / "adapter_model.safetensors").stat(), (directory / "adapter_config.json").stat()))
+        except OSError:
+            key = None  # (check_adapter_directory says what is missing)
         with self._lock:
             if key in self._host:
                 self._host.move_to_end(key)
                 self.stats.host_hits += 1
                 return self._host[key]
+        directory = check_adapter_directory(directory)  # walked once, when read (not on every request)
+        if key is None:
+            raise AdapterError(f"{directory}: its adapter files changed while it was read")
         adapter = self._read(name, directory, key)
         with self._lock:
             self.stats.disk_reads += 1
@@ -374,7 +377,7 @@ class AdapterStore:
                                    "(an adapter for another base model?)")
             if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
                 raise AdapterError(f"adapter {name!r}: {module!r} holds NaN or Inf values")
-            alpha = config["alpha_pattern"].get(get_pattern_key(config["alpha_pattern"].keys(), module), config["lora_alpha"])
+            alpha = pattern_value(config["alpha_pattern"], module, config["lora_alpha"])
             scale = alpha / math.sqrt(r) if config["use_rslora"] else alpha / r
             checked.append((module, embedded, a, b, float(scale)))
         if not checked:
@@ -395,6 +398,11 @@ class AdapterStore:
             at += tensor.numel()
         views = iter(views)
         scales = torch.tensor([scale for *_, scale in loras], dtype=torch.float32).reshape(-1, 1)
+        bottleneck_scales = torch.tensor([b[4] for b in bottlenecks.values()], dtype=self.dtype)
+        # finite as read, yet maybe not in the engine's dtype (a float64 B of 1e200, a lora_alpha of 1e300)
+        if not (torch.isfinite(buffer).all() and torch.isfinite(scales).all() and torch.isfinite(bottleneck_scales).all()):
+            raise AdapterError(f"adapter {name!r}: values beyond the range of {str(self.dtype).removeprefix('torch.')}, "
+                               "this engine's dtype (Inf once cast): its weights, alpha or scaling are too large")
         scales = scales.pin_memory() if self.device.type == "cuda" and len(loras) else scales
         layers, embedding = {}, None
         for module, embedded, _, _, scale in loras:
@@ -838,10 +846,7 @@ def _check_dtypes(name: str, module: str, *tensors: torch.Tensor) -> None:
 
 
 def _read_config(path: Path) -> dict:
-    try:
-        config = json.loads(path.read_text())
-    except (ValueError, OSError) as e:
-        raise AdapterError(f"{path}: not a JSON adapter config ({e})") from e
+    config = read_json(path, "a JSON adapter config")
     if not isinstance(config, dict):
         raise AdapterError(f"{path}: not a JSON object")
     method = config.get("peft_type")
@@ -857,9 +862,13 @@ def _read_config(path: Path) -> dict:
         patterns = config.get("alpha_pattern") or {}
         if not isinstance(patterns, dict):
             raise TypeError("alpha_pattern is not an object")
-        alpha_pattern = {str(k): float(v) for k, v in patterns.items()}
+        alpha_pattern = {k: float(v) for k, v in patterns.items()}
     except (TypeError, ValueError) as e:
         raise AdapterError(f"{path}: lora_alpha / alpha_pattern are not numbers ({e})") from e
+    try:
+        check_pattern_keys(alpha_pattern, "alpha_pattern")
+    except ValueError as e:
+        raise AdapterError(f"{path}: {e}") from None
     # (JSON as Python writes it holds NaN and Infinity)
     if not all(math.isfinite(value) for value in (alpha, *alpha_pattern.values())):
         raise AdapterError(f"{path}: lora_alpha / alpha_pattern must be finite")

@@ -20,10 +20,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from symbiosis.engine import GenerationError, SamplingParams
-from symbiosis.errors import BadCall, SymbiosisError
+from symbiosis.client.adapter_files import read_json
+from symbiosis.errors import AdapterError, BadCall, SymbiosisError
 from symbiosis.serve.errors import ApiError, not_found
 from symbiosis.serve.generation import Generation
 from symbiosis.serve.schemas import MAX_PROMPTS, ChatRequest, CompletionRequest, LoadAdapterRequest, UnloadAdapterRequest
+from symbiosis.serve.templates import TemplateError
 
 MAX_CHAT_TEMPLATE_BYTES = 1 << 20
 # Prompts of more characters are tokenized (and chat templates rendered) on a worker thread: the tokenizer holds
@@ -74,14 +76,22 @@ def router(service, tenant_dependency) -> APIRouter:
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body.messages]
 
         def render() -> list[int]:
-            try:
-                prompt = tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
-                                                       tokenize=False)
-            except Exception as e:  # noqa: BLE001 -- no template, or one that refuses these messages
-                raise ApiError(400, f"cannot render these messages with the model's chat template: {e}",
-                               "messages") from None
+            if template is not None:  # the tenant's own: a program, run in a worker process (serve/templates.py)
+                try:
+                    prompt = service.templates.render(tenant, template, messages)
+                except TemplateError as e:
+                    raise ApiError(400, str(e), "messages") from None
+                except OSError:
+                    raise ApiError(503, "the chat template renderer could not start; try again") from None
+            else:
+                try:
+                    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                except Exception as e:  # noqa: BLE001 -- no template, or one that refuses these messages
+                    raise ApiError(400, f"cannot render these messages with the model's chat template: {e}",
+                                   "messages") from None
             return tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        ids = await _tokenized(render, (len(m["content"]) for m in messages))
+        # (always off the event loop: a template, even the base's, runs as long as its messages make it)
+        ids = await asyncio.to_thread(render)
         return await _run(service, tenant, body, request, adapter, [ids], chat=True)
 
     return api
@@ -111,17 +121,20 @@ def _completion_prompts(prompt, tokenizer) -> list[list[int]]:
 
 
 def _adapter_chat_template(directory: Path) -> str | None:
-    """The adapter's own chat template, if its directory has one (read as text; nothing is executed but the
-    template itself, which transformers renders in a sandboxed Jinja environment)."""
+    """The adapter's own chat template, if its directory has one (read as text: it runs in a worker process, see
+    serve/templates.py). The directory's files were confined to the adapter root when it was resolved."""
     jinja = directory / "chat_template.jinja"
-    if jinja.is_file() and jinja.stat().st_size <= MAX_CHAT_TEMPLATE_BYTES:
+    if jinja.is_file():
+        if jinja.stat().st_size > MAX_CHAT_TEMPLATE_BYTES:
+            raise ApiError(400, f"the adapter's chat_template.jinja is over {MAX_CHAT_TEMPLATE_BYTES} bytes", "model")
         return jinja.read_text(encoding="utf-8", errors="replace")
     config = directory / "tokenizer_config.json"
-    if config.is_file() and config.stat().st_size <= MAX_CHAT_TEMPLATE_BYTES:
+    if config.is_file():
         try:
-            template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
-        except (ValueError, AttributeError):
-            return None
+            template = read_json(config, "a tokenizer config", MAX_CHAT_TEMPLATE_BYTES)
+        except AdapterError as e:
+            raise ApiError(400, str(e).replace(str(config), "the adapter's tokenizer_config.json"), "model") from None
+        template = template.get("chat_template") if isinstance(template, dict) else None
         return template if isinstance(template, str) else None
     return None
 
@@ -160,7 +173,7 @@ async def _run(service, tenant: str, body, request: Request, adapter, prompts: l
             raise ApiError(400, str(e), "messages" if chat else "prompt",
                            "context_length_exceeded" if "exceeds" in str(e) else None) from None
         except SymbiosisError as e:  # the adapter's files changed into something unreadable
-            raise ApiError(400, str(e), "model", "invalid_adapter") from None
+            raise ApiError(400, service.public(str(e)), "model", "invalid_adapter") from None
         if body.stream:
             admitted = False  # the stream leaves admission when it ends
             relay = request.scope.get("extensions", {}).get("symbiosis.chunks")  # behind a front process
@@ -173,7 +186,7 @@ async def _run(service, tenant: str, body, request: Request, adapter, prompts: l
                 pass
         if not generation.done:  # the client went away
             return JSONResponse({}, status_code=499)
-        _raise_failure(generation)
+        _raise_failure(service, generation)
         service.finished(tenant, body.model, generation, len(prompts), error=False)
         return _response(service, body, generation, len(prompts), chat)
     finally:
@@ -181,13 +194,13 @@ async def _run(service, tenant: str, body, request: Request, adapter, prompts: l
             service.admission.leave(tenant)
 
 
-def _raise_failure(generation) -> None:
+def _raise_failure(service, generation) -> None:
     for choice in generation.choices:
         if isinstance(choice.error, GenerationError):
             status = 500 if choice.error.retryable else 422
-            raise ApiError(status, str(choice.error), code="generation_failed")
+            raise ApiError(status, service.public(str(choice.error)), code="generation_failed")
         if choice.error is not None:
-            raise ApiError(500, f"generation failed: {choice.error}", code="generation_failed")
+            raise ApiError(500, service.public(f"generation failed: {choice.error}"), code="generation_failed")
 
 
 def _usage(generation, distinct_prompts: int) -> dict:
@@ -292,9 +305,9 @@ class _Chunks:
         return self.chunk([], usage=_usage(generation, distinct_prompts))
 
 
-def _error_event(choice) -> bytes:
+def _error_event(service, choice) -> bytes:
     """A choice that failed mid-stream, as an `error` event (the openai client raises it)."""
-    error = ApiError(500 if getattr(choice.error, "retryable", True) else 422, str(choice.error),
+    error = ApiError(500 if getattr(choice.error, "retryable", True) else 422, service.public(str(choice.error)),
                      code="generation_failed")
     return _sse(error.body())
 
@@ -313,7 +326,7 @@ async def _stream(service, tenant: str, body, generation, distinct_prompts: int,
                         parts.append(chunks.token(choice, token))
                     elif choice.error is not None:
                         failed = True
-                        yield b"".join(parts) + _error_event(choice)
+                        yield b"".join(parts) + _error_event(service, choice)
                         return
                     else:
                         parts.append(chunks.finish(choice))
@@ -369,7 +382,7 @@ class _RelayedStream(Response):
                 if generation.relay_error is not None:  # (logged): the stream ends with a server error
                     end = _sse(ApiError(500, "the server failed to stream this completion; it was logged").body())
                 elif failed is not None:
-                    end = _error_event(failed)
+                    end = _error_event(self.service, failed)
                 else:
                     end = (chunks.usage(generation, self.distinct_prompts) if self.body.include_usage() else b"") + \
                         b"data: [DONE]\n\n"

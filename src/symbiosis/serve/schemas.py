@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_N = 8  # completions per request
 MAX_PROMPTS = 32  # prompts in one /v1/completions request
+MAX_MESSAGES = 4096  # messages in one chat (each is rendered by the chat template, before any admission)
 
 
 class _Request(BaseModel):
@@ -61,7 +62,7 @@ class Message(BaseModel):
 
 
 class ChatRequest(_Request):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)

@@ -15,6 +15,7 @@ from symbiosis.serve.generation import Admission
 from symbiosis.serve.keys import ApiKeys
 from symbiosis.serve.metrics import Metrics
 from symbiosis.serve.state import StateStore
+from symbiosis.serve.templates import TemplateRenderer
 
 log = logging.getLogger("symbiosis.serve")
 
@@ -55,6 +56,7 @@ class Service:
         self.fingerprint = "fp_" + self.executor.fingerprint[:12]
         self.created = int(time.time())
         self.adapters = AdapterRegistry(adapter_root, self.state, self.engine, self.base_name)
+        self.templates = TemplateRenderer(self.model_path)  # tenants' chat templates, in worker processes
         self.admission = Admission(max_requests, max_requests_per_tenant)
         self.metrics = Metrics(self.engine, self.executor)
         self.recent = RecentRequests()
@@ -113,6 +115,7 @@ class Service:
             self.training_queue.stop()
             if self.tinker is not None:
                 self.tinker.close()
+        self.templates.close()
         self.engine.close()
         if self.server is not None:
             self.server.stop()
@@ -141,6 +144,13 @@ class Service:
         if self.jobs is not None and model.startswith("ft:"):
             return self.jobs.resolve(tenant, model)
         return self.adapters.lookup(tenant, model)
+
+    def public(self, message: str) -> str:
+        """An error's `message` as a tenant may see it: without where the adapter root and the state dir lie."""
+        message = self.adapters.public(message)
+        for directory in {str(self.state.directory.resolve()), str(self.state.directory)}:
+            message = message.replace(directory, "<state dir>")
+        return message
 
     def generator_for(self, adapter: tuple[str, str] | None):
         """What generates with `adapter`: the hosted engine (the base, LoRA adapters), or, for an adapter of another

@@ -168,3 +168,29 @@ def test_nothing_in_the_package_can_unpickle():
                     found.append(f"{file.relative_to(PACKAGE)}:{node.lineno}: from {node.module} import ...")
     assert len(list(PACKAGE.rglob("*.py"))) > 20  # the scan saw the package
     assert not found, "unpickling code in the package:\n" + "\n".join(found)
+
+
+def test_pattern_keys_are_module_names_matched_as_peft_matches_them():
+    import random
+
+    from peft.utils.other import get_pattern_key
+
+    from symbiosis.client.adapter_files import check_pattern_keys, pattern_value
+
+    for hostile in ("(.|.)*Z", "q_proj(", ".*", "a" * 257, ""):
+        with pytest.raises(ValueError, match="not a module name"):
+            check_pattern_keys({hostile: 1.0}, "alpha_pattern")
+    with pytest.raises(ValueError, match="more than 1024 keys"):
+        check_pattern_keys({f"layers.{i}.q_proj": 1.0 for i in range(1025)}, "alpha_pattern")
+    modules = [f"model.layers.{i}.{part}" for i in (0, 1, 10, 11) for part in
+               ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj", "mlp.up_proj")]
+    pieces = ["q_proj", "v_proj", "down_proj", "self_attn", "mlp", "layers", "1", "10", "model", "q.proj", "mlp.up.proj",
+              "x_proj", "0", "layers.1", "s.lf_attn", "."]
+    generator = random.Random(0)
+    for _ in range(2000):
+        keys = [".".join(generator.sample(pieces, generator.randint(1, 3))) for _ in range(generator.randint(1, 4))]
+        patterns = {key: float(i + 1) for i, key in enumerate(keys)}
+        check_pattern_keys(patterns, "alpha_pattern")
+        for module in modules:
+            assert pattern_value(patterns, module, 0.0) == patterns.get(get_pattern_key(patterns.keys(), module), 0.0), \
+                (patterns, module)

@@ -217,7 +217,16 @@ def test_bad_jobs_are_refused_or_fail_with_the_reason(jobs_server):
               "rank_pattern.q_proj must be"),
              # a regular expression: the service's trainer read it as a module name, PEFT as a pattern
              ({"extra_body": {"peft": {"method": "lora", "config": {"target_modules": ".*v_proj"}}}},
-              "a regular expression is not taken")]
+              "a regular expression is not taken"),
+             # keys and fields PEFT runs as regular expressions, holding the GIL (`(.|.)*Z` took minutes)
+             ({"extra_body": {"peft": {"method": "lora", "config": {"alpha_pattern": {".{6}(.|.)*Z": 4}}}}},
+              "not a module name"),
+             ({"extra_body": {"peft": {"method": "lora", "config": {"rank_pattern": {"q_proj(": 4}}}}},
+              "not a module name"),
+             ({"extra_body": {"peft": {"method": "lora", "config": {"exclude_modules": "(.|.)*Z"}}}},
+              "module names only"),
+             ({"extra_body": {"peft": {"method": "lora", "config": {"layers_pattern": ["(a+)+$"]}}}},
+              "module names only")]
     for changes, message in cases:
         arguments = {"model": "tiny-llama", "training_file": training.id, **changes}
         with pytest.raises(openai.BadRequestError, match=message):

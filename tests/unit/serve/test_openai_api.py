@@ -572,3 +572,141 @@ def test_long_prompts_are_tokenized_off_the_event_loop():
     with ThreadPoolExecutor(1) as pool:  # a loop of its own (a test before may leave one running on this thread)
         loop, short, long = pool.submit(asyncio.run, threads()).result()
     assert short == loop != long
+
+
+def _adapter_copy(root, name: str):
+    """A fresh copy of alice's poet adapter under the root, as `name`."""
+    import shutil
+
+    directory = root / "hostile" / name
+    if directory.is_symlink():
+        directory.unlink()
+    shutil.rmtree(directory, ignore_errors=True)
+    shutil.copytree(root / "alice" / "poet", directory)
+    return directory
+
+
+def test_every_file_an_adapter_is_read_from_stays_in_the_root_on_every_use(loaded, served_files, tmp_path):
+    root = served_files["adapters"]
+    secret = tmp_path / "secret.txt"
+    secret.write_text("{{ 'the server secret' }}")
+    for name in ("chat_template.jinja", "tokenizer_config.json", "symbiosis.json"):
+        directory = _adapter_copy(root, f"link-{name}")
+        (directory / name).symlink_to(secret)
+        response = load(loaded, "alice", f"link-{name}", f"hostile/link-{name}")
+        assert response.status_code == 400 and "not a file inside the adapter root" in response.text, response.text
+    # loaded while inside, then swapped for a symlink leading out: refused on its next use, the path not shown
+    directory = _adapter_copy(root, "swapped")
+    assert load(loaded, "alice", "swapped", "hostile/swapped").status_code == 200
+    assert loaded.client("alice").completions.create(model="swapped", prompt="hi", max_tokens=2).choices
+    outside = tmp_path / "outside-adapter"
+    directory.rename(outside)
+    (outside / "chat_template.jinja").write_text("{{ 'outside' }}")
+    directory.symlink_to(outside, target_is_directory=True)
+    for chat in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            if chat:
+                loaded.client("alice").chat.completions.create(model="swapped", messages=[{"role": "user",
+                                                                                           "content": "hi"}])
+            else:
+                loaded.client("alice").completions.create(model="swapped", prompt="hi", max_tokens=2)
+        assert "outside the adapter root" in str(refused.value) and str(root) not in str(refused.value)
+    assert loaded.client("alice").completions.create(model="poet", prompt="hi", max_tokens=2).choices
+
+
+def test_hostile_adapter_configs_are_refused_at_load_with_the_reason(loaded, served_files):
+    root = served_files["adapters"]
+    deep = "[" * 100_000 + "]" * 100_000
+    cases = {  # name: (file, its text, the error's words)
+        "regex": ("adapter_config.json", {"alpha_pattern": {".{6}(.|.)*Z": 4.0}}, "not a module name"),
+        "bad-regex": ("adapter_config.json", {"alpha_pattern": {"q_proj(": 4.0}}, "not a module name"),
+        "huge-alpha": ("adapter_config.json", {"lora_alpha": 1e300}, "beyond the range"),
+        "deep-config": ("adapter_config.json", deep, "nested too deep"),
+        "deep-record": ("symbiosis.json", deep, "nested too deep"),
+        "big-config": ("adapter_config.json", " " * (5 << 20), "too large"),
+    }
+    for name, (file, content, words) in cases.items():
+        directory = _adapter_copy(root, name)
+        if isinstance(content, dict):
+            config = json.loads((directory / file).read_text())
+            content = json.dumps({**config, **content})
+        (directory / file).write_text(content)
+        started = time.monotonic()
+        response = load(loaded, "alice", name, f"hostile/{name}")
+        assert response.status_code == 400 and words in response.json()["error"]["message"], (name, response.text)
+        assert time.monotonic() - started < 5, name
+    # too many files to look through for pickles
+    directory = _adapter_copy(root, "crowded")
+    for i in range(4100):
+        (directory / f"junk{i}.txt").touch()
+    response = load(loaded, "alice", "crowded", "hostile/crowded")
+    assert response.status_code == 400 and "more than 4096 files" in response.text
+    # an alpha_pattern of module names is taken, as PEFT takes it: the same output as PEFT's
+    directory = _adapter_copy(root, "patterned")
+    config = json.loads((directory / "adapter_config.json").read_text())
+    config["alpha_pattern"] = {"model.layers.0.self_attn.q_proj": 1.5, "v_proj": 20.0}
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    assert load(loaded, "alice", "patterned", "hostile/patterned").status_code == 200
+    tokenizer = AutoTokenizer.from_pretrained(served_files["model"])
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    reply = loaded.client("alice").completions.create(model="patterned", prompt=ids, max_tokens=5, temperature=0)
+    expected, _ = plain_generate(served_files, "hostile/patterned", ids, 5)
+    assert reply.choices[0].text == tokenizer.decode(expected)
+
+
+def test_a_loaded_adapter_is_not_walked_again_on_each_request(loaded, monkeypatch):
+    import symbiosis.engine.adapters as engine_adapters
+
+    assert loaded.client("alice").completions.create(model="poet", prompt="hi", max_tokens=2).choices
+    walked = []
+    monkeypatch.setattr(engine_adapters, "check_adapter_directory", lambda d: walked.append(d) or d)
+    assert loaded.client("alice").completions.create(model="poet", prompt="hi", max_tokens=2).choices
+    assert walked == []
+
+
+def test_a_tenants_chat_template_runs_bounded_in_a_worker_and_holds_up_no_one(loaded, served_files):
+    root = served_files["adapters"]
+    templates = loaded.service.templates
+    timeout = templates.timeout_s
+    templates.timeout_s = 2.0
+    try:
+        hostile = {
+            "loops": ("{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}",
+                      "did not render within 2 s"),
+            "memory": ("{{ ('x' * 3000000000)[:2] }}", "memory"),
+            "raises": ("{{ raise_exception('no system messages here') }}", "no system messages here"),
+        }
+        for name, (template, words) in hostile.items():
+            directory = _adapter_copy(root, f"template-{name}")
+            (directory / "chat_template.jinja").write_text(template)
+            assert load(loaded, "alice", f"template-{name}", f"hostile/template-{name}").status_code == 200
+        outcome = {}
+
+        def chat(name: str) -> None:
+            started = time.monotonic()
+            try:
+                loaded.client("alice").chat.completions.create(
+                    model=f"template-{name}", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            except openai.BadRequestError as e:
+                outcome[name] = (str(e), time.monotonic() - started)
+        threads = [threading.Thread(target=chat, args=(name,)) for name in hostile]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.3)
+        started = time.monotonic()  # meanwhile another tenant's chat (the base's template) and /health
+        assert loaded.client("bob").chat.completions.create(
+            model="tiny-llama", messages=[{"role": "user", "content": "the cat"}], max_tokens=2).choices
+        assert httpx.get(loaded.url + "/health").status_code == 200
+        assert time.monotonic() - started < 1.5
+        for thread in threads:
+            thread.join(60)
+        for name, (_, words) in hostile.items():
+            assert words in outcome[name][0], (name, outcome.get(name))
+        assert outcome["loops"][1] < 15
+        # the renderer recovered: a good template renders again
+        (root / "hostile" / "template-raises" / "chat_template.jinja").write_text(
+            "{% for m in messages %}{{ m['content'] }} {% endfor %}answer :")
+        assert loaded.client("alice").chat.completions.create(
+            model="template-raises", messages=[{"role": "user", "content": "the cat"}], max_tokens=2).choices
+    finally:
+        templates.timeout_s = timeout

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from symbiosis.client.adapter_files import PATTERN_KEY, check_pattern_keys
 from symbiosis.serve.errors import ApiError, not_found
 from symbiosis.serve.jobs.store import JobStore
 from symbiosis.train.data import DataError, check_lines, parse_line, parse_text_line, tokenize
@@ -44,6 +45,7 @@ HOSTED_LORA_KEYS = {"r", "lora_alpha", "target_modules", "use_rslora", "lora_dro
 # a pickled state dict, other adapters), some as sizes of what it allocates. A config must be plain JSON of bounded
 # size; the fields that load anything are refused, and those that size the trained tensors are bounded.
 LOADING_FIELDS = re.compile(r"path|tokenizer|^adapters$|_config$")  # files, hub repos, nested configs (LoftQ, EVA, ...)
+REGEX_FIELDS = {"layers_pattern", "exclude_modules"}  # strings PEFT runs as regular expressions
 SAFE_INITS = {"prompt_tuning_init": {"RANDOM", "SAMPLE_VOCAB"}, "init_lora_weights": {True, False, "gaussian"}}
 MODEL_SIZES = {"token_dim", "num_transformer_submodules", "num_attention_heads", "num_layers"}  # PEFT's, from the model
 SIZE_BOUNDS = {"num_virtual_tokens": 1024, "encoder_hidden_size": 8192, "encoder_num_layers": 8, "num_tasks": 256,
@@ -111,6 +113,15 @@ def _check_peft_options(options: dict) -> None:
                                 "(the service gives PEFT the base model itself)", where)
         if field in SAFE_INITS and (not isinstance(value, (str, bool)) or value not in SAFE_INITS[field]):
             raise ApiError(400, f"{where} must be one of {sorted(map(str, SAFE_INITS[field]))}", where)
+        if isinstance(value, dict):  # rank_pattern, alpha_pattern: PEFT matches their keys as regular expressions
+            try:
+                check_pattern_keys(value, where)
+            except ValueError as e:
+                raise ApiError(400, str(e), where) from None
+        if field in REGEX_FIELDS and any(isinstance(v, str) and not PATTERN_KEY.fullmatch(v)
+                                         for v in (value if isinstance(value, list) else [value])):
+            raise ApiError(400, f"{where}: module names only (1-256 of [A-Za-z0-9_.-]; PEFT would run it as a "
+                                "regular expression)", where)
         if field == "target_modules" and isinstance(value, str) and value != "all-linear":
             raise ApiError(400, f"{where}: a list of module names, or 'all-linear' (a regular expression is not "
                                 "taken: the service's LoRA trainer and PEFT would read it differently)", where)
