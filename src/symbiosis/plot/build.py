@@ -26,11 +26,15 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from symbiosis.errors import SymbiosisError
 from symbiosis.plot.split import LowerLayers
-from symbiosis.plot.table import DTYPES, PlotTable, check_packable, pack, unpack, write_table
+from symbiosis.plot.table import DTYPES, PlotTable, PlotTableError, check_packable, pack, unpack, write_table
 
 
 class CorpusTooSmall(SymbiosisError):
     """A corpus below the minimum size a table is built from."""
+
+
+class TableTooLarge(SymbiosisError):
+    """A table whose planned size is past what the build may write (`max_bytes`)."""
 
 
 class Stopped(SymbiosisError):
@@ -59,10 +63,13 @@ def _corpus(sequences) -> list[np.ndarray]:
 
 def build_table(lower: LowerLayers, sequences, directory: str | os.PathLike, *, n: int = 3, alpha: float = 100.0,
                 root: PlotTable | None = None, dtype: str = "float16", min_tokens: int = 0, chunk: int = 4096,
-                progress: Callable[[int, int], None] | None = None,
+                max_bytes: int | None = None, progress: Callable[[int, int], None] | None = None,
                 stop: Callable[[], bool] | None = None) -> PlotTable:
     """Build the table of `lower` over `sequences` (lists of token ids) into `directory`: a root table, or with
-    `root`, a domain table over it keeping the top `alpha`%. `progress(rows done, rows in all)` after each chunk; `stop()` true ends it (`Stopped`) between chunks."""
+    `root`, a domain table over it keeping the top `alpha`%. `max_bytes`: the most the table may take
+    (`TableTooLarge` once its plan is past it, before anything is written: a table holds up to n(n+1)/2 vectors a
+    corpus token). `progress(rows done, rows in all)` after each chunk; `stop()` true ends it (`Stopped`) between
+    chunks."""
     directory = Path(directory)
     corpus = _corpus(sequences)
     tokens = sum(s.size for s in corpus)
@@ -87,22 +94,32 @@ def build_table(lower: LowerLayers, sequences, directory: str | os.PathLike, *, 
     plan_id = digest.hexdigest()
 
     work = directory.with_name(directory.name + ".work")
-    plan_file = work / "plan.json"
-    if not plan_file.exists() or json.loads(plan_file.read_text()).get("id") != plan_id:
+    finished = _finished(directory, plan_id)
+    if finished is not None:  # stopped after the table was written, before its work files went
+        shutil.rmtree(work, ignore_errors=True)
+        return finished
+    if not _resumable(work, plan_id, n):
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
+        planned = {}
         for length in range(1, n + 1):
             if root is None and length == 1:
-                keys = np.arange(vocab, dtype=np.int64)
+                planned[length] = np.arange(vocab, dtype=np.int64)
             else:
                 keys, counts = count_fragments(corpus, length, vocab)
-                if root is not None:
-                    keys = top_fraction(keys, counts, alpha)
+                planned[length] = keys if root is None else top_fraction(keys, counts, alpha)
+        size = sum(keys.size * (8 + length * lower.hidden * np.dtype(DTYPES[dtype]).itemsize)
+                   for length, keys in planned.items())
+        if max_bytes is not None and size > max_bytes:
+            shutil.rmtree(work, ignore_errors=True)
+            raise TableTooLarge(f"the table would take {size} bytes ({sum(k.size for k in planned.values())} "
+                                f"fragments of {lower.hidden} values), past the {max_bytes} bytes it may take")
+        for length, keys in planned.items():
             np.save(work / f"keys-{length}.npy", keys, allow_pickle=False)
             np.lib.format.open_memmap(work / f"values-{length}.npy", mode="w+", dtype=DTYPES[dtype],
                                       shape=(keys.size, length, lower.hidden)).flush()
         _write_json(work / "progress.json", {str(length): 0 for length in range(1, n + 1)})
-        _write_json(plan_file, {"id": plan_id})
+        _write_json(work / "plan.json", {"id": plan_id})
     done = json.loads((work / "progress.json").read_text())
     keys = {length: np.array(np.lib.format.open_memmap(work / f"keys-{length}.npy", mode="r"))
             for length in range(1, n + 1)}
@@ -126,6 +143,29 @@ def build_table(lower: LowerLayers, sequences, directory: str | os.PathLike, *, 
     write_table(directory, meta, {length: (keys[length], work / f"values-{length}.npy") for length in keys})
     shutil.rmtree(work)
     return PlotTable.open(directory)
+
+
+def _finished(directory: Path, plan_id: str) -> PlotTable | None:
+    """The table in `directory` if it is whole and of this plan, else None (absent, damaged or another plan's)."""
+    if not (directory / "plot.json").is_file():
+        return None
+    try:
+        table = PlotTable.open(directory)
+    except PlotTableError:
+        return None
+    return table if table.meta.get("id") == plan_id else None
+
+
+def _resumable(work: Path, plan_id: str, n: int) -> bool:
+    """Whether `work` holds this plan's files, all of them (a stop while the finished table was being written
+    moves its values files away: that plan starts again)."""
+    try:
+        plan = json.loads((work / "plan.json").read_text())
+        json.loads((work / "progress.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(plan, dict) and plan.get("id") == plan_id and all(
+        (work / f"{part}-{length}.npy").is_file() for length in range(1, n + 1) for part in ("keys", "values"))
 
 
 def _write_json(path: Path, value) -> None:

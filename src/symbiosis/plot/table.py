@@ -143,7 +143,7 @@ def _read_meta(directory: Path) -> dict:
         meta = json.loads(path.read_text())
     except FileNotFoundError:
         raise PlotTableError(f"{directory}: not a PLOT table (no plot.json)") from None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise PlotTableError(f"{path}: not readable JSON ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise PlotTableError(f"{path}: not a {FORMAT} table")

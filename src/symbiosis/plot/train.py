@@ -188,7 +188,6 @@ def train_adapter(upper: UpperModel, plot: Plot, examples: list[tuple[list[int],
         model = peft.get_peft_model(upper.model, peft_config)
     device = upper.device
     trained = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    hidden = [torch.from_numpy(h) for h in plot.represent([tokens for tokens, _ in examples])]
     encoder = plot.kind == "encoder"
     if encoder and any(label is None for _, label in examples):
         raise ValueError("an encoder's examples need labels")
@@ -196,7 +195,8 @@ def train_adapter(upper: UpperModel, plot: Plot, examples: list[tuple[list[int],
 
     def step(generator) -> torch.Tensor:
         rows = torch.randint(len(examples), (min(schedule.batch_size, len(examples)),), generator=generator).tolist()
-        batch = [hidden[i] for i in rows]
+        # looked up a batch at a time: a whole training file's representations would hold its tokens x hidden
+        batch = [torch.from_numpy(h) for h in plot.represent([examples[i][0] for i in rows])]
         longest = max(h.shape[0] for h in batch)
         inputs = torch.zeros(len(batch), longest, batch[0].shape[1], dtype=model.dtype)
         mask = torch.zeros(len(batch), longest, dtype=torch.long)

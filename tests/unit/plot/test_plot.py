@@ -230,6 +230,47 @@ def test_a_build_resumes_where_it_stopped(checkpoint, tmp_path):
     assert not (tmp_path / "t.work").exists()
 
 
+def test_a_build_stopped_while_its_table_was_written_finishes_when_started_again(checkpoint, tmp_path, monkeypatch):
+    import symbiosis.plot.build as build
+    from symbiosis.plot.table import write_table
+
+    lower = LowerLayers(checkpoint("gpt2"), 2, dtype=torch.float64)
+    whole = build_table(lower, CORPUS, tmp_path / "whole", dtype="float64")
+
+    def dies_after(moves: int):
+        def write(directory, meta, levels):  # moves `moves` values files into the staging table, then dies
+            levels = dict(sorted(levels.items())[:moves])
+            write_table(directory.with_name("scratch"), meta, levels)
+            raise KeyboardInterrupt("the process died")
+        return write
+
+    for moves, name in ((1, "part"), (3, "moved")):
+        monkeypatch.setattr(build, "write_table", dies_after(moves))
+        with pytest.raises(KeyboardInterrupt):
+            build_table(lower, CORPUS, tmp_path / name, dtype="float64")
+        monkeypatch.setattr(build, "write_table", write_table)
+        resumed = build_table(lower, CORPUS, tmp_path / name, dtype="float64")  # was FileNotFoundError
+        for length in (1, 2, 3):
+            assert np.array_equal(resumed.levels[length].values, whole.levels[length].values)
+    # killed after the table was whole, before its work files went: the table is taken as it is
+    work = tmp_path / "whole.work"
+    work.mkdir()
+    (work / "plan.json").write_text(json.dumps({"id": whole.meta["id"]}))
+    again = build_table(lower, CORPUS, tmp_path / "whole", dtype="float64")
+    assert again.meta["id"] == whole.meta["id"] and not work.exists()
+
+
+def test_a_table_past_its_byte_bound_is_refused_before_anything_is_written(checkpoint, tmp_path):
+    from symbiosis.plot.build import TableTooLarge
+
+    lower = LowerLayers(checkpoint("gpt2"), 2, dtype=torch.float64)
+    whole = build_table(lower, CORPUS, tmp_path / "whole", dtype="float64")
+    assert build_table(lower, CORPUS, tmp_path / "fits", dtype="float64", max_bytes=whole.nbytes).nbytes == whole.nbytes
+    with pytest.raises(TableTooLarge, match=f"would take {whole.nbytes} bytes"):
+        build_table(lower, CORPUS, tmp_path / "big", dtype="float64", max_bytes=whole.nbytes - 1)
+    assert not (tmp_path / "big").exists() and not (tmp_path / "big.work").exists()
+
+
 def test_damaged_tables_and_bad_input_are_refused_with_the_reason(checkpoint, root, tmp_path):
     import shutil
 

@@ -227,6 +227,9 @@ def test_bad_input_is_refused_with_its_reason(hmi_server):
     assert _api(hmi_server, "bob", "POST", "/models", {"name": "m", "domain": "nowhere",
                                                        "training_file": corpus}).status_code == 404
     assert _api(hmi_server, "bob", "POST", "/models/nothing/generate", {"prompt": "x"}).status_code == 404
+    answer = _api(hmi_server, "bob", "POST", "/models", {"name": "m", "domain": "nowhere", "domain_version": True,
+                                                         "training_file": corpus})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "domain_version", answer.text
     # a line past the context: a step's work and memory grow with it (52,000 tokens took ~100 s a step)
     long_line = _upload(hmi_server, "bob", [{"text": "the cell splits fast " * 200}])
     answer = _api(hmi_server, "bob", "POST", "/models", {"name": "long", "training_file": long_line})
@@ -237,6 +240,25 @@ def test_bad_input_is_refused_with_its_reason(hmi_server):
     answer = _api(hmi_server, "bob", "POST", "/domains/growing/versions", {"corpus_file": corpus, "steps": 1})
     assert answer.status_code == 409, answer.text
     assert _api(hmi_server, "bob", "DELETE", "/domains/growing").status_code == 200
+
+
+def test_a_tenants_domains_are_bounded_in_bytes_and_versions(hmi_server):
+    hmi = hmi_server.service.hmi
+    corpus = _upload(hmi_server, "bob", [{"text": t} for t in BIO_TEXTS])
+    bounds = hmi.max_table_bytes, hmi.max_domain_versions
+    try:
+        hmi.max_table_bytes = 1000  # the smallest domain table here is tens of kB
+        answer = _api(hmi_server, "bob", "POST", "/domains", {"name": "too-big", "corpus_file": corpus, **OPTIONS})
+        assert answer.status_code == 200, answer.text
+        row = _wait(hmi_server, "bob", "/domains/too-big")
+        assert row["status"] == "failed" and "TableTooLarge" in row["error"] and "past the 1000 bytes" in row["error"]
+        assert str(hmi_server.service.state.directory) not in row["error"]
+        hmi.max_domain_versions = hmi.store.domain_usage("bob")[0]
+        answer = _api(hmi_server, "bob", "POST", "/domains", {"name": "one-more", "corpus_file": corpus, **OPTIONS})
+        assert answer.status_code == 400 and answer.json()["error"]["code"] == "quota_exceeded", answer.text
+    finally:
+        hmi.max_table_bytes, hmi.max_domain_versions = bounds
+    assert _api(hmi_server, "bob", "DELETE", "/domains/too-big").status_code == 200
 
 
 def test_a_domain_build_stopped_by_a_restart_resumes_to_the_uninterrupted_result(hmi_files, tmp_path):

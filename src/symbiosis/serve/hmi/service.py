@@ -46,6 +46,10 @@ LIMITS = {"steps": (1, 100_000), "batch_size": (1, 256), "window": (8, 8192), "r
 
 MAX_BATCH = 32  # generations in one batch
 SLICE_S = 30.0  # a long step's turn while another tenant's waits (pre-training, a table's build, training)
+# what a tenant's domains may hold: their tables' bytes together (a table holds up to n(n+1)/2 vectors a corpus
+# token: 25 kB of random words made 37 MB), and their versions (each keeps its lower layers' weights)
+TABLE_BYTES_PER_TENANT = 8 << 30
+DOMAIN_VERSIONS_PER_TENANT = 32
 MAX_WAITING_PER_TENANT = 256  # a tenant's generations waiting at once: past it a 429 (each holds its lookups)
 
 
@@ -84,6 +88,7 @@ class HmiService:
         self.lower_layers, self.min_corpus_tokens = self.root.lower_layers, min_corpus_tokens
         self.directory = service.state.directory / "hmi"
         self.loaded_adapters = loaded_adapters
+        self.max_table_bytes, self.max_domain_versions = TABLE_BYTES_PER_TENANT, DOMAIN_VERSIONS_PER_TENANT
         self._tables: dict[str, PlotTable] = {}
         self._upper = self._new_upper(probe=True)  # checks the cut is exact for this model; the generator's alone
         if (self.root.kind, self.root.vocab, self.root.hidden) != (self._upper.kind, self._config.vocab_size,
@@ -170,6 +175,11 @@ class HmiService:
             raise ApiError(404, f"you have no domain {name[:80]!r}", "name", "domain_not_found")
         elif versions[0]["status"] in ("queued", "running"):  # a version starts from the one before, when ready
             raise ApiError(409, f"domain {name!r} version {versions[0]['version']} is {versions[0]['status']}")
+        versions, held = self.store.domain_usage(tenant)
+        if versions >= self.max_domain_versions or held >= self.max_table_bytes:
+            raise ApiError(400, f"your domains hold {versions} versions and {held} bytes of tables; at most "
+                                f"{self.max_domain_versions} versions and {self.max_table_bytes} bytes may be kept: "
+                                "delete some first", "name", "quota_exceeded")
         corpus = self._texts(tenant, body.get("corpus_file"), "corpus_file")
         tokens = sum(len(t) for t in self._tokens([line["text"] for line in corpus]))
         if tokens < self.min_corpus_tokens:
@@ -200,9 +210,10 @@ class HmiService:
             name = self._name(body)
             if self.store.versions(MODELS_TABLE, tenant, name):
                 raise ApiError(400, f"you have a model {name!r} already; add a version to it", "name")
-            domain = body.get("domain")
-            domain_id = None if domain is None else self._domain_version(
-                tenant, str(domain), body.get("domain_version"))["domain_id"]
+            domain, version = body.get("domain"), body.get("domain_version")
+            if version is not None and (type(version) is not int or version < 1):  # noqa: E721 -- (true == 1)
+                raise ApiError(400, "domain_version must be a version number (1, 2, ...)", "domain_version")
+            domain_id = None if domain is None else self._domain_version(tenant, str(domain), version)["domain_id"]
             options = {"learning_rate": _number(body, "learning_rate", 1e-3, float, 1e-8, 1.0),
                        "steps": _number(body, "steps", 100), "batch_size": _number(body, "batch_size", 8),
                        "rank": _number(body, "rank", 16)}
@@ -399,7 +410,7 @@ class HmiService:
             except Exception as e:  # noqa: BLE001 -- this step fails alone; the others go on
                 log.exception("HMI %s %s failed", table, row_id)
                 if self.store.get(table, row_id) is not None:
-                    self.store.update(table, row_id, status="failed", error=f"{type(e).__name__}: {e}",
+                    self.store.update(table, row_id, status="failed", error=self.service.public(f"{type(e).__name__}: {e}"),
                                       finished_at=int(time.time()))
             finally:
                 self._stopping.discard(row_id)
@@ -442,7 +453,9 @@ class HmiService:
         lower = LowerLayers(self.service.model_path, self.lower_layers, executor.device, executor.dtype,
                             state_dict=load_file(lower_file))
         table = build_table(lower, corpus, directory / "table", n=self.root.n, alpha=options["alpha"], root=self.root,
-                            dtype=self.root.meta["dtype"], progress=self._reporter(DOMAINS_TABLE, row_id, "building"),
+                            dtype=self.root.meta["dtype"], max_bytes=self.max_table_bytes -
+                            self.store.domain_usage(row["tenant"])[1],
+                            progress=self._reporter(DOMAINS_TABLE, row_id, "building"),
                             stop=self._stop(row_id, row["tenant"]))
         shutil.rmtree(directory / "state", ignore_errors=True)
         self.store.update(DOMAINS_TABLE, row_id, status="ready", stage=None, finished_at=int(time.time()),

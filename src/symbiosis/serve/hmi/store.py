@@ -77,5 +77,11 @@ class HmiStore(Tables):
         self._change(f"DELETE FROM {table} WHERE tenant = ? AND name = ?", (tenant, name))
         return rows
 
+    def domain_usage(self, tenant: str) -> tuple[int, int]:
+        """(versions, bytes of their finished tables) of the tenant's domains."""
+        row = self._one("SELECT COUNT(*) AS versions, COALESCE(SUM(table_bytes), 0) AS held FROM hmi_domains "
+                        "WHERE tenant = ?", (tenant,))
+        return row["versions"], row["held"]
+
     def unfinished(self, table: str) -> list[dict]:
         return self._query(f"SELECT * FROM {table} WHERE status IN {UNFINISHED} ORDER BY created_at")
