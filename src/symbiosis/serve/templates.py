@@ -10,6 +10,9 @@ a deadline (TIMEOUT_S: the worker is killed and replaced past it) and a bound on
 The wire is one JSON line each way over the worker's stdin/stdout (never a pickle): `{"template", "messages"}` in,
 `{"text"}` or `{"error"}` out. WORKERS processes, started on first use; a tenant renders one template at a time, so
 one tenant's slow templates hold at most one worker while the others' renders go on in the rest.
+
+What the worker contains is a template's time and memory. Jinja's sandbox remains what keeps a template from
+Python itself: the worker runs as the server's user, so a sandbox escape there would reach what the server reaches.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 
 TIMEOUT_S = 5.0  # a template's render, once a worker has it (the legitimate ones take milliseconds)
 MEMORY_BYTES = 1 << 30  # what a render may allocate beyond the loaded worker
-MAX_CHARS = 16 << 20  # of rendered text (the request body is at most 8 MiB)
+MAX_CHARS = 8 << 20  # of rendered text: as much as a request body may hold (the service tokenizes it next)
 WORKERS = 2
 STARTUP_S = 120.0  # a worker's import of transformers and load of the tokenizer
 
