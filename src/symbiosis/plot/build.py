@@ -146,14 +146,18 @@ def build_table(lower: LowerLayers, sequences, directory: str | os.PathLike, *, 
 
 
 def _finished(directory: Path, plan_id: str) -> PlotTable | None:
-    """The table in `directory` if it is whole and of this plan, else None (absent, damaged or another plan's)."""
-    if not (directory / "plot.json").is_file():
+    """The table in `directory` if it is whole and of this plan, else None (absent, damaged or another plan's).
+    Its plan is read first: only a table of this plan is opened, which hashes every file of it."""
+    try:
+        meta = json.loads((directory / "plot.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(meta, dict) or meta.get("id") != plan_id:
         return None
     try:
-        table = PlotTable.open(directory)
+        return PlotTable.open(directory)
     except PlotTableError:
         return None
-    return table if table.meta.get("id") == plan_id else None
 
 
 def _resumable(work: Path, plan_id: str, n: int) -> bool:

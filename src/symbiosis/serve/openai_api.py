@@ -28,9 +28,9 @@ from symbiosis.serve.schemas import MAX_PROMPTS, ChatRequest, CompletionRequest,
 from symbiosis.serve.templates import TemplateError
 
 MAX_CHAT_TEMPLATE_BYTES = 1 << 20
-# Prompts of more characters are tokenized (and chat templates rendered) on a worker thread: the tokenizer holds
-# the event loop, every tenant's, for as long as it runs (a 7.8 MB prompt: 7 s); shorter ones are not worth the
-# thread's hand-off
+# Completion prompts of more characters are tokenized on a worker thread: the tokenizer holds the event loop, every
+# tenant's, for as long as it runs (a 7.8 MB prompt: 7 s); shorter ones are not worth the thread's hand-off. (A chat
+# is always rendered and tokenized off the loop: its template's run time is not its text's length.)
 OFF_LOOP_CHARS = 1 << 16
 
 

@@ -31,6 +31,7 @@ TIMEOUT_S = 5.0  # a template's render, once a worker has it (the legitimate one
 MEMORY_BYTES = 1 << 30  # what a render may allocate beyond the loaded worker
 MAX_CHARS = 8 << 20  # of rendered text: as much as a request body may hold (the service tokenizes it next)
 WORKERS = 2
+OUT_OF_MEMORY = {"error": "the chat template used more memory than a render may"}  # the worker's answer then
 STARTUP_S = 120.0  # a worker's import of transformers and load of the tokenizer
 
 
@@ -148,14 +149,14 @@ def _serve(tokenizer_dir: str, memory_bytes: int, max_chars: int) -> None:
             answer = {"text": text} if len(text) <= max_chars else \
                 {"error": f"the chat template rendered over {max_chars} characters"}
         except MemoryError:
-            answer = {"error": "the chat template used more memory than a render may"}
+            answer = OUT_OF_MEMORY
         except Exception as e:  # noqa: BLE001 -- the template's own error (or one it provoked), for the tenant
             answer = {"error": f"cannot render these messages with the adapter's chat template: {str(e)[:500]}"}
         try:
             sys.stdout.write(json.dumps(answer) + "\n")
             sys.stdout.flush()
         except MemoryError:
-            sys.stdout.write(json.dumps({"error": "the chat template used more memory than a render may"}) + "\n")
+            sys.stdout.write(json.dumps(OUT_OF_MEMORY) + "\n")
             sys.stdout.flush()
 
 

@@ -175,9 +175,9 @@ class HmiService:
             raise ApiError(404, f"you have no domain {name[:80]!r}", "name", "domain_not_found")
         elif versions[0]["status"] in ("queued", "running"):  # a version starts from the one before, when ready
             raise ApiError(409, f"domain {name!r} version {versions[0]['version']} is {versions[0]['status']}")
-        versions, held = self.store.domain_usage(tenant)
-        if versions >= self.max_domain_versions or held >= self.max_table_bytes:
-            raise ApiError(400, f"your domains hold {versions} versions and {held} bytes of tables; at most "
+        count, held = self.store.domain_usage(tenant)
+        if count >= self.max_domain_versions or held >= self.max_table_bytes:
+            raise ApiError(400, f"your domains hold {count} versions and {held} bytes of tables; at most "
                                 f"{self.max_domain_versions} versions and {self.max_table_bytes} bytes may be kept: "
                                 "delete some first", "name", "quota_exceeded")
         corpus = self._texts(tenant, body.get("corpus_file"), "corpus_file")
