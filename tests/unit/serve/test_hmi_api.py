@@ -242,10 +242,12 @@ def test_bad_input_is_refused_with_its_reason(hmi_server):
     assert _api(hmi_server, "bob", "DELETE", "/domains/growing").status_code == 200
 
 
-def test_a_tenants_domains_are_bounded_in_bytes_and_versions(hmi_server):
+def test_a_tenants_domains_and_models_are_bounded_in_bytes_and_versions(hmi_server):
+    from symbiosis.serve.hmi.store import MODELS_TABLE
+
     hmi = hmi_server.service.hmi
     corpus = _upload(hmi_server, "bob", [{"text": t} for t in BIO_TEXTS])
-    bounds = hmi.max_table_bytes, hmi.max_domain_versions
+    bounds = hmi.max_table_bytes, hmi.max_domain_versions, hmi.max_model_versions
     try:
         hmi.max_table_bytes = 1000  # the smallest domain table here is tens of kB
         answer = _api(hmi_server, "bob", "POST", "/domains", {"name": "too-big", "corpus_file": corpus, **OPTIONS})
@@ -256,8 +258,18 @@ def test_a_tenants_domains_are_bounded_in_bytes_and_versions(hmi_server):
         hmi.max_domain_versions = hmi.store.domain_usage("bob")[0]
         answer = _api(hmi_server, "bob", "POST", "/domains", {"name": "one-more", "corpus_file": corpus, **OPTIONS})
         assert answer.status_code == 400 and answer.json()["error"]["code"] == "quota_exceeded", answer.text
+        # models: a new one and a new version of one alike
+        hmi.max_model_versions = hmi.store.count(MODELS_TABLE, "bob") + 1
+        made = _api(hmi_server, "bob", "POST", "/models", {"name": "bounded", "training_file": corpus, "steps": 1})
+        assert made.status_code == 200, made.text
+        assert _wait(hmi_server, "bob", "/models/bounded", timeout=60)["status"] == "ready"
+        for path, body in (("/models", {"name": "past", "training_file": corpus}),
+                           ("/models/bounded/versions", {"training_file": corpus})):
+            answer = _api(hmi_server, "bob", "POST", path, body)
+            assert answer.status_code == 400 and answer.json()["error"]["code"] == "quota_exceeded", answer.text
     finally:
-        hmi.max_table_bytes, hmi.max_domain_versions = bounds
+        hmi.max_table_bytes, hmi.max_domain_versions, hmi.max_model_versions = bounds
+    assert _api(hmi_server, "bob", "DELETE", "/models/bounded").status_code == 200
     assert _api(hmi_server, "bob", "DELETE", "/domains/too-big").status_code == 200
 
 

@@ -50,6 +50,8 @@ SLICE_S = 30.0  # a long step's turn while another tenant's waits (pre-training,
 # token: 25 kB of random words made 37 MB), and their versions (each keeps its lower layers' weights)
 TABLE_BYTES_PER_TENANT = 8 << 30
 DOMAIN_VERSIONS_PER_TENANT = 32
+# a tenant's model versions (each keeps its adapter, rank at most 256 on the upper layers, and queues a training)
+MODEL_VERSIONS_PER_TENANT = 64
 MAX_WAITING_PER_TENANT = 256  # a tenant's generations waiting at once: past it a 429 (each holds its lookups)
 
 
@@ -89,6 +91,7 @@ class HmiService:
         self.directory = service.state.directory / "hmi"
         self.loaded_adapters = loaded_adapters
         self.max_table_bytes, self.max_domain_versions = TABLE_BYTES_PER_TENANT, DOMAIN_VERSIONS_PER_TENANT
+        self.max_model_versions = MODEL_VERSIONS_PER_TENANT
         self._tables: dict[str, PlotTable] = {}
         self._upper = self._new_upper(probe=True)  # checks the cut is exact for this model; the generator's alone
         if (self.root.kind, self.root.vocab, self.root.hidden) != (self._upper.kind, self._config.vocab_size,
@@ -225,6 +228,9 @@ class HmiService:
                 raise ApiError(409, f"model {name!r} version {versions[0]['version']} is {versions[0]['status']}")
             domain_id, options = versions[0]["domain_id"], dict(versions[0]["options"])
             options["steps"] = _number(body, "steps", options["steps"])
+        if (count := self.store.count(MODELS_TABLE, tenant)) >= self.max_model_versions:
+            raise ApiError(400, f"your models hold {count} versions; at most {self.max_model_versions} may be kept: "
+                                "delete some first", "name", "quota_exceeded")
         lines = self._texts(tenant, body.get("training_file"), "training_file")
         limit = self._context
         longest = max((len(ids) for ids in self._tokens([line["text"] for line in lines])), default=0)

@@ -77,6 +77,10 @@ class HmiStore(Tables):
         self._change(f"DELETE FROM {table} WHERE tenant = ? AND name = ?", (tenant, name))
         return rows
 
+    def count(self, table: str, tenant: str) -> int:
+        """How many versions of domains or models the tenant keeps."""
+        return self._one(f"SELECT COUNT(*) AS n FROM {table} WHERE tenant = ?", (tenant,))["n"]
+
     def domain_usage(self, tenant: str) -> tuple[int, int]:
         """(versions, bytes of their finished tables) of the tenant's domains."""
         row = self._one("SELECT COUNT(*) AS versions, COALESCE(SUM(table_bytes), 0) AS held FROM hmi_domains "
