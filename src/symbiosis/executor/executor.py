@@ -204,10 +204,7 @@ class Executor:
         A bad call raises here, before it is queued, so it can never spoil a batch.
         `gate`: queues on the executor's stream what the input must wait for (a pipelined client's flag).
         """
-        if op not in OPS:
-            raise BadCall(f"unknown op {op!r}; expected one of {OPS}")
-        layer = self._layer_for(client_id, layer_id)
-        check_call(layer_id, layer.spec, op, tensor, self.max_call_tokens)
+        self._check(client_id, op, layer_id, tensor)
         return self._queue(client_id, op, layer_id, tensor, inference, inline, gate)
 
     def submit_experts(self, client_id: str, op: str, group_id: str, tensor: torch.Tensor, counts: list[int],
@@ -215,16 +212,35 @@ class Executor:
         """Queue one call of every expert of a fused MoE projection (`group_id`: its tensor's name), `tensor` grouped
         by expert, `counts[e]` rows for expert e; ops and shapes as `submit`'s, per expert. Calls of several
         clients for one projection are batched: their rows regrouped by expert, one grouped GEMM."""
+        self._check(client_id, op, group_id, tensor, counts)
+        return self._queue(client_id, op, group_id, tensor, inference, inline, gate, counts)
+
+    def run_alone(self, client_id: str, op: str, layer_id: str, tensor: torch.Tensor,
+                  counts: list[int] | None = None) -> torch.Tensor:
+        """One call (a layer's, or with `counts` a MoE projection's experts'), checked as `submit` checks it, run
+        now on this thread's stream, batched with nothing: for a client the executor serves alone, whose input
+        may still be on its way there (an `nccl://` client's chained calls, transport/collective.py)."""
+        self._check(client_id, op, layer_id, tensor, counts)
+        if tensor.dtype != self.dtype or tensor.device != self.device:
+            raise BadCall(f"{op} call to layer {layer_id!r} expects {self.dtype} on {self.device}")
+        self.stats.count_direct((layer_id, op), tensor.shape[0], client_id)
+        return self._run_batch((layer_id, op), tensor, counts)
+
+    def _check(self, client_id: str, op: str, layer_id: str, tensor: torch.Tensor,
+               counts: list[int] | None = None) -> None:
+        """A call's op, client, layer (or experts' group, with `counts`) and shape, as the executor serves them."""
         if op not in OPS:
             raise BadCall(f"unknown op {op!r}; expected one of {OPS}")
+        if counts is None:
+            check_call(layer_id, self._layer_for(client_id, layer_id).spec, op, tensor, self.max_call_tokens)
+            return
         if client_id not in self.clients:
             raise UnknownClient(f"client {client_id!r} is not attached to this executor")
-        group = self.weights.experts.get(group_id)
+        group = self.weights.experts.get(layer_id)
         if group is None:
-            raise UnknownLayer(f"this executor serves no experts {group_id[:300]!r} as one group")
-        check_call(group_id, group.spec, op, tensor, self.max_call_tokens)
-        check_counts(group_id, op, counts, group.num_experts, tensor.shape[0])
-        return self._queue(client_id, op, group_id, tensor, inference, inline, gate, counts)
+            raise UnknownLayer(f"this executor serves no experts {layer_id[:300]!r} as one group")
+        check_call(layer_id, group.spec, op, tensor, self.max_call_tokens)
+        check_counts(layer_id, op, counts, group.num_experts, tensor.shape[0])
 
     def _queue(self, client_id: str, op: str, layer_id: str, tensor: torch.Tensor, inference: bool, inline: bool,
                gate: Callable[[], None] | None, segments: list[int] | None = None) -> Future:

@@ -11,6 +11,14 @@ on both sides:
     client:   post send(x)  ->  post request {op, layer, rows, cols}  ->  post recv(y)  ->  return y
     executor: recv(x) (the client's own worker thread)  ->  the executor computes  ->  reply, then post send(y)
 
+On NCCL, a client the executor would serve alone (the only one attached, or policy `none`: as an in-process client
+runs the executor's layer on its own thread) has its calls chained on the executor's GPU: at the header its thread
+posts the receive, the layer and the send on the pair's own stream, and replies, without waiting for the input. A
+call's round trip is then the GPU's (the transfer, the GEMM, the transfer back); the executor's host waking on each
+input's arrival was most of a remote call's time (~0.4 ms of ~0.5). Otherwise the thread waits for the input on
+the host and hands the call to the batcher (shared with the other clients'), whose streams never wait for a
+client's data.
+
 The first session of a process on a GPU waits for nothing (a pipelined session, as `ipc/pipelined.py`, whose
 claim it shares): its CPU runs ahead of its GPU, and the replies are collected at its later calls and at
 `synchronize` (the end of the model's forward and of each backward), which raise the first error among them.
@@ -29,6 +37,8 @@ its tensor stalls only itself, and is detached.
 from __future__ import annotations
 
 import atexit
+import collections
+import contextlib
 import datetime
 import functools
 import logging
@@ -37,6 +47,7 @@ import queue
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Callable
 from urllib.parse import urlparse
 
@@ -62,6 +73,7 @@ def _release_groups() -> None:
     for holder in list(_HOLDERS):
         holder.group = holder._sending = None
 SCHEMES = {"nccl": "nccl", "gloo": "gloo"}  # URL scheme -> backend of the data plane
+CHAINED_DEPTH = 4  # a chained client's calls queued on the executor's GPU and not yet arrived, at most
 MIN_QUEUES = 32  # CUDA_DEVICE_MAX_CONNECTIONS for a process of several nccl:// sessions (`_warn_few_queues`)
 
 
@@ -274,6 +286,32 @@ def submit(executor, client_id: str, header: dict, tensor: torch.Tensor, **optio
                            inference=bool(header.get("inference")), **options)
 
 
+class _Arrived:
+    """A gloo:// call's input arrival, waited for on the host: always there."""
+
+    @staticmethod
+    def query() -> bool:
+        return True
+
+    @staticmethod
+    def synchronize() -> None:
+        pass
+
+
+ARRIVED = _Arrived()
+
+
+@dataclass
+class _Chained:
+    """A call run alone: when its receive was posted, its input's arrival (NCCL: an event on the pair's stream), its
+    send (held until it went: gloo cancels a send whose work is dropped) and the tensors those use."""
+    posted: float
+    arrived: "torch.cuda.Event"
+    sending: object
+    x: torch.Tensor
+    y: torch.Tensor
+
+
 class _ClientPlane:
     """The executor's end for one client: its process group and a thread that serves its calls in order."""
 
@@ -288,9 +326,16 @@ class _ClientPlane:
         # waited past the timeout, which ends the wait.
         self.waiting_since: float | None = None
         self.expired = False
+        # Calls run alone (`_one_alone`; on NCCL chained on the GPU), oldest first: each one's input arrival, its
+        # send and the tensors both use, held until the next one's input arrived (then its send went: the pair's
+        # operations run in order). At most CHAINED_DEPTH; the watch thread reads them.
+        self._chained: collections.deque[_Chained] = collections.deque()
+        self._chained_lock = threading.Lock()
         if backend == "nccl":
             self._stream = torch.cuda.Stream(executor.device)
             self._arrived = torch.cuda.Event(blocking=True)
+            self._arrivals = [torch.cuda.Event(blocking=True) for _ in range(CHAINED_DEPTH + 1)]  # (reused in turn)
+            self._next_arrival = 0
         self.rendezvous = PairStore(timeout_s)  # where the client's rank meets this one (its requests: `serve`)
         self._thread = threading.Thread(target=self._serve, name=f"symbiosis-{client_id}", daemon=True)
         self._thread.start()
@@ -307,7 +352,10 @@ class _ClientPlane:
         while (item := self.calls.get()) is not None:
             identity, header, out_width = item
             try:
-                self._one(identity, header, out_width)
+                if self._alone(header):
+                    self._one_alone(identity, header, out_width)
+                else:
+                    self._one(identity, header, out_width)
             except Exception as e:  # noqa: BLE001 -- the data plane is out of step, or gone: the client goes
                 log.warning("client %s: data plane failed (%s): detaching it", self.client_id, e)
                 self._abandon()
@@ -315,6 +363,8 @@ class _ClientPlane:
                 self.answer(identity, wire.error_reply(header.get("id"), ExecutorUnavailable(
                     f"the nccl:// data plane of client {self.client_id} failed: {e}")))
                 return
+        if self.group is not None and self._chained and not self._chained[-1].sending.is_completed():
+            self._abandon()  # detached with a chained call still on the GPU: it would hold the stream for ever
 
     def _receive(self, x: torch.Tensor) -> None:
         """Until `x` arrived (at most the timeout). Only this plane's stream ever waits for a client's data: the
@@ -334,11 +384,26 @@ class _ClientPlane:
         if self.expired:
             raise TimeoutError(f"the call's input did not arrive within {self.timeout.total_seconds():g} s")
 
+    def overdue(self, now: float) -> bool:
+        """From the watch thread: an input this plane waits for, on the host or on the GPU (a chained call's), did
+        not arrive within the timeout."""
+        since = self.waiting_since
+        if since is not None and now - since > self.timeout.total_seconds():
+            return True
+        with self._chained_lock:
+            for call in self._chained:  # (arrivals come in order: the first one not arrived is the oldest)
+                if not call.arrived.query():
+                    return now - call.posted > self.timeout.total_seconds()
+        return False
+
     def expire(self) -> None:
-        """From the watch thread: the receive waited past the timeout; aborting the pair ends it."""
+        """From the watch thread: an input waited past the timeout; aborting the pair ends its receive. A chained
+        call's thread is not waiting for it: the client is detached from here."""
         if not self.expired and self.group is not None:
             self.expired = True
             self.group.abort()
+            if self.waiting_since is None:
+                self.drop(self.client_id)
 
     def _abandon(self) -> None:
         """Abort a failed pair's communicator here, on purpose: its receive is still pending, and a process group
@@ -347,10 +412,64 @@ class _ClientPlane:
         if self.backend == "nccl" and group is not None and not self.expired:
             group.abort()
 
+    def _alone(self, header: dict) -> bool:
+        """Whether this call runs here, at once, batched with nothing: its client is served alone (the executor's
+        only client, or policy `none`) and the layer is on the executor's device (a shard's is a round trip of its
+        own). On NCCL it is then chained on the GPU (the class)."""
+        executor = self.executor
+        if not (len(executor.clients) == 1 or executor.policy.name == "none"):
+            return False
+        layer = executor.weights.experts.get(header["layer"]) if "counts" in header else \
+            executor.weights.get(header["layer"])
+        return layer is not None and getattr(layer, "local", True)
+
+    def _one_alone(self, identity: bytes, header: dict, out_width: int) -> None:
+        """Receive, compute and send, on this thread with no hand-off; on NCCL on this plane's stream, none of it
+        waited for here (gloo's receive is waited for: the CPU computes with it)."""
+        self._settle(CHAINED_DEPTH - 1)
+        with torch.cuda.stream(self._stream) if self.backend == "nccl" else contextlib.nullcontext():
+            x = torch.empty(header["rows"], header["cols"], dtype=self.executor.dtype, device=self.wire_device)
+            posted = time.monotonic()
+            if self.backend == "nccl":
+                arrived = self._arrivals[self._next_arrival]
+                self._next_arrival = (self._next_arrival + 1) % len(self._arrivals)
+                self.group.recv([x], 1, 0).wait()  # the stream waits for x, not this thread
+                arrived.record()
+            else:
+                self._receive(x)
+                arrived = ARRIVED
+            try:
+                y = self.executor.run_alone(self.client_id, header["op"], str(header["layer"]), x,
+                                            header.get("counts")).contiguous()
+                reply = {"id": header.get("id"), "ok": True}
+            except Exception as error:  # the call's own (out of memory): answered, zeros sent in its place
+                y = torch.zeros(header["rows"], out_width, dtype=self.executor.dtype, device=self.wire_device)
+                reply = wire.error_reply(header.get("id"), error)
+            self.answer(identity, reply)
+            sending = self.group.send([y], 1, 0)
+        with self._chained_lock:
+            self._chained.append(_Chained(posted, arrived, sending, x, y))
+
+    def _settle(self, keep: int) -> None:
+        """Forget the chained calls whose sends went, and wait (on the host, watched) until at most `keep` are
+        left: a client whose CPU runs far ahead of its GPU queues no more than that on the executor's."""
+        while len(self._chained) > 1 and (self._chained[1].arrived.query() or len(self._chained) > keep):
+            following = self._chained[1]
+            if not following.arrived.query():
+                self.waiting_since = following.posted
+                following.arrived.synchronize()
+                self.waiting_since = None
+                if self.expired:
+                    raise TimeoutError(f"the call's input did not arrive within {self.timeout.total_seconds():g} s")
+            with self._chained_lock:
+                self._chained.popleft()  # its send ran before the next one's receive (one stream, in order)
+
     def _one(self, identity: bytes, header: dict, out_width: int) -> None:
         x = torch.empty(header["rows"], header["cols"], dtype=self.executor.dtype, device=self.wire_device)
         log.debug("client %s: %s %s: receiving its input", self.client_id, header["op"], header["layer"])
         self._receive(x)
+        with self._chained_lock:
+            self._chained.clear()  # chained calls before this one: sent before it arrived
         try:
             future = submit(self.executor, self.client_id, header, x)
             y, reply = future.result().to(self.wire_device).contiguous(), {"id": header.get("id"), "ok": True}
@@ -388,8 +507,7 @@ class DataPlanes:
                     return
             now = time.monotonic()
             for plane in list(self.planes.values()):
-                since = plane.waiting_since
-                if since is not None and now - since > self.timeout_s:
+                if plane.overdue(now):
                     log.warning("client %s: its input did not arrive within %g s: aborting its data plane",
                                 plane.client_id, self.timeout_s)
                     plane.expire()

@@ -126,10 +126,14 @@ def test_a_pair_meets_over_the_executors_own_socket_and_its_store_is_bounded(che
         executor.close()
 
 
-def test_a_client_that_never_sends_its_tensor_is_detached_alone(served):
+@pytest.mark.parametrize("alone", [False, True])
+def test_a_client_that_never_sends_its_tensor_is_detached_alone(served, alone):
+    """Batched with another client's calls or (`alone`) run on its pair's thread, a call whose tensor never comes
+    is given up after the client timeout."""
     path, _, executor, url = served
     remote = symbiosis.connect(url, timeout=20)
-    stalled, healthy = remote.attach(executor.fingerprint, "stalled"), remote.attach(executor.fingerprint, "healthy")
+    stalled = remote.attach(executor.fingerprint, "stalled")
+    healthy = None if alone else remote.attach(executor.fingerprint, "healthy")
     layer_id, spec = next(iter(executor.layer_specs.items()))
     x = torch.randn(2, spec.in_features, dtype=torch.float64)
 
@@ -140,6 +144,7 @@ def test_a_client_that_never_sends_its_tensor_is_detached_alone(served):
         stalled.forward(layer_id, x)
     assert 2.5 < time.monotonic() - started < 15, "the executor waits the client timeout (3 s), no longer"
     del alive
+    healthy = healthy or remote.attach(executor.fingerprint, "healthy")
     assert torch.equal(healthy.forward(layer_id, x), executor.weights.layers[layer_id].forward(x))
     assert stalled.client_id not in executor.clients
     healthy.close()
@@ -155,13 +160,13 @@ def test_a_failed_call_is_raised_and_the_session_goes_on(served, monkeypatch, pi
     session.pipelined = pipelined
     layer_id, spec = next(iter(executor.layer_specs.items()))
     x = torch.randn(3, spec.in_features, dtype=torch.float64)
-    submit = executor.submit
+    run = executor._run_batch  # (the client is alone: its calls run on its pair's thread, not the batcher's)
 
     def out_of_memory_once(*args, **kwargs):
-        monkeypatch.setattr(executor, "submit", submit)
+        monkeypatch.setattr(executor, "_run_batch", run)
         raise ExecutorOutOfMemory("the executor ran out of memory for this call")
 
-    monkeypatch.setattr(executor, "submit", out_of_memory_once)
+    monkeypatch.setattr(executor, "_run_batch", out_of_memory_once)
     with pytest.raises(ExecutorOutOfMemory, match="ran out of memory"):
         session.forward(layer_id, x)
         session.synchronize()
@@ -257,14 +262,27 @@ print("ADAPTED EQUAL" if error <= 1e-12 else f"ADAPTED DIFFERENT by {{error}}", 
 time.sleep(3)  # what the process groups ask of their rendezvous store while they live (NCCL's monitor)
 print(f"rendezvous requests: {{split.symbiosis_session.rendezvous.requests}}", flush=True)
 split.symbiosis_session.close()
+# Alone now, a client's calls are chained on the executor's GPU (answered before the input came): one that never
+# sends its tensor is found by the executor's watch on the GPU's arrival, and detached as well
+alone = remote.attach(stalled.fingerprint, "stalled alone", "cuda:1")
+alone.group = StalledGroup(alone.group)
+started = time.monotonic()
+try:
+    alone.forward(layer_id, torch.randn(2, spec.in_features, dtype=torch.float64, device="cuda:1"))
+    alone.synchronize(gpu=True)
+    print("THE STALLED CLIENT ALONE WAS ANSWERED", flush=True)
+except symbiosis.errors.ExecutorUnavailable:
+    print(f"stalled client alone detached after {{time.monotonic() - started:.1f}} s", flush=True)
 """
 
 
 @pytest.mark.gpu
 def test_on_two_gpus_a_client_on_the_second_attaches_over_nccl(checkpoints, tmp_path):
     """The executor on cuda:0 (this process), a client process on cuda:1 over nccl://: GPU to GPU, the numbers
-    of an executor on the client's own GPU (float64: rounding apart), LoRA-adapted too (decoder tails over nccl://). A second client of that process that sends a
-    header and never its tensor is detached after the client timeout, its communicator aborted, not the process."""
+    of an executor on the client's own GPU (float64: rounding apart), LoRA-adapted too (decoder tails over nccl://),
+    its calls chained on the executor's GPU once it is alone there. A second client of that process that sends a
+    header and never its tensor is detached after the client timeout, its communicator aborted, not the process;
+    as is a third, alone, whose calls were chained."""
     import os
     import subprocess
     import sys
@@ -283,8 +301,10 @@ def test_on_two_gpus_a_client_on_the_second_attaches_over_nccl(checkpoints, tmp_
         lines = out.stdout.splitlines()
         assert out.returncode == 0 and "EQUAL" in lines and "ADAPTED EQUAL" in lines, out.stdout + out.stderr[-3000:]
         assert "stalled client detached after" in out.stdout, out.stdout
+        assert "stalled client alone detached after" in out.stdout, out.stdout
         print(out.stdout)
         assert executor.stats_snapshot()["per_layer"]["model.layers.0:backward"]["calls"] == 1  # its tail
+        assert not executor.clients
     finally:
         server.stop()
         executor.close()
