@@ -37,7 +37,6 @@ nothing.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
@@ -92,11 +91,12 @@ class LoraLayout:
     """What a placement's views depend on: an adapter's layers and their ranks, ((layer id, rank), ..) in the
     model's order. Made when an adapter is read (off the engine's thread) and shared by adapters alike
     (`AdapterStore._layouts`); hashed once, since the placing caches are keyed by it (hashing the tuple of a Llama
-    adapter's 112 layers costs ~2 us each time)."""
-    __slots__ = ("layers", "_hash", "__weakref__")
+    adapter's 112 layers costs ~2 us each time). `members`: the (pool id, member) pairs its layers fill, worked out
+    at its first placement (a set of a Llama adapter's 112 pairs made at every placement cost the host 12-58 us)."""
+    __slots__ = ("layers", "_hash", "members", "__weakref__")
 
     def __init__(self, layers: tuple):
-        self.layers, self._hash = layers, hash(layers)
+        self.layers, self._hash, self.members = layers, hash(layers), None
 
     def __hash__(self) -> int:
         return self._hash
@@ -131,7 +131,6 @@ class _Wave:
     # wave, whose event and the later ones' all come after them)
     scale_targets: list
     scale_sources: list
-    members: list  # (pool id, member) of each layer
     pools: list  # the pools written, each once
     span: tuple[int, int]  # where the wave's tensors are in an adapter's buffer (elements)
     # on a GPU, the wave's device copies (staging -> pools) recorded once as a CUDA graph, by whether they zero
@@ -647,7 +646,7 @@ class AdapterStore:
         if wave is not None:
             self._waves.move_to_end(key)
             return wave
-        dense, strided, zeros, members, pools = ([], []), ([], []), [], [], {}
+        dense, strided, zeros, pools = ([], []), ([], []), [], {}
         layers = list(adapter.layers.items())[first:end]
         for layer_id, lora in layers:
             pool_id, member, _ = self.placement[layer_id]
@@ -658,7 +657,6 @@ class AdapterStore:
                 group[0].append(target)
                 group[1].append(staged.view(source.shape))
             zeros += rest
-            members.append((pool_id, member))
             pools[pool_id] = self.pools[pool_id]
         a, b = layers[0][1].a, layers[-1][1].b
         span = (a.storage_offset(), b.storage_offset() + b.numel())
@@ -668,7 +666,7 @@ class AdapterStore:
                 scale_targets.append(self._scale_view(slot, *self.placement[layer_id][:2]))
                 scale_sources.append(self._staging_scales[i])
         wave = self._waves[key] = _Wave([g for g in (dense, strided) if g[0]], zeros, scale_targets, scale_sources,
-                                        members, list(pools.values()), span)
+                                        list(pools.values()), span)
         while len(self._waves) > WAVE_CACHE:
             self._waves.popitem(last=False)
         return wave
@@ -682,7 +680,7 @@ class AdapterStore:
                                                device=self.device, dtype=torch.float32)
             self._waves.clear()  # their sources were views of the old buffers
 
-    def _place_wave(self, adapter: HostAdapter, wave: "_Wave", members: set, stream, zeroed: bool) -> None:
+    def _place_wave(self, adapter: HostAdapter, wave: "_Wave", stream, zeroed: bool) -> None:
         """One wave of a placement: its range of the adapter's buffer to the device in one copy (the first wave
         every scale too), then from there to the pools (`_scatter`; on a GPU replayed from the wave's graph), then
         one event that the wave's pools wait on."""
@@ -699,7 +697,6 @@ class AdapterStore:
             if graph is None:
                 graph = wave.graphs[zero] = self._record(wave, zero)
             graph.replay()
-        members.update(wave.members)
         self._ready_after(stream, wave.pools)  # (a fused group's pool once)
 
     def _record(self, wave: "_Wave", zero: bool) -> torch.cuda.CUDAGraph:
@@ -756,52 +753,72 @@ class AdapterStore:
             stream.wait_event(reader)
         self.stats.placements += 1
         self._pending = [pools for pools in self._pending if pools.ready is not None]  # eager steps waited on some
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            if slot in self._dirty:
-                self._zero_scales(slot, stream)
-                self._dirty.discard(slot)
-            if evicted is not None:
-                self._clear(slot, evicted, adapter, stream)
-            members = set()
-            if (slot, adapter.layout, 0) not in self._waves:  # (a cached wave: its pools were there, and still are)
-                for layer_id in adapter.layers:  # every pool made first: making one drops the cached views
-                    self._pool(self.placement[layer_id][0])
-            self._fresh_views()
-            if adapter.layers:
-                self._stage(adapter)
-                # the rows beyond each layer's rank are zero already where the evicted adapter had this layout: its
-                # own placement left them so (as every placement does), and nothing else writes a slot's rows
-                zeroed = evicted is not None and evicted.adapter.layout == adapter.layout
-                for index, (first, end) in enumerate(wave_bounds(len(adapter.layers), adapter.buffer.nbytes)):
-                    self._place_wave(adapter, self._wave(slot, adapter, index, first, end), members, stream, zeroed)
-            for layer_id, layer in adapter.bottlenecks.items():
-                pools, r = self._bottleneck_pool(layer_id), layer.down.shape[0]
-                for pool, tensor in ((pools.down[slot], layer.down), (pools.down_bias[slot], layer.down_bias)):
-                    pool[:r].copy_(tensor, non_blocking=True)
-                    pool[r:].zero_()
-                pools.up[slot, :, :r].copy_(layer.up, non_blocking=True)
-                pools.up[slot, :, r:].zero_()
-                pools.up_bias[slot].copy_(layer.up_bias, non_blocking=True)
-                pools.scales[slot], pools.acts[slot] = layer.scale, layer.act
-                members.add((layer_id, "bottleneck"))
-                self._ready_after(stream, [pools])
-            if adapter.embedding is not None:
-                if self.embedding_pool is None:
-                    _, vocab, dim = self.embedding_module
-                    self.embedding_pool = (torch.zeros(self.num_slots, vocab, self.max_rank, device=self.device, dtype=self.dtype),
-                                           torch.zeros(self.num_slots, self.max_rank, dim, device=self.device, dtype=self.dtype),
-                                           torch.zeros(self.num_slots, device=self.device, dtype=torch.float32))
-                    self.pools_version += 1
-                a_pool, b_pool, scales = self.embedding_pool
-                lora, r = adapter.embedding, adapter.embedding.a.shape[0]
-                a_pool[slot, :, :r].copy_(lora.a.t(), non_blocking=True)
-                a_pool[slot, :, r:].zero_()
-                b_pool[slot, :r].copy_(lora.b.t(), non_blocking=True)
-                b_pool[slot, r:].zero_()
-                scales[slot] = lora.scale
-                self._ready_after(stream, [], embedding=True)
+        # on the copy stream (set and put back directly: torch.cuda.stream()'s context costs the host ~15 us, most of
+        # it finding the current device)
+        previous = torch.cuda.current_stream(stream.device_index) if stream is not None else None
+        if stream is not None:
+            torch.cuda.set_stream(stream)
+        try:
+            members = self._place_on_stream(slot, adapter, evicted, stream)
+        finally:
+            if previous is not None:
+                torch.cuda.set_stream(previous)
         self._slots[slot] = Slot(adapter, members=members)
         self._by_key[adapter.key] = slot
+
+    def _place_on_stream(self, slot: int, adapter: HostAdapter, evicted: Slot | None, stream) -> frozenset:
+        """`_place_into`'s work on the copy stream (`stream`; None: on the CPU, at once): the (pool id, member) pairs
+        the adapter fills."""
+        if slot in self._dirty:
+            self._zero_scales(slot, stream)
+            self._dirty.discard(slot)
+        if evicted is not None:
+            self._clear(slot, evicted, adapter, stream)
+        members = self._members(adapter.layout) if adapter.layers else frozenset()
+        if (slot, adapter.layout, 0) not in self._waves:  # (a cached wave: its pools were there, and still are)
+            for layer_id in adapter.layers:  # every pool made first: making one drops the cached views
+                self._pool(self.placement[layer_id][0])
+        self._fresh_views()
+        if adapter.layers:
+            self._stage(adapter)
+            # the rows beyond each layer's rank are zero already where the evicted adapter had this layout: its
+            # own placement left them so (as every placement does), and nothing else writes a slot's rows
+            zeroed = evicted is not None and evicted.adapter.layout == adapter.layout
+            for index, (first, end) in enumerate(wave_bounds(len(adapter.layers), adapter.buffer.nbytes)):
+                self._place_wave(adapter, self._wave(slot, adapter, index, first, end), stream, zeroed)
+        for layer_id, layer in adapter.bottlenecks.items():
+            pools, r = self._bottleneck_pool(layer_id), layer.down.shape[0]
+            for pool, tensor in ((pools.down[slot], layer.down), (pools.down_bias[slot], layer.down_bias)):
+                pool[:r].copy_(tensor, non_blocking=True)
+                pool[r:].zero_()
+            pools.up[slot, :, :r].copy_(layer.up, non_blocking=True)
+            pools.up[slot, :, r:].zero_()
+            pools.up_bias[slot].copy_(layer.up_bias, non_blocking=True)
+            pools.scales[slot], pools.acts[slot] = layer.scale, layer.act
+            members = members | {(layer_id, "bottleneck")}
+            self._ready_after(stream, [pools])
+        if adapter.embedding is not None:
+            if self.embedding_pool is None:
+                _, vocab, dim = self.embedding_module
+                self.embedding_pool = (torch.zeros(self.num_slots, vocab, self.max_rank, device=self.device, dtype=self.dtype),
+                                       torch.zeros(self.num_slots, self.max_rank, dim, device=self.device, dtype=self.dtype),
+                                       torch.zeros(self.num_slots, device=self.device, dtype=torch.float32))
+                self.pools_version += 1
+            a_pool, b_pool, scales = self.embedding_pool
+            lora, r = adapter.embedding, adapter.embedding.a.shape[0]
+            a_pool[slot, :, :r].copy_(lora.a.t(), non_blocking=True)
+            a_pool[slot, :, r:].zero_()
+            b_pool[slot, :r].copy_(lora.b.t(), non_blocking=True)
+            b_pool[slot, r:].zero_()
+            scales[slot] = lora.scale
+            self._ready_after(stream, [], embedding=True)
+        return members
+
+    def _members(self, layout: LoraLayout) -> frozenset:
+        """The (pool id, member) pairs that adapters of `layout` fill (worked out once a layout)."""
+        if layout.members is None:
+            layout.members = frozenset(tuple(self.placement[layer_id][:2]) for layer_id, _ in layout.layers)
+        return layout.members
 
 
 def _scatter(wave: "_Wave", zero: bool) -> None:
