@@ -155,6 +155,8 @@ def main() -> None:
                         help="build the root table without the test texts (default); without the training texts "
                              "too (held-out-task: the adapter then trains on the coverage it is served at); or from "
                              "every fortune: the coverage a corpus holding the task's text gives (no labels are used)")
+    parser.add_argument("--values", choices=["context", "alone"], default="context",
+                        help="a fragment's value: its mean over the corpus's contexts (default), or run alone (HMI's)")
     parser.add_argument("--workdir", default=tempfile.gettempdir() + "/symbiosis-bench-plot")
     args = parser.parse_args()
     texts = Path(args.fortunes)
@@ -175,17 +177,17 @@ def main() -> None:
     corpus = [t for name in sorted(p.name for p in texts.iterdir() if "." not in p.name and p.is_file())
               for t in fortunes(texts, name) if t not in held_out]
     common = dict(bench="plot", model="all-MiniLM-L6-v2", lower_layers=LOWER, device=args.device,
-                  root_corpus=args.root_corpus,
+                  root_corpus=args.root_corpus, values=args.values,
                   gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu")
 
     lower = LowerLayers(path, LOWER, args.device)
-    root_dir = workdir / f"root-{args.per_class}-{args.seed}-{args.root_corpus}"
+    root_dir = workdir / f"root-{args.per_class}-{args.seed}-{args.root_corpus}-{args.values}"
     started = time.perf_counter()
     cached = (root_dir / "plot.json").exists()
     if cached:  # built by an earlier run over the same corpus and split
         root = PlotTable.open(root_dir)
     else:
-        root = build_table(lower, tokenize(tokenizer, corpus), root_dir, dtype="float16")
+        root = build_table(lower, tokenize(tokenizer, corpus), root_dir, dtype="float16", values=args.values)
     emit(**common, what="root_table", corpus_texts=len(corpus), entries=root.entries(), bytes=root.nbytes,
          build_s=None if cached else time.perf_counter() - started, open_s=time.perf_counter() - started if cached else None)
     plot = Plot(root)
@@ -234,7 +236,8 @@ def main() -> None:
     trained_upper = UpperModel(path, LOWER, args.device, probe=False, model=whole.base_model.model)
     acc_same = accuracy(PlotModel(trained_upper, plot).logits, test_ids)
     torch.manual_seed(schedule.seed)
-    adapter = train_adapter(UpperModel(path, LOWER, args.device, probe=False), plot, train_ids, workdir / "plot-adapter",
+    adapter = train_adapter(UpperModel(path, LOWER, args.device, probe=False), plot, train_ids,
+                            workdir / f"plot-adapter-{args.root_corpus}-{args.values}",
                             schedule, lora_config(None))
     import peft
 
@@ -247,7 +250,8 @@ def main() -> None:
 
     domain_corpus = tokenize(tokenizer, fortunes(texts, "computers") + fortunes(texts, "linux"))
     for alpha in (100, 50, 30, 0):
-        table = build_table(lower, domain_corpus, workdir / f"domain-{alpha}", alpha=alpha, root=root, dtype="float16")
+        table = build_table(lower, domain_corpus, workdir / f"domain-{alpha}-{args.values}", alpha=alpha, root=root,
+                            dtype="float16", values=args.values)
         emit(**common, what="table", domain="computers+linux", alpha=alpha, entries=table.entries(), bytes=table.nbytes,
              root_bytes=root.nbytes)
 

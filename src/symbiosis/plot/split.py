@@ -102,6 +102,19 @@ class LowerLayers:
         return torch.cat(outputs)
 
 
+    @torch.no_grad()
+    def in_context(self, sequences: list[np.ndarray]) -> list[torch.Tensor]:
+        """Each sequence (int64 [T], T >= 1) run whole through the lower layers -> [T, hidden] each: layer k's output
+        at each position with the sequence's own context (right-padded batches, masked)."""
+        longest = max(s.size for s in sequences)
+        ids = torch.zeros(len(sequences), longest, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, tokens in enumerate(sequences):
+            ids[row, :tokens.size], mask[row, :tokens.size] = torch.from_numpy(tokens), 1
+        self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device))
+        return [self._output[row, :tokens.size].detach() for row, tokens in enumerate(sequences)]
+
+
 class _PassThroughEmbeddings(nn.Module):
     """Stands in for a BERT-style embeddings module: the input is already the lower layers' output."""
 

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from matrix import make_checkpoint
 from symbiosis.plot import (CorpusTooSmall, DevicePlot, Generation, LowerLayers, Plot, PlotModel, PlotTable, PlotTableError,
                             UnsupportedModel, UpperModel, build_table, generate_many)
+from symbiosis.plot.build import Stopped
 
 LAYERS = {"llama": {"num_hidden_layers": 4}, "gpt2": {"n_layer": 4}, "gemma2": {"num_hidden_layers": 4},
           "bert": {"num_hidden_layers": 4}}
@@ -46,7 +47,8 @@ def root(checkpoint, tmp_path_factory):
     def get(arch):
         if arch not in made:
             lower = LowerLayers(checkpoint(arch), 2, dtype=torch.float64)
-            made[arch] = build_table(lower, CORPUS, tmp_path_factory.mktemp(f"root-{arch}") / "root", dtype="float64")
+            made[arch] = build_table(lower, CORPUS, tmp_path_factory.mktemp(f"root-{arch}") / "root", dtype="float64",
+                                     values="alone")  # HMI's table: what the exact checks below hold to
         return made[arch]
 
     return get
@@ -206,7 +208,12 @@ def test_domain_tables_keep_the_top_alpha_percent_and_fall_back_to_the_root(chec
     assert not torch.allclose(mine, root_lower.represent(np.array([[40, 41, 42]]))[0, -1])
 
 
-def test_a_build_resumes_where_it_stopped(checkpoint, tmp_path):
+@pytest.mark.parametrize("values", ["alone", "context"])
+def test_a_build_resumes_where_it_stopped(checkpoint, tmp_path, monkeypatch, values):
+    """Killed while fragments run alone: it goes on from the last chunk. In context, stopped again midway through
+    the context pass: that pass starts afresh. Either way the table is the uninterrupted build's, bit for bit."""
+    import symbiosis.plot.build as build
+
     lower = LowerLayers(checkpoint("gpt2"), 2, dtype=torch.float64)
     calls = []
     represent = lower.represent
@@ -217,17 +224,54 @@ def test_a_build_resumes_where_it_stopped(checkpoint, tmp_path):
             raise KeyboardInterrupt("the process died")
 
     with pytest.raises(KeyboardInterrupt):
-        build_table(lower, CORPUS, tmp_path / "t", chunk=5, progress=crash_after_two, dtype="float64")
+        build_table(lower, CORPUS, tmp_path / "t", chunk=5, progress=crash_after_two, dtype="float64", values=values)
     assert not (tmp_path / "t").exists() and (tmp_path / "t.work" / "progress.json").exists()
     rows = sum(calls)
-    resumed = build_table(lower, CORPUS, tmp_path / "t", chunk=5, dtype="float64")
+    if values == "context":
+        monkeypatch.setattr(build, "CONTEXT_BATCH", 2)  # three batches of the corpus's five sequences
+        asked = []
+
+        def in_the_second_batch():  # asked before each chunk and each batch: true at the context pass's second batch
+            asked.append((tmp_path / "t.work" / "sums-1.npy").exists())
+            return sum(asked) == 2
+
+        with pytest.raises(Stopped):
+            build_table(lower, CORPUS, tmp_path / "t", chunk=5, dtype="float64", values=values, stop=in_the_second_batch)
+    resumed = build_table(lower, CORPUS, tmp_path / "t", chunk=5, dtype="float64", values=values)
     whole = build_table(LowerLayers(checkpoint("gpt2"), 2, dtype=torch.float64), CORPUS, tmp_path / "u", chunk=5,
-                        dtype="float64")  # the same chunks: the same sums, bit for bit
-    assert sum(calls) - rows == sum(whole.entries().values()) - rows  # only what was left
+                        dtype="float64", values=values)  # the same chunks: the same sums, bit for bit
+    alone = sum(whole.entries().values()) if values == "alone" else \
+        whole.vocab - len({token for sequence in CORPUS for token in sequence})  # uni-grams the corpus lacks
+    assert sum(calls) == alone  # only what was left, once
     for length in (1, 2, 3):
         assert np.array_equal(resumed.levels[length].keys, whole.levels[length].keys)
         assert np.array_equal(resumed.levels[length].values, whole.levels[length].values)
     assert not (tmp_path / "t.work").exists()
+
+
+@pytest.mark.parametrize("arch", ["bert", "llama"])
+def test_in_context_a_fragment_is_its_mean_representation_over_the_corpus(checkpoint, tmp_path, arch):
+    """The default table: each fragment of the corpus the mean of the lower layers' output at its positions over its
+    occurrences (each sequence run whole); a token the corpus lacks, its uni-gram run alone."""
+    lower = LowerLayers(checkpoint(arch), 2, dtype=torch.float64)
+    table = build_table(lower, CORPUS, tmp_path / "context", dtype="float64")
+    assert table.meta["values"] == "context"
+    outputs = [lower.in_context([np.array(sequence)])[0] for sequence in CORPUS]  # each alone: no padding
+
+    def mean(fragment):
+        found = [out[i:i + len(fragment)] for sequence, out in zip(CORPUS, outputs)
+                 for i in range(len(sequence) - len(fragment) + 1) if sequence[i:i + len(fragment)] == fragment]
+        return torch.stack(found).mean(0)
+
+    for fragment in ([5], [7], [6, 7], [5, 6, 7], [7, 8, 9], [11, 12], [26, 27]):
+        rows, found = table.find(np.array([fragment]))
+        assert found.all(), fragment
+        assert torch.allclose(torch.from_numpy(table.rows(len(fragment), rows)[0]), mean(fragment), rtol=1e-10,
+                              atol=1e-12), fragment
+    rows, found = table.find(np.array([[30]]))
+    assert torch.allclose(torch.from_numpy(table.rows(1, rows)[0]), lower.represent(np.array([[30]]))[0], rtol=1e-12)
+    if arch == "bert":  # bidirectional: [5, 6, 7] alone is not [5, 6, 7] followed by more
+        assert not torch.allclose(mean([5, 6, 7]), lower.represent(np.array([[5, 6, 7]]))[0])
 
 
 def test_a_build_stopped_while_its_table_was_written_finishes_when_started_again(checkpoint, tmp_path, monkeypatch):

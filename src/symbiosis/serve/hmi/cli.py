@@ -110,10 +110,10 @@ def plot_build(args) -> int:
         root = PlotTable.open(args.root) if args.root else None
 
         def progress(done, total):
-            print(f"\rbuilding {done}/{total} fragments", end="", file=sys.stderr, flush=True)
+            print(f"\rbuilding {done}/{total}", end="", file=sys.stderr, flush=True)
 
         table = build_table(lower, corpus, args.out, n=args.n, alpha=args.alpha, root=root, dtype=args.dtype,
-                            min_tokens=args.min_corpus_tokens, progress=progress)
+                            values=args.values, min_tokens=args.min_corpus_tokens, progress=progress)
     except (OSError, DataError, SymbiosisError, ValueError) as e:
         raise SystemExit(f"symbiosis plot build: {e}") from None
     print(file=sys.stderr)
@@ -169,6 +169,8 @@ def add_parser(commands) -> None:
     build.add_argument("--alpha", type=float, default=100.0, help="a domain table's percent of n-grams kept")
     build.add_argument("--n", type=int, default=3, help="the longest fragment (tri-grams by default)")
     build.add_argument("--dtype", default="float16", choices=["float16", "float32", "float64"])
+    build.add_argument("--values", default="context", choices=["context", "alone"],
+                       help="a fragment's value: its mean in the corpus's context (default), or run alone (HMI's)")
     build.add_argument("--model-dtype", help="the lower layers' dtype (default: the checkpoint's)")
     build.add_argument("--device", default="cpu")
     build.add_argument("--min-corpus-tokens", type=int, default=0)
