@@ -151,7 +151,7 @@ def build_table(lower: LowerLayers, sequences, directory: str | os.PathLike, *, 
             for length in range(1, n + 1)}
     alone = {length: np.array(np.lib.format.open_memmap(work / f"alone-{length}.npy", mode="r"))
              for length in range(1, n + 1)}
-    windows = [] if done["context"] else _windows(corpus)
+    windows = [] if done["context"] else _windows(corpus, min(CONTEXT_WINDOW, lower.max_positions or CONTEXT_WINDOW))
     total = sum(rows.size for rows in alone.values()) + len(windows)
     ran = sum(done[str(length)] for length in range(1, n + 1))
     for length in range(1, n + 1):
@@ -182,9 +182,9 @@ def build_table(lower: LowerLayers, sequences, directory: str | os.PathLike, *, 
     return PlotTable.open(directory)
 
 
-def _windows(corpus: list[np.ndarray]) -> list[np.ndarray]:
-    """The corpus in windows of at most CONTEXT_WINDOW tokens, shortest first (batches of like lengths pad little)."""
-    windows = [s[i:i + CONTEXT_WINDOW] for s in corpus for i in range(0, s.size, CONTEXT_WINDOW)]
+def _windows(corpus: list[np.ndarray], size: int) -> list[np.ndarray]:
+    """The corpus in windows of at most `size` tokens, shortest first (batches of like lengths pad little)."""
+    windows = [s[i:i + size] for s in corpus for i in range(0, s.size, size)]
     return sorted(windows, key=len)
 
 

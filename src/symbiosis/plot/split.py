@@ -84,6 +84,8 @@ class LowerLayers:
         getattr(parent, attribute)[-1].register_forward_hook(self._keep)
         self.hidden = config.hidden_size
         self.device = torch.device(device)
+        # the longest sequence the model places (learned positions end there): `in_context` runs no longer ones
+        self.max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
     def _keep(self, _module, _args, output):
         self._output = output[0] if isinstance(output, tuple) else output

@@ -272,6 +272,9 @@ def test_in_context_a_fragment_is_its_mean_representation_over_the_corpus(checkp
     assert torch.allclose(torch.from_numpy(table.rows(1, rows)[0]), lower.represent(np.array([[30]]))[0], rtol=1e-12)
     if arch == "bert":  # bidirectional: [5, 6, 7] alone is not [5, 6, 7] followed by more
         assert not torch.allclose(mean([5, 6, 7]), lower.represent(np.array([[5, 6, 7]]))[0])
+    # a text past the model's 128 positions runs in windows of them
+    long = build_table(lower, CORPUS + [list(range(40, 100)) * 5], tmp_path / "long", dtype="float64")
+    assert long.find(np.array([[99, 40, 41]]))[1].all() and np.isfinite(long.levels[3].values).all()
 
 
 def test_a_build_stopped_while_its_table_was_written_finishes_when_started_again(checkpoint, tmp_path, monkeypatch):
