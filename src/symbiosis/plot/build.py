@@ -6,8 +6,8 @@ A fragment's value (`values`):
   the corpus, each sequence run whole (in windows of CONTEXT_WINDOW tokens); a fragment the corpus does not hold (a
   root's uni-gram of a token it lacks) is run alone. The lookups then stand for what the lower layers give those
   tokens in the text such fragments come from, and a fragment found stands in for its context's share: on the
-  held-out fortunes task (docs/PERFORMANCE.md section 12) an adapter trained over PLOT reached 79.5% against 71.3%
-  with fragments run alone, the whole model 81.8%. It is also the cheaper build: one forward a corpus token, not
+  held-out fortunes task (docs/PERFORMANCE.md section 12) an adapter trained over PLOT reached 79.5% against 70.9%
+  with fragments run alone, the whole model 80.6%. It is also the cheaper build: one forward a corpus token, not
   one a fragment position.
 - "alone": each fragment run alone (positions 0..G-1), as HMI defines the table: a sequence that is itself a
   fragment of the table then gets exactly the lower layers' output.
