@@ -7,8 +7,8 @@ A fragment's value (`values`):
   root's uni-gram of a token it lacks) is run alone. The lookups then stand for what the lower layers give those
   tokens in the text such fragments come from, and a fragment found stands in for its context's share: on the
   held-out fortunes task (docs/PERFORMANCE.md section 12) an adapter trained over PLOT reached 79.5% against 70.9%
-  with fragments run alone, the whole model 80.6%. It is also the cheaper build: one forward a corpus token, not
-  one a fragment position.
+  with fragments run alone, the whole model 80.6%. It computes less too: one forward a corpus token, not one a
+  fragment position.
 - "alone": each fragment run alone (positions 0..G-1), as HMI defines the table: a sequence that is itself a
   fragment of the table then gets exactly the lower layers' output.
 
@@ -204,19 +204,20 @@ def _context_pass(lower: LowerLayers, windows: list[np.ndarray], keys: dict[int,
         if stop():
             raise Stopped(f"stopped in the context pass ({first} of {len(windows)} windows); it starts again")
         batch = windows[first:first + CONTEXT_BATCH]
-        for tokens, reps in zip(batch, lower.in_context(batch)):
-            reps = reps.to("cpu", torch.float64 if dtype == np.float64 else torch.float32)
-            for length, planned in keys.items():
-                if tokens.size < length or planned.size == 0:
-                    continue
-                packed = pack(sliding_window_view(tokens, length), vocab)
-                rows = np.searchsorted(planned, packed).clip(max=planned.size - 1)
-                found = np.flatnonzero(planned[rows] == packed)  # (a domain table keeps the top alpha% only)
-                if found.size:
-                    index = torch.from_numpy(rows[found])
-                    positions = reps.unfold(0, length, 1).permute(0, 2, 1)[torch.from_numpy(found)]  # [F, G, hidden]
-                    torch.from_numpy(sums[length]).index_add_(0, index, positions)
-                    torch.from_numpy(counts[length]).index_add_(0, index, torch.ones(index.numel(), dtype=torch.int64))
+        outputs = [reps.to("cpu", torch.float64 if dtype == np.float64 else torch.float32)
+                   for reps in lower.in_context(batch)]
+        for length, planned in keys.items():  # the batch's fragments of each length at once
+            fitting = [i for i, tokens in enumerate(batch) if tokens.size >= length]
+            if not fitting or planned.size == 0:
+                continue
+            packed = np.concatenate([pack(sliding_window_view(batch[i], length), vocab) for i in fitting])
+            rows = np.searchsorted(planned, packed).clip(max=planned.size - 1)
+            found = np.flatnonzero(planned[rows] == packed)  # (a domain table keeps the top alpha% only)
+            if found.size:
+                positions = torch.cat([outputs[i].unfold(0, length, 1).permute(0, 2, 1) for i in fitting])  # [F, G, d]
+                index = torch.from_numpy(rows[found])
+                torch.from_numpy(sums[length]).index_add_(0, index, positions[torch.from_numpy(found)])
+                torch.from_numpy(counts[length]).index_add_(0, index, torch.ones(index.numel(), dtype=torch.int64))
         progress(first + len(batch))
     for length, planned in keys.items():
         table = np.lib.format.open_memmap(work / f"values-{length}.npy", mode="r+")
