@@ -19,8 +19,9 @@ A fragment's value (`values`):
 
 Building is resumable: the plan (the chosen keys) is written first, then the values run alone in chunks into a mapped
 file, the rows done recorded after each chunk; a build started again with the same corpus and settings goes on from
-there. The context pass (its sums and counts in mapped files) starts again if it was stopped before its end (it
-costs one forward a corpus token). The finished table appears whole (table.write_table).
+there. The context pass sums into mapped files and records the windows summed after each batch: stopped between
+batches it goes on from there, killed while adding one it starts again. The finished table appears whole
+(table.write_table).
 """
 
 from __future__ import annotations
@@ -172,6 +173,7 @@ def build_table(lower: LowerLayers, sequences, directory: str | os.PathLike, *, 
         _context_pass(lower, windows, keys, work, np.float64 if dtype == "float64" else np.float32,
                       lambda windows_done: progress(ran + windows_done, total) if progress is not None else None,
                       lambda: stop is not None and stop())
+        done = json.loads((work / "progress.json").read_text())
         done["context"] = True
         _write_json(work / "progress.json", done)
     meta = {"id": plan_id, "kind": lower.kind, "n": n, "lower_layers": lower.lower_layers, "hidden": lower.hidden,
@@ -191,19 +193,28 @@ def _windows(corpus: list[np.ndarray], size: int) -> list[np.ndarray]:
 def _context_pass(lower: LowerLayers, windows: list[np.ndarray], keys: dict[int, np.ndarray], work: Path, dtype,
                   progress: Callable[[int], None], stop: Callable[[], bool]) -> None:
     """The mean in-context representation of every planned fragment the windows hold, into its values (mapped
-    files in `work`); sums and counts in mapped files of their own, started afresh each time (a pass stopped midway
-    is not resumed: its sums would hold a chunk twice)."""
+    files in `work`); sums and counts in mapped files of their own. progress.json's `windows` (those summed) and
+    `adding` (a batch being summed) make it resumable: a pass stopped between batches (`stop`, as the service's
+    time slices do) goes on from there; one killed while adding a batch starts again (its sums may hold part of
+    it)."""
+    done = json.loads((work / "progress.json").read_text())
+    resume = not done.get("adding", True) and all((work / f"{part}-{length}.npy").is_file()
+                                                  for length in keys for part in ("sums", "counts"))
     sums, counts = {}, {}
     for length, planned in keys.items():
-        sums[length] = np.lib.format.open_memmap(work / f"sums-{length}.npy", mode="w+", dtype=dtype,
-                                                 shape=(planned.size, length, lower.hidden))
-        counts[length] = np.lib.format.open_memmap(work / f"counts-{length}.npy", mode="w+", dtype=np.int64,
-                                                   shape=(planned.size,))
+        sums[length] = np.lib.format.open_memmap(work / f"sums-{length}.npy", mode="r+" if resume else "w+",
+                                                 dtype=dtype, shape=(planned.size, length, lower.hidden))
+        counts[length] = np.lib.format.open_memmap(work / f"counts-{length}.npy", mode="r+" if resume else "w+",
+                                                   dtype=np.int64, shape=(planned.size,))
+    if not resume:
+        done.update(windows=0, adding=False)
+        _write_json(work / "progress.json", done)
     vocab = lower.vocab
-    for first in range(0, len(windows), CONTEXT_BATCH):
+    for first in range(done["windows"], len(windows), CONTEXT_BATCH):
         if stop():
-            raise Stopped(f"stopped in the context pass ({first} of {len(windows)} windows); it starts again")
+            raise Stopped(f"stopped in the context pass ({first} of {len(windows)} windows); it resumes from there")
         batch = windows[first:first + CONTEXT_BATCH]
+        _write_json(work / "progress.json", {**done, "adding": True})
         outputs = [reps.to("cpu", torch.float64 if dtype == np.float64 else torch.float32)
                    for reps in lower.in_context(batch)]
         for length, planned in keys.items():  # the batch's fragments of each length at once
@@ -218,6 +229,11 @@ def _context_pass(lower: LowerLayers, windows: list[np.ndarray], keys: dict[int,
                 index = torch.from_numpy(rows[found])
                 torch.from_numpy(sums[length]).index_add_(0, index, positions[torch.from_numpy(found)])
                 torch.from_numpy(counts[length]).index_add_(0, index, torch.ones(index.numel(), dtype=torch.int64))
+        for length in keys:
+            sums[length].flush()
+            counts[length].flush()
+        done.update(windows=first + len(batch), adding=False)
+        _write_json(work / "progress.json", done)
         progress(first + len(batch))
     for length, planned in keys.items():
         table = np.lib.format.open_memmap(work / f"values-{length}.npy", mode="r+")

@@ -210,8 +210,9 @@ def test_domain_tables_keep_the_top_alpha_percent_and_fall_back_to_the_root(chec
 
 @pytest.mark.parametrize("values", ["alone", "context"])
 def test_a_build_resumes_where_it_stopped(checkpoint, tmp_path, monkeypatch, values):
-    """Killed while fragments run alone: it goes on from the last chunk. In context, stopped again midway through
-    the context pass: that pass starts afresh. Either way the table is the uninterrupted build's, bit for bit."""
+    """Killed while fragments run alone: it goes on from the last chunk. In context, then killed while the context
+    pass adds a batch (the pass starts again) and stopped between two batches (it goes on from there). Either way
+    the table is the uninterrupted build's, bit for bit."""
     import symbiosis.plot.build as build
 
     lower = LowerLayers(checkpoint("gpt2"), 2, dtype=torch.float64)
@@ -229,15 +230,27 @@ def test_a_build_resumes_where_it_stopped(checkpoint, tmp_path, monkeypatch, val
     rows = sum(calls)
     if values == "context":
         monkeypatch.setattr(build, "CONTEXT_BATCH", 2)  # three batches of the corpus's five sequences
-        asked = []
+        batches, in_context = [], lower.in_context
 
-        def in_the_second_batch():  # asked before each chunk and each batch: true at the context pass's second batch
-            asked.append((tmp_path / "t.work" / "sums-1.npy").exists())
-            return sum(asked) == 2
+        def dies_at_the_second(windows):  # killed while adding the context pass's second batch: it starts again
+            batches.append(len(windows))
+            if len(batches) == 2:
+                raise KeyboardInterrupt("the process died")
+            return in_context(windows)
 
-        with pytest.raises(Stopped):
-            build_table(lower, CORPUS, tmp_path / "t", chunk=5, dtype="float64", values=values, stop=in_the_second_batch)
+        lower.in_context = dies_at_the_second
+        with pytest.raises(KeyboardInterrupt):
+            build_table(lower, CORPUS, tmp_path / "t", chunk=5, dtype="float64", values=values)
+        batches.clear()
+        lower.in_context = lambda windows: batches.append(len(windows)) or in_context(windows)
+        with pytest.raises(Stopped):  # then its turn ends after two batches (the service's time slices)
+            build_table(lower, CORPUS, tmp_path / "t", chunk=5, dtype="float64", values=values,
+                        stop=lambda: len(batches) == 2)
+        assert batches == [2, 2]  # from the first batch again
+        batches.clear()
     resumed = build_table(lower, CORPUS, tmp_path / "t", chunk=5, dtype="float64", values=values)
+    if values == "context":
+        assert batches == [1]  # the third batch alone: a stop between batches goes on from there
     whole = build_table(LowerLayers(checkpoint("gpt2"), 2, dtype=torch.float64), CORPUS, tmp_path / "u", chunk=5,
                         dtype="float64", values=values)  # the same chunks: the same sums, bit for bit
     alone = sum(whole.entries().values()) if values == "alone" else \
