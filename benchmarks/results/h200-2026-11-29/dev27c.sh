@@ -14,6 +14,8 @@ export CUDA_MPS_PIPE_DIRECTORY=/tmp/symbiosis-mps-pipe CUDA_MPS_LOG_DIRECTORY=/t
 mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
 nvidia-cuda-mps-control -d && echo "== MPS started"
 trap 'echo quit | timeout 20 nvidia-cuda-mps-control' EXIT
+# CHAIN=0 ROUNDS=1: the short version (~310 s): the GPU test and one fleet round
+if [[ ${CHAIN:-1} == 1 ]]; then
 for tree in NEW OLD; do
   export PYTHONPATH=${!tree}; B=benchmarks; [[ $tree == OLD ]] && B=.baseline/benchmarks
   timeout 100 python3 $B/remote_chain.py --model llama-3.2-1b --client-device cuda:1 --steps layer,tail --repeats 3 --paths nccl 2>/dev/null | sed "s/^{/{\"tree\": \"$tree\", /" >> $OUT/chain.jsonl
@@ -22,8 +24,9 @@ export PYTHONPATH=$NEW
 timeout 60 python3 benchmarks/remote_chain.py --model llama-3.2-1b --client-device cuda:1 --steps layer,tail --repeats 3 --paths in_process 2>/dev/null | sed "s/^{/{\"tree\": \"NEW\", /" >> $OUT/chain.jsonl
 cut -c1-300 $OUT/chain.jsonl
 echo "== chain $((SECONDS-s)) s"
+fi
 F="--model llama-3.2-1b --tenants 1 --duration 10 --no-plain --clients threads --client-device cuda:1"
-for round in 1 2; do
+for round in $(seq ${ROUNDS:-2}); do
   export PYTHONPATH=$NEW
   timeout 110 python3 benchmarks/multi_tenant.py $F --executor local --executor nccl:cuda:0 > $OUT/fleet_new_$round.log 2>&1; echo "new rc $?"
   export PYTHONPATH=$OLD
