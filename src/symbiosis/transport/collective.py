@@ -438,15 +438,8 @@ class _ClientPlane:
             else:
                 self._receive(x)
                 arrived = ARRIVED
-            try:
-                y = self.executor.run_alone(self.client_id, header["op"], str(header["layer"]), x,
-                                            header.get("counts")).contiguous()
-                reply = {"id": header.get("id"), "ok": True}
-            except Exception as error:  # the call's own (out of memory): answered, zeros sent in its place
-                y = torch.zeros(header["rows"], out_width, dtype=self.executor.dtype, device=self.wire_device)
-                reply = wire.error_reply(header.get("id"), error)
-            self.answer(identity, reply)
-            sending = self.group.send([y], 1, 0)
+            sending, y = self._answer_and_send(identity, header, out_width, lambda: self.executor.run_alone(
+                self.client_id, header["op"], str(header["layer"]), x, header.get("counts")))
         with self._chained_lock:
             self._chained.append(_Chained(posted, arrived, sending, x, y))
 
@@ -470,18 +463,23 @@ class _ClientPlane:
         self._receive(x)
         with self._chained_lock:
             self._chained.clear()  # chained calls before this one: sent before it arrived
+        # The send is not waited for (held until the next call's, so that `y` and the send live until it went): the
+        # next receive queues behind it on the pair's connection, so a client that never takes its result is caught
+        # by that receive's deadline.
+        self._sending, _ = self._answer_and_send(identity, header, out_width, lambda: submit(
+            self.executor, self.client_id, header, x).result().to(self.wire_device))
+
+    def _answer_and_send(self, identity: bytes, header: dict, out_width: int, compute: Callable[[], torch.Tensor]):
+        """Reply to the call and post its result's send: `compute()`'s, or after the call's own error (out of memory)
+        that error and zeros of the result's shape, so that both sides stay in step. (The send's work, its tensor.)"""
         try:
-            future = submit(self.executor, self.client_id, header, x)
-            y, reply = future.result().to(self.wire_device).contiguous(), {"id": header.get("id"), "ok": True}
-        except Exception as error:  # the call's own error (out of memory): answered, and zeros sent in its place
+            y, reply = compute().contiguous(), {"id": header.get("id"), "ok": True}
+        except Exception as error:  # the call's own error (out of memory): answered
             y = torch.zeros(header["rows"], out_width, dtype=self.executor.dtype, device=self.wire_device)
             reply = wire.error_reply(header.get("id"), error)
         log.debug("client %s: %s %s: computed, sending", self.client_id, header["op"], header["layer"])
         self.answer(identity, reply)
-        # Not waited for (held until the next call's, so that `y` and the send live until it went): the next receive
-        # queues behind it on the pair's connection, so a client that never takes its result is caught by that
-        # receive's deadline.
-        self._sending = self.group.send([y], 1, 0)
+        return self.group.send([y], 1, 0), y
 
     def close(self) -> None:
         self.calls.put(None)
