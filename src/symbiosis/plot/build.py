@@ -125,14 +125,15 @@ def build_table(lower: LowerLayers, sequences, directory: str | os.PathLike, *, 
         work.mkdir(parents=True)
         planned, alone = {}, {}
         for length in range(1, n + 1):
-            keys, counts = count_fragments(corpus, length, vocab)
             if root is None and length == 1:
-                planned[length] = np.arange(vocab, dtype=np.int64)
+                planned[length] = np.arange(vocab, dtype=np.int64)  # (a row per token id)
+                # in context only a token the corpus lacks, which has no occurrence to average, runs alone
+                unseen = np.setdiff1d(planned[length], np.concatenate(corpus))
             else:
+                keys, counts = count_fragments(corpus, length, vocab)
                 planned[length] = keys if root is None else top_fraction(keys, counts, alpha)
-            # the rows run alone: all of them, or in context those the corpus does not hold (a root's uni-grams)
-            alone[length] = np.arange(planned[length].size) if values == "alone" else \
-                np.flatnonzero(~np.isin(planned[length], keys))
+                unseen = np.zeros(0, dtype=np.int64)  # every fragment kept is the corpus's own
+            alone[length] = np.arange(planned[length].size) if values == "alone" else unseen
         size = sum(keys.size * (8 + length * lower.hidden * np.dtype(DTYPES[dtype]).itemsize)
                    for length, keys in planned.items())
         if max_bytes is not None and size > max_bytes:
@@ -170,10 +171,9 @@ def build_table(lower: LowerLayers, sequences, directory: str | os.PathLike, *, 
                 progress(ran, total)
         del table
     if not done["context"]:
-        _context_pass(lower, windows, keys, work, np.float64 if dtype == "float64" else np.float32,
+        _context_pass(lower, windows, keys, work, done, torch.float64 if dtype == "float64" else torch.float32,
                       lambda windows_done: progress(ran + windows_done, total) if progress is not None else None,
                       lambda: stop is not None and stop())
-        done = json.loads((work / "progress.json").read_text())
         done["context"] = True
         _write_json(work / "progress.json", done)
     meta = {"id": plan_id, "kind": lower.kind, "n": n, "lower_layers": lower.lower_layers, "hidden": lower.hidden,
@@ -190,20 +190,20 @@ def _windows(corpus: list[np.ndarray], size: int) -> list[np.ndarray]:
     return sorted(windows, key=len)
 
 
-def _context_pass(lower: LowerLayers, windows: list[np.ndarray], keys: dict[int, np.ndarray], work: Path, dtype,
-                  progress: Callable[[int], None], stop: Callable[[], bool]) -> None:
+def _context_pass(lower: LowerLayers, windows: list[np.ndarray], keys: dict[int, np.ndarray], work: Path,
+                  done: dict, dtype: torch.dtype, progress: Callable[[int], None], stop: Callable[[], bool]) -> None:
     """The mean in-context representation of every planned fragment the windows hold, into its values (mapped
-    files in `work`); sums and counts in mapped files of their own. progress.json's `windows` (those summed) and
-    `adding` (a batch being summed) make it resumable: a pass stopped between batches (`stop`, as the service's
-    time slices do) goes on from there; one killed while adding a batch starts again (its sums may hold part of
-    it)."""
-    done = json.loads((work / "progress.json").read_text())
+    files in `work`); sums (in `dtype`) and counts in mapped files of their own. `done` (progress.json's) gains
+    `windows` (those summed) and `adding` (a batch being summed), which make it resumable: a pass stopped between
+    batches (`stop`, as the service's time slices do) goes on from there; one killed while adding a batch starts
+    again (its sums may hold part of it)."""
     resume = not done.get("adding", True) and all((work / f"{part}-{length}.npy").is_file()
                                                   for length in keys for part in ("sums", "counts"))
     sums, counts = {}, {}
     for length, planned in keys.items():
         sums[length] = np.lib.format.open_memmap(work / f"sums-{length}.npy", mode="r+" if resume else "w+",
-                                                 dtype=dtype, shape=(planned.size, length, lower.hidden))
+                                                 dtype=torch.empty(0, dtype=dtype).numpy().dtype,
+                                                 shape=(planned.size, length, lower.hidden))
         counts[length] = np.lib.format.open_memmap(work / f"counts-{length}.npy", mode="r+" if resume else "w+",
                                                    dtype=np.int64, shape=(planned.size,))
     if not resume:
@@ -215,8 +215,7 @@ def _context_pass(lower: LowerLayers, windows: list[np.ndarray], keys: dict[int,
             raise Stopped(f"stopped in the context pass ({first} of {len(windows)} windows); it resumes from there")
         batch = windows[first:first + CONTEXT_BATCH]
         _write_json(work / "progress.json", {**done, "adding": True})
-        outputs = [reps.to("cpu", torch.float64 if dtype == np.float64 else torch.float32)
-                   for reps in lower.in_context(batch)]
+        outputs = [reps.to("cpu", dtype) for reps in lower.in_context(batch)]
         for length, planned in keys.items():  # the batch's fragments of each length at once
             fitting = [i for i, tokens in enumerate(batch) if tokens.size >= length]
             if not fitting or planned.size == 0:

@@ -103,7 +103,6 @@ class LowerLayers:
             return torch.zeros(0, fragments.shape[1], self.hidden)
         return torch.cat(outputs)
 
-
     @torch.no_grad()
     def in_context(self, sequences: list[np.ndarray]) -> list[torch.Tensor]:
         """Each sequence (int64 [T], T >= 1) run whole through the lower layers -> [T, hidden] each: layer k's output
