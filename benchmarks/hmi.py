@@ -119,13 +119,14 @@ def first_token_ms(engine: Engine, directory: Path, name: str, prompt: list[int]
 
 
 def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: int, samples: int,
-             background: int = 16, profile: str | None = None, calls: str | None = None) -> dict:
+             background: int = 16, profile: str | None = None, calls: str | None = None,
+             loads: tuple = ("idle_", "loaded_")) -> dict:
     """Copy time alone (host tier -> a slot, synchronized) against what a new adapter adds to a prefill: alone on
     an idle engine (prefill_ms), and as the first token of a request that joins `background` decoding requests
     (`loaded_*`: the engine's thread then builds and launches each step while the one before runs on the GPU, where a
     placement's host work and its copies have the running step beside them). `calls`: a file for cProfile's tables
     of the placing calls in the timed new steps (by own time, idle and loaded): which of the store's calls into torch
-    cost the host what, where it counts."""
+    cost the host what, where it counts. `loads`: which of the two to measure ("idle_", "loaded_")."""
     store, rng = engine.adapters, random.Random(7)
     prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
     # tenants the bursts are least likely to have left resident (5 a sample: its copy, and a new one in each of
@@ -156,7 +157,7 @@ def prefetch(engine: Engine, directories: list[Path], vocab: int, prompt_len: in
         result["copy_device_ms"] = float(np.median(device_copies))
     # The two ways of waiting, interleaved sample by sample: a drift of the GPU's clocks or of the engine's state
     # then lands on both (run on the H100 one after the other, their resident prefills differed by 10 ms).
-    for load, measure in (("", prefill_ms), ("loaded_", first_token_ms)):
+    for load, measure in [m for m in (("", prefill_ms), ("loaded_", first_token_ms)) if (m[0] or "idle_") in loads]:
         running = start_decoding(engine, directories[0], prompt, background if load else 0)
         for _ in range(2):  # warm: the step's shapes compiled (and, loaded, captured) before anything is timed
             measure(engine, directories[1], "t1", prompt)
@@ -413,7 +414,50 @@ def placement_cpu(engine: Engine, directories: list[Path], samples: int = 200, p
                 store.wait_all()
                 sync()
         Path(profile).write_text(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
-    return {"placement_cpu_ms": float(np.median(times)), "samples": samples}
+    # The same placements on a host as the prefetch phase's timed steps find it, where they cost ~4x this: after
+    # 128 MB of host memory was written (what reading a large adapter does to the caches), and of an adapter read
+    # from disk just before (its host buffer new to the copies: the pinned memory allocator's, the driver's)
+    sweep, swept, fresh = torch.empty(128 << 20, dtype=torch.uint8), [], []
+    for i in range(samples // 4):
+        sweep.fill_(i)
+        started = time.perf_counter()
+        place(i)
+        swept.append((time.perf_counter() - started) * 1000)
+        store.wait_all()
+        sync()
+    first = len(adapters)
+    for i in range(first, min(len(directories) // 2, first + samples // 4)):  # (prefetch takes the last ones)
+        adapter = store.load(f"t{i}", directories[i])
+        sync()
+        started = time.perf_counter()
+        store.release(store.acquire(adapter))
+        fresh.append((time.perf_counter() - started) * 1000)
+        store.wait_all()
+        sync()
+    # ... and by a thread woken for it after a pause, as the engine's placer is (its core maybe idle, its caches cold)
+    woken, wake, done = [], threading.Event(), threading.Event()
+
+    def placer() -> None:
+        for i in range(samples // 4):
+            wake.wait()
+            wake.clear()
+            started = time.perf_counter()
+            place(i)
+            woken.append((time.perf_counter() - started) * 1000)
+            done.set()
+    thread = threading.Thread(target=placer)
+    thread.start()
+    for _ in range(samples // 4):
+        time.sleep(0.03)  # (a prefill's time)
+        wake.set()
+        done.wait()
+        done.clear()
+        store.wait_all()
+        sync()
+    thread.join()
+    return {"placement_cpu_ms": float(np.median(times)), "samples": samples,
+            "placement_cpu_swept_ms": float(np.median(swept)), "placement_cpu_fresh_ms": float(np.median(fresh)),
+            "placement_cpu_woken_ms": float(np.median(woken))}
 
 
 def main() -> None:
@@ -436,6 +480,8 @@ def main() -> None:
     parser.add_argument("--placement-profile", help="`placement` also writes torch.profiler's table to this file")
     parser.add_argument("--placement-calls", help="`prefetch` also writes cProfile's tables of the timed steps' "
                         "placing calls to this file")
+    parser.add_argument("--prefetch-loads", default="idle,loaded",
+                        help="`prefetch`: on an idle engine, beside decoding requests, or both (a shorter run)")
     parser.add_argument("--prefetch-profile", help="`prefetch` also profiles idle layer-wise prefills, resident "
                         "against new, into this file (and chrome traces beside it)")
     parser.add_argument("--host-gib", type=float, default=256,
@@ -506,7 +552,8 @@ def main() -> None:
             samples = min(args.samples, (args.tenants - 10) // 5)  # 5 fresh tenants a sample, 8 for the profile
             emit(**common, phase="prefetch", prompt_tokens=args.prefetch_prompt,
                  **prefetch(engine, directories, vocab, args.prefetch_prompt, samples, profile=args.prefetch_profile,
-                           calls=args.placement_calls))
+                           calls=args.placement_calls,
+                           loads=tuple(f"{load}_" for load in args.prefetch_loads.split(","))))
     finally:
         engine.close()
 
