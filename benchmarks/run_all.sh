@@ -26,7 +26,7 @@ declare -A LIMIT_S=(
   [gpu_tests]=240 [rtt]=90 [single_1b]=150 [single_1b_dora]=200 [single_13b]=330 [multi_1b]=330 [multi_1b_8]=200 [threads_1b_8]=420 [threads_1b_8_both]=480 [threads_1b_8_captured]=330 [anatomy_1b]=300 [anatomy_1b_chunked]=240 [threads_1b_8_chunked]=330 [threads_1b_8_autotuned]=520 [threads_1b_8_all_both]=560 [multi_13b]=420 [multi_1b_ckpt]=240 [multi_13b_ckpt]=570
   [policies]=300 [mixed]=240 [privacy]=320 [long_context]=330
   [engine_tests]=240 [sgmv]=180 [paged_attention]=240 [engine]=560 [hosted_training]=560 [hosted_fleet]=420 [hosted_training_ahead]=300 [hosted_training_profile]=300 [hosted_sdk_processes]=240 [hosted_sdk_fronts]=480
-  [serve]=590 [serve_saturation]=590 [serve_fronts]=590 [http_layer]=300 [app_cost]=120 [tenant_fairness]=300 [fine_tuning_jobs]=560 [hmi_tiered]=580 [hmi_on_demand]=580 [hmi_prefetch_large]=560 [hmi_prefetch_one_wave]=560 [hmi_copy_contention]=300 [hmi_prefetch_8b]=580 [placement_store]=60 [plot]=580 [moe_train]=560 [moe_train_captured]=560 [moe_decode]=560
+  [serve]=590 [serve_saturation]=590 [serve_fronts]=590 [http_layer]=300 [app_cost]=120 [tenant_fairness]=300 [fine_tuning_jobs]=560 [hmi_tiered]=580 [hmi_on_demand]=580 [hmi_prefetch_large]=560 [hmi_prefetch_one_wave]=560 [hmi_copy_contention]=300 [hmi_prefetch_8b]=580 [placement_store]=60 [host_tier_gc]=180 [plot]=580 [moe_train]=560 [moe_train_captured]=560 [moe_decode]=560
   [gpu_tests_2gpu]=300 [remote_2gpu]=330 [remote_processes_2gpu]=330 [remote_tails_2gpu]=420 [remote_chain_2gpu]=150 [nccl_pair_cost_2gpu]=120 [sharded_13b_2gpu]=560 [processes_13b_2gpu]=480 [processes_13b_2gpu_compiled]=560 [sharded_13b_2gpu_columns]=560 [fsdp_13b_2gpu]=420 [hosted_13b_2gpu]=400 [hosted_13b_replicas]=400
   [sharded_remote_8gpu]=590 [fsdp_27b_8gpu]=590
 )
@@ -94,6 +94,7 @@ declare -A COMMAND=(
   [hmi_prefetch_8b]="$PY benchmarks/hmi.py --model llama-3-8b --tenants 200 --distinct 6 --clients 16 --samples 24 --rank 64 --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --slots 16 --host-gib 24 --phases placement,prefetch --workdir /tmp/symbiosis-bench-hmi-8b"
   # the adapter store alone: a placement's host time at Llama-3.2-1B's layer count (copies waited for, untimed)
   [placement_store]="$PY benchmarks/placement_cpu.py --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --wave-bytes 1000"
+  [host_tier_gc]="$PY benchmarks/host_tier_gc.py --adapters 5000"
   [hmi_on_demand]="$PY benchmarks/hmi.py --model llama-3.2-1b --tenants 10000 --clients 250 --requests 12500 --phases on_demand,copies,placement,prefetch"
   [plot]="$PY benchmarks/plot.py --device cuda --model-dir .plotcarry/model --fortunes .plotcarry/fortunes"
   # plot: the model and the fortunes files as scripts/prepare-plot-carry leaves them in .plotcarry (carried alone)
@@ -134,7 +135,7 @@ declare -A COMMAND=(
 )
 ORDER=(gpu_tests rtt single_1b single_1b_dora anatomy_1b anatomy_1b_chunked multi_1b multi_1b_8 threads_1b_8 threads_1b_8_captured
        threads_1b_8_chunked threads_1b_8_autotuned threads_1b_8_all_both threads_1b_8_both multi_1b_ckpt privacy policies mixed long_context single_13b multi_13b
-       multi_13b_ckpt engine_tests sgmv paged_attention engine hosted_training hosted_fleet hosted_training_ahead hosted_training_profile hosted_sdk_processes hosted_sdk_fronts serve serve_saturation serve_fronts http_layer app_cost tenant_fairness fine_tuning_jobs hmi_tiered hmi_on_demand hmi_prefetch_large hmi_prefetch_one_wave hmi_copy_contention hmi_prefetch_8b placement_store
+       multi_13b_ckpt engine_tests sgmv paged_attention engine hosted_training hosted_fleet hosted_training_ahead hosted_training_profile hosted_sdk_processes hosted_sdk_fronts serve serve_saturation serve_fronts http_layer app_cost tenant_fairness fine_tuning_jobs hmi_tiered hmi_on_demand hmi_prefetch_large hmi_prefetch_one_wave hmi_copy_contention hmi_prefetch_8b placement_store host_tier_gc
        plot moe_train moe_train_captured moe_decode)
 
 for name in "${@:-${ORDER[@]}}"; do

@@ -70,21 +70,22 @@ PLAIN = (None, False, "none", [], {})  # what those fields hold in a plain LoRA 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what an adapter's tensors may hold
 
 
-@dataclass
-class LoRALayer:
-    a: torch.Tensor  # [r, in]
-    b: torch.Tensor  # [out, r]
-    scale: float
+# Where one layer's LoRA lies in its adapter's host buffer, a plain tuple (offset, rank, in_features, out_features,
+# scale): A [rank, in] from element `offset`, B [out, rank] right after it (`HostAdapter.lora` makes the views).
+# Plain numbers in a plain tuple, and a dict of those, are nothing the cyclic collector walks once it has seen them.
+# As a dataclass holding two tensor views a layer was four objects: 10,000 adapters of 32 layers in the host tier
+# made each full collection walk ~1.2 M objects (~280 ms on two CPU cores, the GIL held throughout, so the engine's
+# thread stopped); with spans an adapter is three (docs/PERFORMANCE.md section 12).
+LoraSpan = tuple[int, int, int, int, float]
+# A bottleneck's: (offset, size r, out_features, scale, act): down [r, out], down_bias [r], up [out, r], up_bias
+# [out] one after another from `offset` (`HostAdapter.bottleneck`); act an index in kernels.bottleneck.ACTIVATIONS.
+BottleneckSpan = tuple[int, int, int, float, int]
 
 
-@dataclass
-class BottleneckLayer:
-    down: torch.Tensor  # [r, out]
-    down_bias: torch.Tensor  # [r]
-    up: torch.Tensor  # [out, r]
-    up_bias: torch.Tensor  # [out]
-    scale: float
-    act: int  # index in kernels.bottleneck.ACTIVATIONS
+def span_end(span: LoraSpan) -> int:
+    """Where the LoRA at `span` ends in its buffer (elements)."""
+    offset, rank, in_features, out_features, _ = span
+    return offset + rank * (in_features + out_features)
 
 
 class LoraLayout:
@@ -111,15 +112,33 @@ class HostAdapter:
     """One adapter, checked, in host memory. `key` changes when its files change."""
     name: str
     key: tuple
-    layers: dict[str, LoRALayer]  # base layer id -> its LoRA
-    embedding: LoRALayer | None  # a [r, vocab], b [dim, r]
+    layers: dict[str, LoraSpan]  # base layer id -> its LoRA, in the model's order
+    embedding: LoraSpan | None  # a [r, vocab], b [dim, r]
     nbytes: int = 0  # of its one host buffer
-    bottlenecks: dict[str, BottleneckLayer] = field(default_factory=dict)  # base layer id -> its bottleneck
+    bottlenecks: dict[str, BottleneckSpan] = field(default_factory=dict)  # base layer id -> its bottleneck
     # Its one host buffer: every layer's A then B in the model's order (a run of layers is one range of it), then
     # the embedding's and the bottlenecks' tensors; and every layer's scale, float32 [layers (+ embedding), 1]
     buffer: torch.Tensor | None = None
     scales: torch.Tensor | None = None
     layout: LoraLayout | None = None
+
+    def lora(self, span: LoraSpan) -> tuple[torch.Tensor, torch.Tensor]:
+        """A [rank, in] and B [out, rank] of the LoRA at `span`: views of the buffer."""
+        offset, rank, in_features, out_features, _ = span
+        middle = offset + rank * in_features
+        return (self.buffer[offset:middle].view(rank, in_features),
+                self.buffer[middle:middle + out_features * rank].view(out_features, rank))
+
+    def bottleneck(self, span: BottleneckSpan) -> tuple[torch.Tensor, ...]:
+        """down [r, out], down_bias [r], up [out, r], up_bias [out] of the bottleneck at `span`: views of the
+        buffer."""
+        at, r, out, _, _ = span
+        views = []
+        for shape in ((r, out), (r,), (out, r), (out,)):
+            size = math.prod(shape)
+            views.append(self.buffer[at:at + size].view(shape))
+            at += size
+        return tuple(views)
 
 
 @dataclass
@@ -391,11 +410,11 @@ class AdapterStore:
         loras = sorted(loras, key=lambda lora: len(order) if lora[1] else order[self.modules[lora[0]].layer_id])
         tensors = [t for _, _, a, b, _ in loras for t in (a, b)] + [t for b in bottlenecks.values() for t in b[:4]]
         buffer = torch.empty(sum(t.numel() for t in tensors), dtype=self.dtype, pin_memory=self.device.type == "cuda")
-        views, at = [], 0
+        offsets, at = [], 0
         for tensor in tensors:
-            views.append(buffer[at:at + tensor.numel()].view(tensor.shape).copy_(tensor))
+            offsets.append(at)
+            buffer[at:at + tensor.numel()].view(tensor.shape).copy_(tensor)
             at += tensor.numel()
-        views = iter(views)
         scales = torch.tensor([scale for *_, scale in loras], dtype=torch.float32).reshape(-1, 1)
         bottleneck_scales = torch.tensor([b[4] for b in bottlenecks.values()], dtype=self.dtype)
         # finite as read, yet maybe not in the engine's dtype (a float64 B of 1e200, a lora_alpha of 1e300)
@@ -404,18 +423,18 @@ class AdapterStore:
                                "this engine's dtype (Inf once cast): its weights, alpha or scaling are too large")
         scales = scales.pin_memory() if self.device.type == "cuda" and len(loras) else scales
         layers, embedding = {}, None
-        for module, embedded, _, _, scale in loras:
-            lora = LoRALayer(next(views), next(views), scale)
+        for index, (module, embedded, a, b, scale) in enumerate(loras):  # (A at offsets[2 * index], B after it)
+            span = (offsets[2 * index], a.shape[0], a.shape[1], b.shape[0], scale)
             if embedded:
-                embedding = lora
+                embedding = span
             else:
-                layers[self.modules[module].layer_id] = lora
-        placed = {layer_id: BottleneckLayer(next(views), next(views), next(views), next(views), *b[4:])
-                  for layer_id, b in bottlenecks.items()}
+                layers[self.modules[module].layer_id] = span
+        placed = {layer_id: (offsets[2 * len(loras) + 4 * index], down.shape[0], down.shape[1], scale, act)
+                  for index, (layer_id, (down, _, _, _, scale, act)) in enumerate(bottlenecks.items())}
         in_order = lambda found: {i: found[i] for i in self.specs if i in found}  # noqa: E731 -- the model's order
         layers = in_order(layers)
         return HostAdapter(name, key, layers, embedding, buffer.numel() * buffer.element_size(), in_order(placed),
-                           buffer, scales, self._layout(tuple((i, lora.a.shape[0]) for i, lora in layers.items())))
+                           buffer, scales, self._layout(tuple((i, span[1]) for i, span in layers.items())))
 
     def _layout(self, layers: tuple) -> LoraLayout:
         with self._lock:
@@ -648,25 +667,25 @@ class AdapterStore:
             return wave
         dense, strided, zeros, pools = ([], []), ([], []), [], {}
         layers = list(adapter.layers.items())[first:end]
-        for layer_id, lora in layers:
+        for layer_id, span in layers:
+            offset, rank, in_features, out_features, _ = span
             pool_id, member, _ = self.placement[layer_id]
-            a_target, b_target, rest = self._rows(slot, layer_id, lora.a.shape[0])
-            for target, source in ((a_target, lora.a), (b_target, lora.b)):  # the staging holds the buffer's layout
-                staged = self._staging[source.storage_offset():source.storage_offset() + source.numel()]
+            a_target, b_target, rest = self._rows(slot, layer_id, rank)
+            middle = offset + rank * in_features  # (the staging holds the buffer's layout)
+            for target, at, shape in ((a_target, offset, (rank, in_features)), (b_target, middle, (out_features, rank))):
                 group = dense if target.is_contiguous() else strided  # the fused copy takes dense tensors only
                 group[0].append(target)
-                group[1].append(staged.view(source.shape))
+                group[1].append(self._staging[at:at + shape[0] * shape[1]].view(shape))
             zeros += rest
             pools[pool_id] = self.pools[pool_id]
-        a, b = layers[0][1].a, layers[-1][1].b
-        span = (a.storage_offset(), b.storage_offset() + b.numel())
+        buffer_range = (layers[0][1][0], span_end(layers[-1][1]))
         scale_targets, scale_sources = [], []
         if index == 0:
             for i, layer_id in enumerate(adapter.layers):
                 scale_targets.append(self._scale_view(slot, *self.placement[layer_id][:2]))
                 scale_sources.append(self._staging_scales[i])
         wave = self._waves[key] = _Wave([g for g in (dense, strided) if g[0]], zeros, scale_targets, scale_sources,
-                                        list(pools.values()), span)
+                                        list(pools.values()), buffer_range)
         while len(self._waves) > WAVE_CACHE:
             self._waves.popitem(last=False)
         return wave
@@ -786,15 +805,16 @@ class AdapterStore:
             zeroed = evicted is not None and evicted.adapter.layout == adapter.layout
             for index, (first, end) in enumerate(wave_bounds(len(adapter.layers), adapter.buffer.nbytes)):
                 self._place_wave(adapter, self._wave(slot, adapter, index, first, end), stream, zeroed)
-        for layer_id, layer in adapter.bottlenecks.items():
-            pools, r = self._bottleneck_pool(layer_id), layer.down.shape[0]
-            for pool, tensor in ((pools.down[slot], layer.down), (pools.down_bias[slot], layer.down_bias)):
+        for layer_id, span in adapter.bottlenecks.items():
+            pools, (_, r, _, scale, act) = self._bottleneck_pool(layer_id), span
+            down, down_bias, up, up_bias = adapter.bottleneck(span)
+            for pool, tensor in ((pools.down[slot], down), (pools.down_bias[slot], down_bias)):
                 pool[:r].copy_(tensor, non_blocking=True)
                 pool[r:].zero_()
-            pools.up[slot, :, :r].copy_(layer.up, non_blocking=True)
+            pools.up[slot, :, :r].copy_(up, non_blocking=True)
             pools.up[slot, :, r:].zero_()
-            pools.up_bias[slot].copy_(layer.up_bias, non_blocking=True)
-            pools.scales[slot], pools.acts[slot] = layer.scale, layer.act
+            pools.up_bias[slot].copy_(up_bias, non_blocking=True)
+            pools.scales[slot], pools.acts[slot] = scale, act
             members = members | {(layer_id, "bottleneck")}
             self._ready_after(stream, [pools])
         if adapter.embedding is not None:
@@ -805,12 +825,12 @@ class AdapterStore:
                                        torch.zeros(self.num_slots, device=self.device, dtype=torch.float32))
                 self.pools_version += 1
             a_pool, b_pool, scales = self.embedding_pool
-            lora, r = adapter.embedding, adapter.embedding.a.shape[0]
-            a_pool[slot, :, :r].copy_(lora.a.t(), non_blocking=True)
+            (a, b), (_, r, _, _, scale) = adapter.lora(adapter.embedding), adapter.embedding
+            a_pool[slot, :, :r].copy_(a.t(), non_blocking=True)
             a_pool[slot, :, r:].zero_()
-            b_pool[slot, :r].copy_(lora.b.t(), non_blocking=True)
+            b_pool[slot, :r].copy_(b.t(), non_blocking=True)
             b_pool[slot, r:].zero_()
-            scales[slot] = lora.scale
+            scales[slot] = scale
             self._ready_after(stream, [], embedding=True)
         return members
 

@@ -97,8 +97,8 @@ def test_the_host_tier_keeps_to_its_byte_budget_least_recently_used_first(models
     engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=8, block_size=4)
     store = engine.adapters
     sizes = {name: store.load(name, adapters[name]).nbytes for name in ("attn_r2", "mlp_r8", "everything_rs")}
-    lora_bytes = {name: sum(l.a.nbytes + l.b.nbytes for l in store.load(name, adapters[name]).layers.values())
-                  for name in sizes}
+    lora_bytes = {name: sum(a.nbytes + b.nbytes for adapter in [store.load(name, adapters[name])]
+                            for a, b in map(adapter.lora, adapter.layers.values())) for name in sizes}
     assert sizes == lora_bytes  # one buffer, exactly the matrices
     store.host_budget = 0  # empties it
     assert store.tiers()["host"]["bytes"] == 0
@@ -111,11 +111,42 @@ def test_the_host_tier_keeps_to_its_byte_budget_least_recently_used_first(models
     assert store.host_bytes == sizes["attn_r2"] + sizes["everything_rs"] <= store.host_budget
 
 
+def test_an_adapter_in_host_memory_is_a_few_objects_for_the_cyclic_collector(models, tmp_path):
+    """Thousands of adapters live in the host tier after the service froze its heap: each full collection walks
+    every object of theirs that the collector tracks, holding the GIL. An adapter's layers are plain spans (numbers
+    in tuples), untracked once seen: the adapter, its buffer, its scales (and its key's tuple, until a later
+    collection) are all that is walked, whatever its layers (LoRA on every linear layer, the input embedding and
+    the head; a bottleneck adapter)."""
+    import gc
+
+    from transformers import AutoModelForCausalLM
+
+    from symbiosis.client.bottleneck import random_bottleneck, save_bottleneck
+
+    checkpoint, adapters = models("llama")
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=8, block_size=4)
+    base = AutoModelForCausalLM.from_pretrained(checkpoint)
+    houlsby = save_bottleneck(tmp_path / "houlsby", random_bottleneck(base, ("self_attn.o_proj", "mlp.down_proj"), 4,
+                                                                      seed=1))
+    loaded = [engine.adapters.load(name, adapters[name]) for name in ("everything_rs", "embed_head")]
+    loaded.append(engine.adapters.load("houlsby", houlsby))
+    assert loaded[1].embedding is not None and loaded[2].bottlenecks
+    gc.collect()
+    for adapter in loaded:
+        held = [adapter.layers, adapter.bottlenecks, *adapter.layers.values(),
+                *adapter.bottlenecks.values()] + ([adapter.embedding] if adapter.embedding is not None else [])
+        assert not any(gc.is_tracked(thing) for thing in held), adapter.name
+        # and the views the placement takes are the matrices as read
+        for span in adapter.layers.values():
+            a, b = adapter.lora(span)
+            assert a.shape == (span[1], span[2]) and b.shape == (span[3], span[1])
+
+
 def test_an_adapter_is_one_host_buffer_in_model_order_and_a_slot_costs_slot_bytes(models):
     checkpoint, adapters = models("llama")
     engine = Engine.from_pretrained(checkpoint, dtype=torch.float64, kv_blocks=8, block_size=4)
     adapter = engine.adapters.load("everything_rs", adapters["everything_rs"])
-    tensors = [t for lora in adapter.layers.values() for t in (lora.a, lora.b)]
+    tensors = [t for span in adapter.layers.values() for t in adapter.lora(span)]
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
     model_order = [layer_id for layer_id in engine.adapters.specs if layer_id in adapter.layers]
     assert list(adapter.layers) == model_order
