@@ -73,9 +73,9 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # 
 # Where one layer's LoRA lies in its adapter's host buffer, a plain tuple (offset, rank, in_features, out_features,
 # scale): A [rank, in] from element `offset`, B [out, rank] right after it (`HostAdapter.lora` makes the views).
 # Plain numbers in a plain tuple, and a dict of those, are nothing the cyclic collector walks once it has seen them.
-# As a dataclass holding two tensor views a layer was four objects: 10,000 adapters of 32 layers in the host tier
-# made each full collection walk ~1.2 M objects (~280 ms on two CPU cores, the GIL held throughout, so the engine's
-# thread stopped); with spans an adapter is three (docs/PERFORMANCE.md section 12).
+# As a dataclass holding two tensor views a layer was ~3 tracked objects: 10,000 adapters of 32 layers in the host
+# tier made each full collection walk ~1 M more objects (~260 ms more on two CPU cores, the GIL held throughout, so
+# the engine's thread stopped); with spans an adapter is ~4 (docs/PERFORMANCE.md section 12).
 LoraSpan = tuple[int, int, int, int, float]
 # A bottleneck's: (offset, size r, out_features, scale, act): down [r, out], down_bias [r], up [out, r], up_bias
 # [out] one after another from `offset` (`HostAdapter.bottleneck`); act an index in kernels.bottleneck.ACTIVATIONS.
