@@ -27,7 +27,7 @@ import threading
 from contextlib import contextmanager
 
 import torch
-from torch.nn.attention.flex_attention import create_mask, flex_attention
+from torch.nn.attention.flex_attention import flex_attention
 from transformers import AttentionInterface
 
 NAME = "symbiosis_paged"
@@ -54,14 +54,13 @@ def _prefill_kernel(options: dict):  # its own code object: its own compile cach
     return prefill
 
 
-def _unfused(q, k, v, block_mask, score_mod, scale):
-    """flex_attention's arithmetic, unfused, in plain torch: q [R, H, Q, D], k and v [R or 1, Hkv, L, D] ->
-    [R, H, Q, Dv]; a query that sees no key gets zeros, as from flex_attention. (flex_attention itself, called
-    outside torch.compile, compiles a wrapper of its own at every call, which torch 2.13 keeps registered for good,
-    torch._dynamo.eval_frame.cached_backends: a leak of ~1 KB a layer a step, without end, on the CPU.)"""
-    rows, heads, queries = q.shape[:3]
-    length = k.shape[2]
-    visible = create_mask(block_mask.mask_mod, rows, None, queries, length, device=q.device)  # [R, 1, Q, L]
+def _unfused(q, k, v, visible, score_mod, scale):
+    """flex_attention's arithmetic, unfused, in plain torch: q [R, H, Q, D], k and v [R or 1, Hkv, L, D], `visible`
+    [R, 1, Q, L] -> [R, H, Q, Dv]; a query that sees no key gets zeros, as from flex_attention. (flex_attention
+    itself, called outside torch.compile, compiles a wrapper of its own at every call, which torch 2.13 keeps
+    registered for good, torch._dynamo.eval_frame.cached_backends: a leak of ~1 KB a layer a step, without end, on
+    the CPU.)"""
+    heads = q.shape[1]
     groups = heads // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = (q @ k.transpose(-1, -2)) * scale  # [R, H, Q, L]
@@ -159,12 +158,14 @@ def _attend_layout(layout, query, keys, values, scale, sliding_window, score_mod
     # kernels guard on strides, and decodes in mixed steps compiled again every row bucket the graphs had (H100)
     q = q.contiguous()
     rows, queries = q.shape[0], q.shape[2]
-    if reads_in_place(q):  # the kernels read each row's pages of the pool
-        kernel = _kernel(queries == 1, layout.block_size) if q.is_cuda else _unfused
-        out = kernel(q, keys[None], values[None], layout.block_mask(sliding_window), score_mod, scale)
+    if reads_in_place(q) and q.is_cuda:  # the kernels read each row's pages of the pool
+        out = _kernel(queries == 1, layout.block_size)(q, keys[None], values[None], layout.block_mask(sliding_window),
+                                                       score_mod, scale)
+    elif reads_in_place(q):  # (the tests' in-place path on the CPU)
+        out = _unfused(q, keys[None], values[None], layout.pool_visible(sliding_window), score_mod, scale)
     else:  # unfused flex_attention evaluates every key it is given: each row's own context, gathered
-        context, block_mask = layout.gathered(sliding_window)  # [R, L], made once a step
-        out = _unfused(q, keys[:, context].transpose(0, 1), values[:, context].transpose(0, 1), block_mask,
+        context, visible = layout.gathered(sliding_window)  # [R, L], [R, 1, Q, L]: made once a step
+        out = _unfused(q, keys[:, context].transpose(0, 1), values[:, context].transpose(0, 1), visible,
                        score_mod, scale)
     out = out.transpose(1, 2).reshape(rows * queries, heads, value_dim)  # [R * Q, H, Dv]
     return out if layout.one_token_rows else out[layout.query_rows]

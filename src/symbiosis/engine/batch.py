@@ -154,7 +154,10 @@ class AttentionLayout:
         self.longest_pages, self.one_token_rows = longest_pages, one_token_rows
         self.whole = whole  # it computes every flat token, in flat order: its output needs no scatter
         self._block_masks: dict[int | None, object] = {}
-        self._gathered: dict[int | None, tuple[torch.Tensor, object]] = {}  # the CPU's (context_slots, its mask)
+        # the CPU's masks, made once a step for all its layers: (context_slots, which of them each query sees), and
+        # which pool slots each query sees (the in-place path's, as the tests run it on the CPU)
+        self._gathered: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pool_visible: dict[int | None, torch.Tensor] = {}
 
     @staticmethod
     def arrays(name: str, rows: list[tuple[int, int, int, int]], tables: list, queries: int, padded_rows: int,
@@ -189,6 +192,7 @@ class AttentionLayout:
             getattr(self, field).copy_(getattr(other, field))
         self.longest_pages = other.longest_pages  # read on the host (context_slots)
         self._gathered.clear()  # made from the values copied over (block masks read the tensors themselves)
+        self._pool_visible.clear()
 
     def block_mask(self, sliding_window: int | None):
         """flex_attention's BlockMask over the whole KV pool ([pages * block_size] keys, page = block): query q of
@@ -210,17 +214,29 @@ class AttentionLayout:
                 seq_lengths=(self.query_index.shape[1], owner.shape[0] * size), compute_q_blocks=False)
         return self._block_masks[sliding_window]
 
-    def gathered(self, sliding_window: int | None) -> tuple[torch.Tensor, object]:
-        """(`context_slots()`, the BlockMask of `context_mask` over them), made once a step for all its layers: the
-        CPU's attention over gathered contexts."""
+    def gathered(self, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`context_slots()` [R, L], which of them each query sees [R, 1, Q, L]), made once a step for all its
+        layers: the CPU's attention over gathered contexts. (Key k of row r is its request's position k: the mask
+        is one broadcast comparison. flex_attention's mask helpers vmap a mask_mod instead, which left ~3,500
+        objects in reference cycles a step on the tiny model, for the cyclic collector.)"""
         if sliding_window not in self._gathered:
-            from torch.nn.attention.flex_attention import create_block_mask
-
             context = self.context_slots()
-            rows, queries = self.query_positions.shape
-            self._gathered[sliding_window] = context, create_block_mask(
-                self.context_mask(sliding_window), rows, None, queries, context.shape[1], device=context.device)
+            positions = torch.arange(context.shape[1], device=context.device)
+            self._gathered[sliding_window] = context, _visible(positions, self.query_positions[:, None, :, None],
+                                                               sliding_window)
         return self._gathered[sliding_window]
+
+    def pool_visible(self, sliding_window: int | None) -> torch.Tensor:
+        """[R, 1, Q, pool slots]: which slots of the pool each query sees (`block_mask`'s mask_mod, evaluated), made
+        once a step: the in-place path's mask on the CPU, where the tests run it."""
+        if sliding_window not in self._pool_visible:
+            from torch.nn.attention.flex_attention import create_mask
+
+            rows, queries = self.query_positions.shape
+            self._pool_visible[sliding_window] = create_mask(
+                self.block_mask(sliding_window).mask_mod, rows, None, queries, self.page_owner.shape[0] * self.block_size,
+                device=self.query_positions.device)
+        return self._pool_visible[sliding_window]
 
     def context_slots(self) -> torch.Tensor:
         """[R, longest_pages * block_size]: the pool slot of each row's context position (the positions of pages
@@ -228,11 +244,6 @@ class AttentionLayout:
         size = self.block_size
         pages = self.kv_indices[:, 0, 0, :self.longest_pages].long()
         return (pages[:, :, None] * size + torch.arange(size, device=pages.device)).flatten(1)
-
-    def context_mask(self, sliding_window: int | None):
-        """The mask_mod over gathered contexts (`context_slots`): key k of row r is its request's position k."""
-        query_positions = self.query_positions
-        return lambda b, h, q, k: _visible(k, query_positions[b, q], sliding_window)
 
 
 class StepBatch:
