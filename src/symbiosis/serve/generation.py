@@ -13,6 +13,7 @@ import asyncio
 import logging
 import threading
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -104,17 +105,21 @@ def _inbox(loop: asyncio.AbstractEventLoop) -> _LoopInbox:
 
 class _EventSink:
     """`put` from the engine's thread, read on the loop (through the loop's inbox, in order) by `target`'s
-    `put_nowait`."""
+    `put_nowait`. It holds its target weakly: the engine's request holds the sink, and the generation its requests,
+    so a strong reference made a cycle of every HTTP request's objects (its tokens among them), freed only by the
+    cyclic collector; once the HTTP handler lets its generation go, nobody reads its events."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, target, index: int):
-        self.inbox, self.target, self.index = _inbox(loop), target, index
+        self.inbox, self.target, self.index = _inbox(loop), weakref.ref(target), index
 
-    def put(self, event) -> None:
-        self.inbox.put(self.target, (self.index, event))
+    def put(self, event, wake: bool = True) -> None:
+        target = self.target()
+        if target is not None:
+            self.inbox.put(target, (self.index, event), wake=wake)
 
     def put_quietly(self, event) -> None:
         """`put`, without calling the loop until `flush` (the engine's `defer_wakeups`)."""
-        self.inbox.put(self.target, (self.index, event), wake=False)
+        self.put(event, wake=False)
 
     def flush(self) -> None:
         self.inbox.wake()
@@ -207,21 +212,24 @@ class Generation:
         loop as it comes (no task wakes for it), until every choice has ended (True) or `disconnected()` (an async
         function) returns, the HTTP client gone (False: the requests are cancelled)."""
         self._relay, self._ended = handler, asyncio.get_running_loop().create_future()
-        while not self.queue.empty():
-            item = self.queue.get_nowait()
-            if item is not _GONE:
-                self.put_nowait(item)
-        if self.done or self.relay_error is not None:
-            return True
-        gone = asyncio.ensure_future(disconnected())
         try:
-            await asyncio.wait({self._ended, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not self._ended.done():
-            self.cancel()
-            return False
-        return True
+            while not self.queue.empty():
+                item = self.queue.get_nowait()
+                if item is not _GONE:
+                    self.put_nowait(item)
+            if self.done or self.relay_error is not None:
+                return True
+            gone = asyncio.ensure_future(disconnected())
+            try:
+                await asyncio.wait({self._ended, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+            if not self._ended.done():
+                self.cancel()
+                return False
+            return True
+        finally:  # (the handler, a closure over this generation, would hold it in a cycle: events after go queued)
+            self._relay = None
 
     async def __aenter__(self) -> "Generation":
         return self
