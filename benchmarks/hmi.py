@@ -394,25 +394,34 @@ def placement_cpu(engine: Engine, directories: list[Path], samples: int = 200, p
     store, times = engine.adapters, []
     adapters = [store.load(f"t{i}", directories[i]) for i in range(min(len(directories), 2 * store.num_slots))]
 
+    def place_adapter(adapter) -> None:
+        store.release(store.acquire(adapter))
+
     def place(i: int) -> None:
-        slot = store.acquire(adapters[i % len(adapters)])
-        store.release(slot)
+        place_adapter(adapters[i % len(adapters)])
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for i in range(samples):
-        started = time.perf_counter()
-        place(i)
-        times.append((time.perf_counter() - started) * 1000)
-        # the copies done before the next one: else hundreds queued fill the stream's queue, and the host's issuing
-        # waits for the copies (at 335 MB an adapter it measured their time, 6.6 ms, not the host's)
+
+    def settle() -> None:
+        # the copies done before the next placement: else hundreds queued fill the stream's queue, and the host's
+        # issuing waits for the copies (at 335 MB an adapter it measured their time, 6.6 ms, not the host's)
         store.wait_all()
         sync()
+
+    def timed(placing, *args) -> float:
+        """Milliseconds of `placing(*args)`, its copies then done, untimed."""
+        started = time.perf_counter()
+        placing(*args)
+        elapsed = (time.perf_counter() - started) * 1000
+        settle()
+        return elapsed
+
+    times = [timed(place, i) for i in range(samples)]
     if profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
             for i in range(samples):
                 place(i)
-                store.wait_all()
-                sync()
+                settle()
         Path(profile).write_text(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
     # The same placements on a host as the prefetch phase's timed steps find it, where they cost ~4x this: after
     # 128 MB of host memory was written (what reading a large adapter does to the caches), and of an adapter read
@@ -420,20 +429,12 @@ def placement_cpu(engine: Engine, directories: list[Path], samples: int = 200, p
     sweep, swept, fresh = torch.empty(128 << 20, dtype=torch.uint8), [], []
     for i in range(samples // 4):
         sweep.fill_(i)
-        started = time.perf_counter()
-        place(i)
-        swept.append((time.perf_counter() - started) * 1000)
-        store.wait_all()
-        sync()
+        swept.append(timed(place, i))
     first = len(adapters)
     for i in range(first, min(len(directories) // 2, first + samples // 4)):  # (prefetch takes the last ones)
         adapter = store.load(f"t{i}", directories[i])
         sync()
-        started = time.perf_counter()
-        store.release(store.acquire(adapter))
-        fresh.append((time.perf_counter() - started) * 1000)
-        store.wait_all()
-        sync()
+        fresh.append(timed(place_adapter, adapter))
     # ... and by a thread woken for it after a pause, as the engine's placer is (its core maybe idle, its caches cold)
     woken, wake, done = [], threading.Event(), threading.Event()
 
@@ -452,8 +453,7 @@ def placement_cpu(engine: Engine, directories: list[Path], samples: int = 200, p
         wake.set()
         done.wait()
         done.clear()
-        store.wait_all()
-        sync()
+        settle()
     thread.join()
     return {"placement_cpu_ms": float(np.median(times)), "samples": samples,
             "placement_cpu_swept_ms": float(np.median(swept)), "placement_cpu_fresh_ms": float(np.median(fresh)),
