@@ -82,10 +82,22 @@ LoraSpan = tuple[int, int, int, int, float]
 BottleneckSpan = tuple[int, int, int, float, int]
 
 
+def lora_parts(span: LoraSpan) -> tuple[tuple[int, tuple[int, int]], tuple[int, tuple[int, int]]]:
+    """Where A and B of the LoRA at `span` lie in its buffer (and in the staging buffer, which holds the buffer's
+    layout): ((element offset, shape), ..) of A [rank, in], then of B [out, rank]."""
+    offset, rank, in_features, out_features, _ = span
+    return (offset, (rank, in_features)), (offset + rank * in_features, (out_features, rank))
+
+
 def span_end(span: LoraSpan) -> int:
     """Where the LoRA at `span` ends in its buffer (elements)."""
     offset, rank, in_features, out_features, _ = span
     return offset + rank * (in_features + out_features)
+
+
+def _view(buffer: torch.Tensor, at: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """The `shape` tensor of `buffer` from element `at`."""
+    return buffer[at:at + math.prod(shape)].view(shape)
 
 
 class LoraLayout:
@@ -124,10 +136,7 @@ class HostAdapter:
 
     def lora(self, span: LoraSpan) -> tuple[torch.Tensor, torch.Tensor]:
         """A [rank, in] and B [out, rank] of the LoRA at `span`: views of the buffer."""
-        offset, rank, in_features, out_features, _ = span
-        middle = offset + rank * in_features
-        return (self.buffer[offset:middle].view(rank, in_features),
-                self.buffer[middle:middle + out_features * rank].view(out_features, rank))
+        return tuple(_view(self.buffer, at, shape) for at, shape in lora_parts(span))
 
     def bottleneck(self, span: BottleneckSpan) -> tuple[torch.Tensor, ...]:
         """down [r, out], down_bias [r], up [out, r], up_bias [out] of the bottleneck at `span`: views of the
@@ -135,9 +144,8 @@ class HostAdapter:
         at, r, out, _, _ = span
         views = []
         for shape in ((r, out), (r,), (out, r), (out,)):
-            size = math.prod(shape)
-            views.append(self.buffer[at:at + size].view(shape))
-            at += size
+            views.append(_view(self.buffer, at, shape))
+            at += math.prod(shape)
         return tuple(views)
 
 
@@ -668,14 +676,12 @@ class AdapterStore:
         dense, strided, zeros, pools = ([], []), ([], []), [], {}
         layers = list(adapter.layers.items())[first:end]
         for layer_id, span in layers:
-            offset, rank, in_features, out_features, _ = span
             pool_id, member, _ = self.placement[layer_id]
-            a_target, b_target, rest = self._rows(slot, layer_id, rank)
-            middle = offset + rank * in_features  # (the staging holds the buffer's layout)
-            for target, at, shape in ((a_target, offset, (rank, in_features)), (b_target, middle, (out_features, rank))):
+            a_target, b_target, rest = self._rows(slot, layer_id, span[1])
+            for target, (at, shape) in zip((a_target, b_target), lora_parts(span)):  # (the buffer's layout)
                 group = dense if target.is_contiguous() else strided  # the fused copy takes dense tensors only
                 group[0].append(target)
-                group[1].append(self._staging[at:at + shape[0] * shape[1]].view(shape))
+                group[1].append(_view(self._staging, at, shape))
             zeros += rest
             pools[pool_id] = self.pools[pool_id]
         buffer_range = (layers[0][1][0], span_end(layers[-1][1]))
